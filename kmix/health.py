@@ -1,0 +1,159 @@
+"""Gradient health statistics, as pure keras.ops functions that run in-graph.
+
+Everything here reads the *scaled* gradients (what float16 actually held) and
+is computed in float32, with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+from keras import ops
+
+FLOAT16_MAX = 65504.0
+FLOAT16_SMALLEST_NORMAL = 2.0**-14
+FLOAT16_SMALLEST_SUBNORMAL = 2.0**-24
+MAX_HEADROOM_BITS = math.log2(FLOAT16_MAX / FLOAT16_SMALLEST_SUBNORMAL)
+"""Headroom reported when every gradient is below float16's smallest subnormal."""
+
+EXPONENT_MIN = -40
+EXPONENT_MAX = 17
+NUM_EXPONENT_BINS = EXPONENT_MAX - EXPONENT_MIN + 5
+"""Exponent histogram layout, one integer bin per power of two:
+
+* bin 0: exactly zero;
+* bin 1: non-zero values below ``2**EXPONENT_MIN``;
+* bin ``2 + e - EXPONENT_MIN``: values ``v`` with ``floor(log2(|v|)) == e``, for
+  ``EXPONENT_MIN <= e <= EXPONENT_MAX`` (float16 keeps ``e`` in ``[-24, 15]``);
+* bin ``NUM_EXPONENT_BINS - 2``: finite values of ``2**(EXPONENT_MAX + 1)`` or more;
+* bin ``NUM_EXPONENT_BINS - 1``: inf and NaN.
+"""
+
+
+class GradientHealth(NamedTuple):
+    """Statistics of one step's gradients; float32 scalars unless noted.
+
+    Attributes:
+        grad_norm: global L2 norm of the unscaled gradients' finite elements.
+        max_abs_scaled: largest finite absolute scaled gradient.
+        headroom_bits: ``log2(FLOAT16_MAX / max_abs_scaled)``, capped at
+            ``MAX_HEADROOM_BITS``; negative means finite values beyond float16.
+        underflow_fraction: share of scaled elements that are zero or below
+            ``FLOAT16_SMALLEST_NORMAL`` in absolute value.
+        nonfinite_elements: count of inf/NaN scaled elements (float32).
+        underflow_per_variable: float32 vector, ``underflow_fraction`` per gradient.
+    """
+
+    grad_norm: Any
+    max_abs_scaled: Any
+    headroom_bits: Any
+    underflow_fraction: Any
+    nonfinite_elements: Any
+    underflow_per_variable: Any
+
+
+def dense_values(grad: Any) -> Any:
+    """Returns a gradient's values as a float32 tensor (the values of sparse slices)."""
+    return ops.cast(getattr(grad, "values", grad), "float32")
+
+
+def nonfinite_flags(grads: list[Any]) -> Any:
+    """Returns a float32 vector: 1.0 where a gradient holds an inf or NaN, else 0.0.
+
+    Args:
+        grads: gradients; ``None`` entries count as finite.
+    """
+    flags = [
+        ops.zeros((), "float32")
+        if g is None
+        else ops.cast(
+            ops.logical_not(ops.all(ops.isfinite(dense_values(g)))), "float32"
+        )
+        for g in grads
+    ]
+    return ops.stack(flags) if flags else ops.zeros((0,), "float32")
+
+
+def gradient_health(scaled_grads: list[Any], scale: Any) -> GradientHealth:
+    """Computes the statistics of :class:`GradientHealth` for one step.
+
+    Args:
+        scaled_grads: gradients of the scaled loss; ``None`` entries are ignored
+            (their per-variable underflow is 0).
+        scale: the loss scale the gradients carry.
+
+    Returns:
+        A :class:`GradientHealth` of float32 tensors.
+    """
+    scale = ops.cast(scale, "float32")
+    zero = ops.zeros((), "float32")
+    sum_sq, max_abs, underflow, nonfinite, size = zero, zero, zero, zero, zero
+    per_variable = []
+    for grad in scaled_grads:
+        if grad is None:
+            per_variable.append(zero)
+            continue
+        values = dense_values(grad)
+        finite = ops.isfinite(values)
+        magnitude = ops.where(finite, ops.abs(values), 0.0)
+        n = ops.cast(ops.size(values), "float32")
+        # NaN compares False, so only finite tiny values and zeros count here.
+        tiny = ops.sum(ops.cast(ops.abs(values) < FLOAT16_SMALLEST_NORMAL, "float32"))
+        sum_sq += ops.sum(ops.square(magnitude / scale))
+        max_abs = ops.maximum(max_abs, ops.max(magnitude, initial=0.0))
+        underflow += tiny
+        nonfinite += n - ops.sum(ops.cast(finite, "float32"))
+        size += n
+        per_variable.append(tiny / ops.maximum(n, 1.0))
+    headroom = math.log2(FLOAT16_MAX) - ops.log2(
+        ops.maximum(max_abs, FLOAT16_SMALLEST_SUBNORMAL)
+    )
+    return GradientHealth(
+        grad_norm=ops.sqrt(sum_sq),
+        max_abs_scaled=max_abs,
+        headroom_bits=headroom,
+        underflow_fraction=underflow / ops.maximum(size, 1.0),
+        nonfinite_elements=nonfinite,
+        underflow_per_variable=(
+            ops.stack(per_variable) if per_variable else ops.zeros((0,), "float32")
+        ),
+    )
+
+
+def exact_exponent(x: Any) -> Any:
+    """Returns ``floor(log2(x))`` for positive finite float32 ``x``, exact at powers of two.
+
+    ``log2`` is computed as ``log(x) / log(2)``, which can land just below an
+    integer; one correction step each way makes the result exact.
+    """
+    estimate = ops.floor(ops.log2(x))
+    estimate = ops.where(ops.power(2.0, estimate + 1.0) <= x, estimate + 1.0, estimate)
+    return ops.where(ops.power(2.0, estimate) > x, estimate - 1.0, estimate)
+
+
+def exponent_histogram(grad: Any) -> Any:
+    """Counts a gradient's elements per power of two (layout in ``NUM_EXPONENT_BINS``).
+
+    Args:
+        grad: one scaled gradient (dense or sparse slices), not ``None``.
+
+    Returns:
+        An int32 vector of length ``NUM_EXPONENT_BINS``.
+    """
+    values = ops.reshape(dense_values(grad), (-1,))
+    magnitude = ops.abs(values)
+    finite = ops.isfinite(values)
+    safe = ops.where(ops.logical_and(finite, magnitude > 0), magnitude, 1.0)
+    exponent_bin = ops.clip(
+        exact_exponent(safe) - EXPONENT_MIN + 2, 1, NUM_EXPONENT_BINS - 2
+    )
+    bins = ops.where(
+        finite,
+        ops.where(magnitude > 0, exponent_bin, 0.0),
+        float(NUM_EXPONENT_BINS - 1),
+    )
+    ones = ops.ones_like(values, dtype="int32")
+    return ops.segment_sum(
+        ones, ops.cast(bins, "int32"), num_segments=NUM_EXPONENT_BINS, sorted=False
+    )
