@@ -67,9 +67,7 @@ def nonfinite_flags(grads: list[Any]) -> Any:
     flags = [
         ops.zeros((), "float32")
         if g is None
-        else ops.cast(
-            ops.logical_not(ops.all(ops.isfinite(dense_values(g)))), "float32"
-        )
+        else ops.cast(ops.logical_not(ops.all(ops.isfinite(dense_values(g)))), "float32")
         for g in grads
     ]
     return ops.stack(flags) if flags else ops.zeros((0,), "float32")
@@ -106,9 +104,7 @@ def gradient_health(scaled_grads: list[Any], scale: Any) -> GradientHealth:
         nonfinite += n - ops.sum(ops.cast(finite, "float32"))
         size += n
         per_variable.append(tiny / ops.maximum(n, 1.0))
-    headroom = math.log2(FLOAT16_MAX) - ops.log2(
-        ops.maximum(max_abs, FLOAT16_SMALLEST_SUBNORMAL)
-    )
+    headroom = math.log2(FLOAT16_MAX) - ops.log2(ops.maximum(max_abs, FLOAT16_SMALLEST_SUBNORMAL))
     return GradientHealth(
         grad_norm=ops.sqrt(sum_sq),
         max_abs_scaled=max_abs,
@@ -145,9 +141,7 @@ def exponent_histogram(grad: Any) -> Any:
     magnitude = ops.abs(values)
     finite = ops.isfinite(values)
     safe = ops.where(ops.logical_and(finite, magnitude > 0), magnitude, 1.0)
-    exponent_bin = ops.clip(
-        exact_exponent(safe) - EXPONENT_MIN + 2, 1, NUM_EXPONENT_BINS - 2
-    )
+    exponent_bin = ops.clip(exact_exponent(safe) - EXPONENT_MIN + 2, 1, NUM_EXPONENT_BINS - 2)
     bins = ops.where(
         finite,
         ops.where(magnitude > 0, exponent_bin, 0.0),

@@ -14,9 +14,7 @@ from keras import ops
 from kmix import health, scaling
 
 INT64_MAX = 2**63 - 1
-_EVENT_FIELDS = (
-    5  # step, kind, first non-finite variable, non-finite variables, loss finite
-)
+_EVENT_FIELDS = 5  # step, kind, first non-finite variable, non-finite variables, loss finite
 
 
 @dataclass(frozen=True)
@@ -53,8 +51,7 @@ def _saturating_add(counter: Any, amount: Any) -> Any:
 
 def _invalid(name: str, value: Any, valid: str) -> ValueError:
     return ValueError(
-        f"Invalid `{name}` for kmix.LossScaleOptimizer: {name}={value!r}. "
-        f"`{name}` must be {valid}."
+        f"Invalid `{name}` for kmix.LossScaleOptimizer: {name}={value!r}. `{name}` must be {valid}."
     )
 
 
@@ -70,11 +67,7 @@ def _check_real(name: str, value: Any, low: float, high: float, valid: str) -> f
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | np.integer)
-        or value < low
-    ):
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
         raise _invalid(name, value, f"an integer >= {low}")
     return int(value)
 
@@ -186,9 +179,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             max_scale,
             f"a finite number in [min_scale, max_scale] = [{min_scale}, {max_scale}]",
         )
-        growth_factor = _check_real(
-            "growth_factor", growth_factor, 1.0, inf, "a finite number > 1"
-        )
+        growth_factor = _check_real("growth_factor", growth_factor, 1.0, inf, "a finite number > 1")
         if growth_factor == 1.0:
             raise _invalid("growth_factor", growth_factor, "a finite number > 1")
         backoff_factor = _check_real(
@@ -236,9 +227,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         n = len(var_list)
         self.dynamic_scale = state("dynamic_scale", "float32", self.initial_scale)
         self.good_steps_var = state("good_steps", "int64")
-        self.hysteresis_left = state(
-            "hysteresis_left", "int64", self._scale_config.hysteresis
-        )
+        self.hysteresis_left = state("hysteresis_left", "int64", self._scale_config.hysteresis)
         self.attempted_steps_var = state("attempted_steps", "int64")
         self.skipped_steps_var = state("skipped_steps", "int64")
         self.consecutive_skips = state("consecutive_skips", "int64")
@@ -248,12 +237,8 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.health_every_var = state("health_every", "int64", self._health_every)
         self.health_step = state("health_step", "int64")
         self.health_stats = state("health_stats", "float32", 0, (len(_HEALTH_FIELDS),))
-        self.underflow_per_variable = state(
-            "underflow_per_variable", "float32", 0, (n,)
-        )
-        self.histogram_every_var = state(
-            "histogram_every", "int64", self._histogram_every
-        )
+        self.underflow_per_variable = state("underflow_per_variable", "float32", 0, (n,))
+        self.histogram_every_var = state("histogram_every", "int64", self._histogram_every)
         self.histogram_step = state("histogram_step", "int64")
         self.exponent_histograms = state(
             "exponent_histograms", "int32", 0, (n, health.NUM_EXPONENT_BINS)
@@ -262,9 +247,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.event_records = state(
             "event_records", "int64", 0, (self.event_capacity, _EVENT_FIELDS)
         )
-        self.event_scales = state(
-            "event_scales", "float32", 0, (self.event_capacity, 2)
-        )
+        self.event_scales = state("event_scales", "float32", 0, (self.event_capacity, 2))
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
 
@@ -281,9 +264,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self._loss_flag.nonfinite = ops.logical_not(ops.all(ops.isfinite(loss)))
         return super().scale_loss(loss)
 
-    def apply(
-        self, grads: list[Any], trainable_variables: list[Any] | None = None
-    ) -> None:
+    def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
         """Applies scaled gradients: skip on any non-finite value, else unscale and apply.
 
         Args:
@@ -309,9 +290,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 "e.g. inside `strategy.run(...)`."
             )
         variables = (
-            self._trainable_variables
-            if trainable_variables is None
-            else list(trainable_variables)
+            self._trainable_variables if trainable_variables is None else list(trainable_variables)
         )
         # Align gradients with the variables the optimizer tracks, so per-variable
         # state has a fixed layout whatever subset this call updates.
@@ -333,7 +312,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                     g
                     if g is None or self._overwrite_variable_with_gradient(v)
                     else ops.divide(g, scale)
-                    for g, v in zip(grads, variables)
+                    for g, v in zip(grads, variables, strict=True)
                 ],
                 variables,
             )
@@ -343,17 +322,11 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         else:
             context.merge_call(self._merged_step, args=(aligned, bad, apply_inner))
 
-    def _merged_step(
-        self, distribution: Any, aligned: list, bad: Any, apply_inner: Any
-    ) -> None:
+    def _merged_step(self, distribution: Any, aligned: list, bad: Any, apply_inner: Any) -> None:
         """Cross-replica part: one decision (the flags are already all-reduced)."""
 
         def first(value: Any) -> Any:
-            return (
-                None
-                if value is None
-                else distribution.experimental_local_results(value)[0]
-            )
+            return None if value is None else distribution.experimental_local_results(value)[0]
 
         self._step(
             [first(g) for g in aligned],
@@ -385,14 +358,10 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.consecutive_skips.assign(
             ops.where(skipped, _saturating_add(self.consecutive_skips, 1), 0)
         )
-        self.last_overflow_step_var.assign(
-            ops.where(skipped, step, self.last_overflow_step_var)
-        )
+        self.last_overflow_step_var.assign(ops.where(skipped, step, self.last_overflow_step_var))
         self.loss_finite.assign(ops.cast(loss_finite, "int64"))
         self.consecutive_nonfinite_loss.assign(
-            ops.where(
-                loss_finite, 0, _saturating_add(self.consecutive_nonfinite_loss, 1)
-            )
+            ops.where(loss_finite, 0, _saturating_add(self.consecutive_nonfinite_loss, 1))
         )
         self._record_event(step, event, old.scale, new.scale, var_bad, loss_finite)
         ops.cond(
@@ -439,9 +408,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             ]
         )
         self.event_records.assign(ops.where(mask, record[None, :], self.event_records))
-        scales = ops.stack(
-            [ops.cast(old_scale, "float32"), ops.cast(new_scale, "float32")]
-        )
+        scales = ops.stack([ops.cast(old_scale, "float32"), ops.cast(new_scale, "float32")])
         self.event_scales.assign(ops.where(mask, scales[None, :], self.event_scales))
         self.event_count_var.assign(_saturating_add(self.event_count_var, happened))
 
@@ -456,9 +423,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     def _record_histograms(self, step: Any, aligned: list) -> None:
         empty = ops.zeros((health.NUM_EXPONENT_BINS,), "int32")
         self.exponent_histograms.assign(
-            ops.stack(
-                [empty if g is None else health.exponent_histogram(g) for g in aligned]
-            )
+            ops.stack([empty if g is None else health.exponent_histogram(g) for g in aligned])
         )
         self.histogram_step.assign(step)
 
@@ -506,9 +471,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     @property
     def health_every(self) -> int:
         """Steps between gradient health computations."""
-        return int(
-            self._read(getattr(self, "health_every_var", None), self._health_every)
-        )
+        return int(self._read(getattr(self, "health_every_var", None), self._health_every))
 
     @health_every.setter
     def health_every(self, value: int) -> None:
@@ -519,11 +482,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     @property
     def histogram_every(self) -> int:
         """Steps between exponent histogram computations; 0 means off."""
-        return int(
-            self._read(
-                getattr(self, "histogram_every_var", None), self._histogram_every
-            )
-        )
+        return int(self._read(getattr(self, "histogram_every_var", None), self._histogram_every))
 
     @histogram_every.setter
     def histogram_every(self, value: int) -> None:
@@ -655,12 +614,8 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             ValueError: ``optimizer`` is not a Keras loss-scale optimizer.
         """
         if not isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
-            raise _invalid(
-                "optimizer", optimizer, "a keras.mixed_precision.LossScaleOptimizer"
-            )
-        scale = (
-            ops.convert_to_numpy(optimizer.dynamic_scale) if optimizer.built else None
-        )
+            raise _invalid("optimizer", optimizer, "a keras.mixed_precision.LossScaleOptimizer")
+        scale = ops.convert_to_numpy(optimizer.dynamic_scale) if optimizer.built else None
         kwargs.setdefault(
             "initial_scale",
             float(scale) if scale is not None else optimizer.initial_scale,

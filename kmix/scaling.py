@@ -64,9 +64,7 @@ class ScaleState(NamedTuple):
     hysteresis_left: Any
 
 
-def update_scale(
-    state: ScaleState, all_finite: Any, config: ScaleConfig
-) -> tuple[ScaleState, Any]:
+def update_scale(state: ScaleState, all_finite: Any, config: ScaleConfig) -> tuple[ScaleState, Any]:
     """Applies the rule above to one step, without control flow on tensors.
 
     Args:
@@ -93,9 +91,7 @@ def update_scale(
 
     zero = ops.zeros((), int_dtype)
     refill = ops.cast(config.hysteresis, int_dtype)
-    new_good = ops.where(
-        ops.logical_and(all_finite, ops.logical_not(grow)), good_next, zero
-    )
+    new_good = ops.where(ops.logical_and(all_finite, ops.logical_not(grow)), good_next, zero)
     new_left = ops.where(
         ops.logical_or(grow, back),
         refill,
