@@ -1,0 +1,407 @@
+"""Audit a Keras model's dtypes: a per-layer table and findings with their fixes.
+
+Example:
+    >>> import keras, kmix
+    >>> kmix.use("mixed_float16")                             # doctest: +SKIP
+    >>> model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(10)])
+    >>> print(kmix.audit(model))                              # doctest: +SKIP
+
+Each rule is a small function ``rule(model, layers) -> list[Finding]`` listed in
+:data:`RULES`; add one there to extend the audit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from kmix.hardware import json_ready, make_module_callable
+
+SEVERITIES = ("error", "warning", "info")
+HALF = ("float16", "bfloat16")
+# Activations whose half-precision output is fragile: exp and a sum in float16.
+FRAGILE_ACTIVATIONS = ("softmax", "log_softmax")
+UNKNOWN = "?"
+
+COLUMNS = ("path", "class", "compute", "variables", "output", "params")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRow:
+    """One layer of the audited model.
+
+    Attributes:
+        path: ``layer.path`` where Keras sets one, else its parent's path and name.
+        class_name: the layer's class, e.g. ``"Dense"``.
+        compute_dtype: the dtype the layer computes in.
+        variable_dtype: the dtype of the variables it owns; its policy's variable
+            dtype when it owns none.
+        output_dtype: the dtype of its output in a functional graph, ``"?"`` when
+            Keras does not know it (subclassed models, layers never called).
+        params: ``layer.count_params()``, nested layers included; 0 if unbuilt.
+    """
+
+    path: str
+    class_name: str
+    compute_dtype: str
+    variable_dtype: str
+    output_dtype: str
+    params: int
+
+    def cells(self) -> tuple[str, ...]:
+        """The row as the strings of :data:`COLUMNS`."""
+        return (
+            self.path,
+            self.class_name,
+            self.compute_dtype,
+            self.variable_dtype,
+            self.output_dtype,
+            str(self.params),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """Something the audit found, where, and how to fix it.
+
+    Attributes:
+        severity: ``"error"`` (training is likely wrong), ``"warning"`` (numerically
+            fragile) or ``"info"`` (speed, or what could not be checked).
+        layer: the layer's path; ``""`` for the model as a whole.
+        message: what is wrong.
+        fix: what to do about it.
+    """
+
+    severity: str
+    layer: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        where = f" {self.layer}:" if self.layer else ""
+        return f"[{self.severity}]{where} {self.message}\n    fix: {self.fix}"
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+    """The result of ``kmix.audit(model)``: one row per layer, and findings.
+
+    Attributes:
+        model: the model's name.
+        policy: the global dtype policy when the audit ran.
+        rows: one :class:`LayerRow` per layer, nested layers included.
+        findings: the :class:`Finding` values, errors first.
+    """
+
+    model: str
+    policy: str
+    rows: tuple[LayerRow, ...]
+    findings: tuple[Finding, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the report as plain dicts, lists and strings, ready for JSON."""
+        return json_ready(dataclasses.asdict(self))
+
+    def to_markdown(self) -> str:
+        """Returns the report as Markdown, e.g. for a TensorBoard text summary."""
+        lines = [
+            f"**kmix audit** of `{self.model}` (global policy `{self.policy}`)",
+            "",
+            "| " + " | ".join(COLUMNS) + " |",
+            "|" + "---|" * len(COLUMNS),
+            *("| " + " | ".join(row.cells()) + " |" for row in self.rows),
+            "",
+        ]
+        lines += [
+            f"- **{f.severity}** `{f.layer or self.model}`: {f.message} *Fix:* {f.fix}"
+            for f in self.findings
+        ] or ["No findings."]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        table = [COLUMNS, *(row.cells() for row in self.rows)]
+        widths = [max(len(cells[i]) for cells in table) for i in range(len(COLUMNS))]
+        lines = [
+            f"kmix audit of {self.model!r} (global policy {self.policy!r})",
+            *(
+                "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+                for cells in table
+            ),
+            "",
+        ]
+        lines += [str(finding) for finding in self.findings] or ["No findings."]
+        return "\n".join(lines)
+
+
+def audit(model: Any) -> AuditReport:
+    """Lists every layer's dtypes and finds mixed-precision mistakes in a model.
+
+    Works on Sequential, functional and subclassed models once they are built.
+    Nothing is run: what Keras does not know without running the model (such as
+    the output dtypes of a subclassed model) is reported as ``"?"``.
+
+    Args:
+        model: a built ``keras.Model``.
+
+    Returns:
+        An :class:`AuditReport`; ``print`` it, or use ``to_dict``/``to_markdown``.
+
+    Raises:
+        TypeError: if ``model`` is not a ``keras.Model``.
+        ValueError: if ``model`` is not built yet.
+
+    Example:
+        >>> import keras, kmix
+        >>> model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8)])
+        >>> [row.params for row in kmix.audit(model).rows]
+        [136]
+    """
+    import keras
+
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"kmix.audit expects a keras.Model; received model={model!r} of type "
+            f"{type(model).__name__}."
+        )
+    if not model.built:
+        raise ValueError(
+            f"Model {model.name!r} is not built yet, so its layers have no variables "
+            "to audit. Build it first: call it on a batch of data, e.g. "
+            "`model(x[:1])`, or `model.build(input_shape)`, or give a Sequential "
+            "model a `keras.Input(shape)` as its first layer."
+        )
+    layers = dict(_walk(model))
+    rows = tuple(_row(path, layer) for path, layer in layers.items())
+    findings = [finding for rule in RULES for finding in rule(model, layers)]
+    findings.sort(key=lambda finding: SEVERITIES.index(finding.severity))
+    return AuditReport(
+        model=model.name,
+        policy=keras.config.dtype_policy().name,
+        rows=rows,
+        findings=tuple(findings),
+    )
+
+
+# --- layers ------------------------------------------------------------------
+
+
+def _walk(
+    layer: Any, parent_path: str = "", seen: set[int] | None = None
+) -> Iterator[tuple[str, Any]]:
+    """Yields ``(path, layer)`` for every nested layer, depth first, once each."""
+    seen = set() if seen is None else seen
+    for child in layer._flatten_layers(include_self=False, recursive=False):
+        if id(child) in seen:
+            continue
+        seen.add(id(child))
+        path = getattr(child, "path", None) or "/".join(filter(None, (parent_path, child.name)))
+        yield path, child
+        yield from _walk(child, path, seen)
+
+
+def _own_variables(layer: Any) -> list[Any]:
+    """The variables a layer holds itself, not through its nested layers."""
+    nested = {
+        id(variable)
+        for child in layer._flatten_layers(include_self=False, recursive=False)
+        for variable in child.weights
+    }
+    return [variable for variable in layer.weights if id(variable) not in nested]
+
+
+def _output_dtype(layer: Any) -> str:
+    try:
+        output = layer.output
+    except (AttributeError, ValueError):  # never called, or not in a graph
+        return UNKNOWN
+    import keras
+
+    dtypes = dict.fromkeys(str(tensor.dtype) for tensor in keras.tree.flatten(output))
+    return ",".join(dtypes) or UNKNOWN
+
+
+def _row(path: str, layer: Any) -> LayerRow:
+    own = dict.fromkeys(str(variable.dtype) for variable in _own_variables(layer))
+    return LayerRow(
+        path=path,
+        class_name=type(layer).__name__,
+        compute_dtype=str(layer.compute_dtype),
+        variable_dtype=",".join(own) or str(layer.variable_dtype),
+        output_dtype=_output_dtype(layer),
+        params=layer.count_params() if layer.built else 0,
+    )
+
+
+# --- rules: each takes (model, {path: layer}) and returns findings ----------
+
+Layers = dict[str, Any]
+
+
+def _half_precision_outputs(model: Any, layers: Layers) -> list[Finding]:
+    """The model's outputs are float16/bfloat16 (needs a functional graph)."""
+    try:
+        outputs = model.outputs
+    except AttributeError:  # subclassed models have no symbolic outputs
+        return []
+    import keras
+
+    producers = {id(layer): path for path, layer in layers.items()}
+    findings = []
+    for output in keras.tree.flatten(outputs):
+        if str(output.dtype) not in HALF:
+            continue
+        layer = output._keras_history.operation  # the layer that produced it
+        path = producers.get(id(layer), layer.name)
+        findings.append(
+            Finding(
+                "warning",
+                path,
+                f"the model outputs {output.dtype}: a softmax or the logits in half "
+                "precision lose probability mass and make the loss inexact",
+                'give the last layer dtype="float32" (e.g. '
+                'keras.layers.Activation("softmax", dtype="float32")), as the '
+                "Keras mixed-precision guide says",
+            )
+        )
+    return findings
+
+
+def _half_precision_variables(model: Any, layers: Layers) -> list[Finding]:
+    """Variables stored in float16/bfloat16: small updates round away."""
+    findings = []
+    for path, layer in layers.items():
+        half = [v.name for v in _own_variables(layer) if str(v.dtype) in HALF]
+        if half:
+            findings.append(
+                Finding(
+                    "warning",
+                    path,
+                    f"variables {', '.join(half)} are stored in "
+                    f"{layer.variable_dtype}: updates smaller than the weight's "
+                    "rounding step are lost and training stalls",
+                    'keep variables in float32: use the policy "mixed_float16" or '
+                    '"mixed_bfloat16" instead of "float16"/"bfloat16"',
+                )
+            )
+    return findings
+
+
+def _float16_without_loss_scaling(model: Any, layers: Layers) -> list[Finding]:
+    """float16 compute with an optimizer that does not scale the loss."""
+    if not any(layer.compute_dtype == "float16" for layer in layers.values()):
+        return []
+    import keras
+
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return [
+            Finding(
+                "info",
+                "",
+                "the model computes in float16 but is not compiled, so its loss "
+                "scaling could not be checked",
+                "compile it with kmix.LossScaleOptimizer(...) and audit again",
+            )
+        ]
+    if isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
+        return []
+    return [
+        Finding(
+            "error",
+            "",
+            f"layers compute in float16 but the optimizer "
+            f"{type(optimizer).__name__} does not scale the loss: small gradients "
+            "underflow to zero in float16 (Keras only wraps the optimizer when the "
+            "global policy is mixed_float16)",
+            "compile with optimizer=kmix.LossScaleOptimizer(optimizer)",
+        )
+    ]
+
+
+def _fragile_half_precision(model: Any, layers: Layers) -> list[Finding]:
+    """Layers whose half-precision output or reduction is known to be fragile."""
+    findings = []
+    for path, layer in layers.items():
+        if layer.compute_dtype not in HALF:
+            continue
+        activation = getattr(getattr(layer, "activation", None), "__name__", "")
+        if type(layer).__name__ == "Softmax" or activation in FRAGILE_ACTIVATIONS:
+            message = (
+                f"softmax computed in {layer.compute_dtype}: exp overflows and the "
+                "normalising sum rounds, so small probabilities become 0"
+            )
+        elif not layer.autocast:
+            message = (
+                f"autocast=False while computing in {layer.compute_dtype}: its "
+                "inputs and variables are not cast, so its own sums, means and "
+                "variances may run in half precision and overflow past 65504"
+            )
+        else:
+            continue
+        findings.append(
+            Finding(
+                "warning",
+                path,
+                message,
+                'create the layer with dtype="float32" (or inside kmix.policy_scope("float32"))',
+            )
+        )
+    return findings
+
+
+def _tensor_core_alignment(model: Any, layers: Layers) -> list[Finding]:
+    """Dense/Conv sizes not multiples of 8 keep half precision off tensor cores."""
+    import keras
+
+    findings = []
+    for path, layer in layers.items():
+        if layer.compute_dtype not in HALF:
+            continue
+        if isinstance(layer, keras.layers.Dense):
+            sizes = {"units": layer.units}
+        elif isinstance(layer, (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)):
+            sizes = {"filters": layer.filters}
+        else:
+            continue
+        if layer.built:  # kernel: (..., input features, units or filters)
+            sizes["input features"] = layer.kernel.shape[-2]
+        odd = [f"{name}={size}" for name, size in sizes.items() if size % 8]
+        if odd:
+            findings.append(
+                Finding(
+                    "info",
+                    path,
+                    f"not a multiple of 8: {', '.join(odd)}; {layer.compute_dtype} "
+                    "matrix multiplies cannot use tensor cores fully",
+                    "round these sizes up to a multiple of 8 (pad the input "
+                    "features, e.g. the vocabulary or the channels)",
+                )
+            )
+    return findings
+
+
+def _unbuilt_layers(model: Any, layers: Layers) -> list[Finding]:
+    """Layers that are not built yet: their variables could not be audited."""
+    return [
+        Finding(
+            "info",
+            path,
+            "not built, so its variables and parameters are unknown",
+            "call the model on a batch of data, e.g. `model(x[:1])`, and audit again",
+        )
+        for path, layer in layers.items()
+        if not layer.built
+    ]
+
+
+RULES: tuple[Callable[[Any, Layers], list[Finding]], ...] = (
+    _half_precision_outputs,
+    _half_precision_variables,
+    _float16_without_loss_scaling,
+    _fragile_half_precision,
+    _tensor_core_alignment,
+    _unbuilt_layers,
+)
+
+make_module_callable(__name__, audit)

@@ -1,0 +1,277 @@
+"""Tests for kmix.audit: the per-layer table and each finding, triggered or not."""
+
+from __future__ import annotations
+
+import json
+
+import keras
+import numpy as np
+import pytest
+
+import kmix
+from kmix import audit as audit_module
+from kmix.audit import AuditReport, Finding, LayerRow, audit
+
+
+def mlp(hidden=8, out=4, inputs=16, out_dtype=None, activation=None):
+    """A tiny functional MLP: x -> hidden -> out, in the global policy."""
+    x = keras.Input((inputs,), name="x")
+    h = keras.layers.Dense(hidden, name="hidden")(x)
+    y = keras.layers.Dense(out, activation=activation, dtype=out_dtype, name="out")(h)
+    return keras.Model(x, y, name="mlp")
+
+
+class RawSum(keras.layers.Layer):
+    """A custom layer that opts out of autocasting and reduces its input."""
+
+    def __init__(self, **kwargs):
+        super().__init__(autocast=False, **kwargs)
+
+    def call(self, x):
+        return keras.ops.sum(x, axis=-1, keepdims=True)
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__(name="sub")
+        self.block = keras.Sequential([keras.layers.Dense(8)], name="block")
+        self.head = keras.layers.Dense(2, name="head")
+
+    def call(self, x):
+        return self.head(self.block(x))
+
+
+def findings(model, message_part=""):
+    """The (severity, layer) of the findings whose message contains message_part."""
+    return [(f.severity, f.layer) for f in audit(model).findings if message_part in f.message]
+
+
+# --- the table ---------------------------------------------------------------
+
+
+def test_rows_of_a_functional_model():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = mlp(out_dtype="float32")
+    report = audit(model)
+    assert report.model == "mlp"
+    assert report.policy == "mixed_float16"
+    assert report.rows == (
+        LayerRow("x", "InputLayer", "float16", "float32", "float32", 0),
+        LayerRow("hidden", "Dense", "float16", "float32", "float16", 136),
+        LayerRow("out", "Dense", "float32", "float32", "float32", 36),
+    )
+    layers = {layer.name: layer for layer in model.layers}
+    assert [row.params for row in report.rows] == [
+        layers[name].count_params() for name in ("x", "hidden", "out")
+    ]
+
+
+def test_rows_of_a_sequential_model_nested_in_a_functional_one():
+    inner = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="d1")], name="inner")
+    x = keras.Input((4,), name="x")
+    model = keras.Model(x, keras.layers.Dense(2, name="d2")(inner(x)))
+    assert audit(model).rows == (
+        LayerRow("x", "InputLayer", "float32", "float32", "float32", 0),
+        LayerRow("inner", "Sequential", "float32", "float32", "float32", 40),
+        LayerRow("inner/input_layer", "InputLayer", "float32", "float32", "float32", 0),
+        LayerRow("inner/d1", "Dense", "float32", "float32", "float32", 40),
+        LayerRow("d2", "Dense", "float32", "float32", "float32", 18),
+    )
+
+
+def test_rows_of_a_subclassed_model_report_unknown_outputs():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = Subclassed()
+    model(np.zeros((1, 4), "float32"))
+    assert audit(model).rows == (
+        LayerRow("sub/block", "Sequential", "bfloat16", "float32", "?", 40),
+        # A Sequential model builds a graph of its own on its first call.
+        LayerRow("sub/block/input_layer", "InputLayer", "bfloat16", "float32", "bfloat16", 0),
+        LayerRow("sub/block/dense", "Dense", "bfloat16", "float32", "bfloat16", 40),
+        LayerRow("sub/head", "Dense", "bfloat16", "float32", "?", 18),
+    )
+
+
+def test_unbuilt_models_get_a_clear_message():
+    with pytest.raises(ValueError, match=r"not built yet.*model.build\(input_shape\)"):
+        audit(keras.Sequential([keras.layers.Dense(2)]))
+    with pytest.raises(ValueError, match="'sub' is not built yet"):
+        audit(Subclassed())
+
+
+def test_audit_rejects_what_is_not_a_model():
+    with pytest.raises(TypeError, match="expects a keras.Model; received model="):
+        audit(keras.layers.Dense(2))
+
+
+# --- findings: each one triggered, and not -----------------------------------
+
+
+def test_half_precision_outputs():
+    keras.config.set_dtype_policy("mixed_float16")
+    assert findings(mlp(), "the model outputs float16") == [("warning", "out")]
+    assert findings(mlp(out_dtype="float32"), "the model outputs") == []
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    assert findings(mlp(), "the model outputs bfloat16") == [("warning", "out")]
+
+
+def test_half_precision_variables():
+    keras.config.set_dtype_policy("float16")
+    model = mlp(out_dtype="float32")
+    [finding] = [f for f in audit(model).findings if "are stored in" in f.message]
+    assert finding.layer == "hidden"
+    assert finding.message.startswith("variables kernel, bias are stored in float16")
+    keras.config.set_dtype_policy("mixed_float16")
+    assert findings(mlp(), "stored in") == []
+
+
+def test_float16_without_a_loss_scale_optimizer():
+    # A per-layer float16 policy: Keras does not wrap the optimizer.
+    x = keras.Input((8,))
+    y = keras.layers.Dense(8, dtype="mixed_float16", name="fp16")(x)
+    model = keras.Model(x, keras.layers.Dense(8, name="fp32")(y))
+    assert findings(model, "loss scaling could not be checked") == [("info", "")]
+    model.compile(optimizer="sgd", loss="mse")
+    assert findings(model, "does not scale the loss") == [("error", "")]
+    model.compile(
+        optimizer=keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD()),
+        loss="mse",
+    )
+    assert findings(model, "scale the loss") == []
+
+
+def test_float16_with_the_global_policy_is_wrapped_by_keras():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = mlp(out_dtype="float32")
+    model.compile(optimizer="sgd", loss="mse")
+    assert findings(model, "scale the loss") == []
+
+
+def test_bfloat16_needs_no_loss_scaling():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = mlp(out_dtype="float32")
+    assert findings(model, "loss scaling") == []
+    model.compile(optimizer="sgd", loss="mse")
+    assert findings(model, "scale the loss") == []
+
+
+def test_fragile_softmax_in_half_precision():
+    keras.config.set_dtype_policy("mixed_float16")
+    x = keras.Input((8,))
+    y = keras.layers.Softmax(name="softmax", dtype="float32")(
+        keras.layers.Softmax(name="half_softmax")(x)
+    )
+    model = keras.Model(x, y)
+    assert findings(model, "softmax computed in float16") == [("warning", "half_softmax")]
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    assert findings(mlp(activation="softmax"), "softmax computed") == [("warning", "out")]
+    assert findings(mlp(activation="softmax", out_dtype="float32"), "softmax") == []
+
+
+def test_fragile_layer_with_autocast_off():
+    keras.config.set_dtype_policy("mixed_float16")
+    x = keras.Input((8,))
+    model = keras.Model(x, RawSum(name="raw_sum", dtype="float32")(RawSum(name="raw")(x)))
+    assert findings(model, "autocast=False") == [("warning", "raw")]
+
+
+def test_tensor_core_alignment():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = mlp(hidden=12, inputs=20, out=8, out_dtype="float32")
+    [finding] = [f for f in audit(model).findings if "multiple of 8" in f.message]
+    assert finding == Finding(
+        "info",
+        "hidden",
+        "not a multiple of 8: units=12, input features=20; float16 matrix "
+        "multiplies cannot use tensor cores fully",
+        finding.fix,
+    )
+    assert findings(mlp(hidden=16, inputs=8, out=4), "multiple of 8") == [("info", "out")]
+    x = keras.Input((6, 6, 3))
+    conv = keras.Model(x, keras.layers.Conv2D(8, 3, name="conv")(x))
+    assert audit(conv).findings[-1].message.startswith("not a multiple of 8: input features=3")
+    keras.config.set_dtype_policy("float32")
+    assert findings(mlp(hidden=12, inputs=20), "multiple of 8") == []
+
+
+@pytest.mark.filterwarnings("ignore:`build\\(\\)` was called on layer 'sub'")
+def test_unbuilt_layers():
+    model = Subclassed()
+    model.unused = keras.layers.Dense(3, name="unused")
+    model(np.zeros((1, 4), "float32"))
+    assert findings(model, "not built") == [("info", "unused")]
+    assert [row.params for row in audit(model).rows if row.path == "unused"] == [0]
+    assert findings(mlp(), "not built") == []
+
+
+def test_a_clean_model_has_no_findings():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = mlp(out_dtype="float32")
+    model.compile(optimizer="adam", loss="mse")
+    assert audit(model).findings == ()
+
+
+# --- output formats ----------------------------------------------------------
+
+
+def test_str_to_markdown_and_to_dict():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = mlp(out=4)
+    model.compile(optimizer="sgd", loss="mse")
+    report = audit(model)
+    assert [(f.severity, f.layer) for f in report.findings] == [
+        ("warning", "out"),
+        ("info", "out"),
+    ]
+    text = str(report)
+    assert text.splitlines()[:5] == [
+        "kmix audit of 'mlp' (global policy 'mixed_float16')",
+        "path    class       compute  variables  output   params",
+        "x       InputLayer  float16  float32    float32  0",
+        "hidden  Dense       float16  float32    float16  136",
+        "out     Dense       float16  float32    float16  36",
+    ]
+    assert "\n[warning] out: the model outputs float16" in text
+    assert '\n    fix: give the last layer dtype="float32"' in text
+
+    markdown = report.to_markdown()
+    assert "| path | class | compute | variables | output | params |" in markdown
+    assert "| hidden | Dense | float16 | float32 | float16 | 136 |" in markdown
+    assert "- **warning** `out`: the model outputs float16" in markdown
+
+    data = report.to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert data["rows"][1] == {
+        "path": "hidden",
+        "class_name": "Dense",
+        "compute_dtype": "float16",
+        "variable_dtype": "float32",
+        "output_dtype": "float16",
+        "params": 136,
+    }
+    assert data["findings"][0]["severity"] == "warning"
+
+
+def test_a_report_without_findings_says_so():
+    report = AuditReport("m", "float32", (), ())
+    assert str(report).endswith("\nNo findings.")
+    assert report.to_markdown().endswith("\nNo findings.")
+
+
+def test_errors_come_first():
+    x = keras.Input((8,))
+    y = keras.layers.Dense(8, dtype="float16", name="fp16")(x)
+    model = keras.Model(x, keras.layers.Dense(3, name="fp32")(y))
+    model.compile(optimizer="sgd", loss="mse")
+    severities = [f.severity for f in audit(model).findings]
+    assert severities == sorted(severities, key=["error", "warning", "info"].index)
+    assert severities[0] == "error"
+
+
+def test_public_names():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = mlp()
+    # `import kmix.audit` binds the module to kmix.audit; calling it works.
+    assert kmix.audit(model) == audit(model)
+    assert audit_module(model) == audit(model)
+    assert kmix.AuditReport is AuditReport

@@ -1,0 +1,147 @@
+"""Tests for kmix.hardware: CPU flags from a fake cpuinfo, GPUs from a fake TF."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import tensorflow as tf
+
+import kmix
+from kmix import hardware as hardware_module
+from kmix.hardware import GPU, Hardware, hardware, read_cpuinfo
+
+CPUINFO = """\
+processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse2 avx f16c avx512f avx512_bf16 amx_bf16 amx_tile avx512_vnni
+
+processor\t: 1
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: fpu sse2 avx f16c avx512f avx512_bf16 amx_bf16 amx_tile avx512_vnni
+"""
+
+
+@pytest.fixture
+def cpuinfo(tmp_path):
+    path = tmp_path / "cpuinfo"
+    path.write_text(CPUINFO)
+    return str(path)
+
+
+def test_read_cpuinfo_keeps_only_the_flags_that_matter(cpuinfo):
+    assert read_cpuinfo(cpuinfo) == (
+        "Intel(R) Xeon(R) Platinum 8480+",
+        ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "f16c"),
+    )
+
+
+def test_read_cpuinfo_of_a_plain_cpu(tmp_path):
+    path = tmp_path / "cpuinfo"
+    path.write_text("processor : 0\nmodel name : Old CPU\nflags : fpu sse2 avx\n")
+    assert read_cpuinfo(str(path)) == ("Old CPU", ())
+
+
+def test_read_cpuinfo_without_the_file(tmp_path):
+    assert read_cpuinfo(str(tmp_path / "missing")) == ("", ())
+
+
+def test_hardware_reads_the_given_cpuinfo_and_tensorflow_devices(cpuinfo):
+    hw = hardware(cpuinfo)
+    devices = tf.config.list_physical_devices()
+    assert hw.devices == tuple(device.name for device in devices)
+    assert "/physical_device:CPU:0" in hw.devices
+    assert [gpu.device for gpu in hw.gpus] == [
+        device.name for device in devices if device.device_type == "GPU"
+    ]
+    assert hw.cpu_model == "Intel(R) Xeon(R) Platinum 8480+"
+    assert hw.cpu_flags == ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "f16c")
+
+
+def test_hardware_describes_gpus(monkeypatch, cpuinfo):
+    devices = [
+        tf.config.PhysicalDevice("/physical_device:CPU:0", "CPU"),
+        tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU"),
+        tf.config.PhysicalDevice("/physical_device:GPU:1", "GPU"),
+    ]
+
+    def details(device):
+        if device.name.endswith("1"):
+            raise RuntimeError("cannot describe this device")
+        return {"compute_capability": (8, 0), "device_name": "NVIDIA A100"}
+
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda: devices)
+    monkeypatch.setattr(tf.config.experimental, "get_device_details", details)
+    assert hardware(cpuinfo).gpus == (
+        GPU("/physical_device:GPU:0", "NVIDIA A100", (8, 0)),
+        GPU("/physical_device:GPU:1", "", None),
+    )
+
+
+def test_hardware_describes_tpus(monkeypatch, cpuinfo):
+    devices = [tf.config.PhysicalDevice("/physical_device:TPU:0", "TPU")]
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda: devices)
+    hw = hardware(cpuinfo)
+    assert (hw.devices, hw.gpus, hw.tpus) == (
+        ("/physical_device:TPU:0",),
+        (),
+        ("/physical_device:TPU:0",),
+    )
+
+
+def test_hardware_starts_no_subprocess(monkeypatch, cpuinfo):
+    def refuse(*args, **kwargs):
+        raise AssertionError("kmix.hardware must not start a subprocess")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    assert isinstance(hardware(cpuinfo), Hardware)
+
+
+FAKE = Hardware(
+    devices=("/physical_device:CPU:0", "/physical_device:GPU:0"),
+    gpus=(GPU("/physical_device:GPU:0", "NVIDIA A100", (8, 0)),),
+    cpu_model="Xeon",
+    cpu_flags=("avx512f", "f16c"),
+)
+
+
+def test_to_dict_is_json_ready():
+    expected = {
+        "devices": ["/physical_device:CPU:0", "/physical_device:GPU:0"],
+        "gpus": [
+            {
+                "device": "/physical_device:GPU:0",
+                "name": "NVIDIA A100",
+                "compute_capability": [8, 0],
+            }
+        ],
+        "tpus": [],
+        "cpu_model": "Xeon",
+        "cpu_flags": ["avx512f", "f16c"],
+    }
+    assert FAKE.to_dict() == expected
+    assert json.loads(json.dumps(FAKE.to_dict())) == expected
+
+
+def test_str_is_readable():
+    assert str(FAKE) == (
+        "devices: /physical_device:CPU:0, /physical_device:GPU:0\n"
+        "GPUs: /physical_device:GPU:0 NVIDIA A100 (compute capability 8.0)\n"
+        "TPUs: none\n"
+        "CPU: Xeon\n"
+        "CPU flags: avx512f, f16c"
+    )
+    assert str(Hardware()) == (
+        "devices: none\nGPUs: none\nTPUs: none\nCPU: unknown\nCPU flags: none that matter"
+    )
+    assert str(GPU("GPU:0")) == "GPU:0 ? (compute capability unknown)"
+
+
+def test_public_names(cpuinfo):
+    # `import kmix.hardware` binds the module to kmix.hardware; calling it works.
+    assert kmix.hardware(cpuinfo) == hardware(cpuinfo)
+    assert hardware_module(cpuinfo) == hardware(cpuinfo)
+    assert kmix.Hardware is Hardware

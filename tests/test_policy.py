@@ -1,0 +1,205 @@
+"""Tests for kmix.use, kmix.policy_scope and the "auto" decision on fake hardware."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import keras
+import pytest
+
+import kmix
+from kmix import policy
+from kmix.hardware import GPU, Hardware, hardware
+from kmix.policy import POLICY_NAMES, PolicyChoice, choose_auto, policy_scope, use
+
+CPU = Hardware(devices=("/physical_device:CPU:0",))
+CPU_AVX512_BF16 = Hardware(cpu_flags=("avx512_bf16", "avx512f"))
+CPU_AMX = Hardware(cpu_flags=("amx_bf16", "amx_tile", "avx512_bf16"))
+TPU = Hardware(tpus=("/physical_device:TPU:0",), cpu_flags=("amx_bf16",))
+
+
+def gpus(*capabilities):
+    """Fake hardware with one GPU per compute capability (and a CPU with AMX)."""
+    return Hardware(
+        gpus=tuple(
+            GPU(f"/physical_device:GPU:{i}", f"GPU{i}", cc) for i, cc in enumerate(capabilities)
+        ),
+        cpu_flags=("amx_bf16",),  # the GPU decides, not the CPU
+    )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    policy._reset_warnings()
+    yield
+    policy._reset_warnings()
+
+
+@pytest.mark.parametrize(
+    ("detected", "expected"),
+    [
+        (TPU, "mixed_bfloat16"),
+        (gpus((9, 0)), "mixed_bfloat16"),
+        (gpus((8, 0)), "mixed_bfloat16"),
+        (gpus((7, 5)), "mixed_float16"),
+        (gpus((7, 0)), "mixed_float16"),
+        (gpus((6, 1)), "float32"),
+        (gpus(None), "float32"),
+        (gpus((8, 0), (7, 0)), "mixed_float16"),  # the weakest GPU decides
+        (gpus((8, 0), (6, 0)), "float32"),
+        (CPU_AMX, "mixed_bfloat16"),
+        (CPU_AVX512_BF16, "mixed_bfloat16"),
+        (CPU, "float32"),
+    ],
+)
+def test_choose_auto(detected, expected):
+    assert choose_auto(detected)[0] == expected
+
+
+def test_choose_auto_reasons_name_the_deciding_fact():
+    assert choose_auto(TPU)[1] == ("TPU /physical_device:TPU:0 computes bfloat16 natively")
+    assert choose_auto(gpus((8, 6)))[1] == (
+        "GPU GPU0 has compute capability 8.6 (8.0 or newer): bfloat16 tensor cores "
+        "are as fast as float16 ones, and bfloat16 has float32's range, so it needs "
+        "no loss scaling"
+    )
+    assert choose_auto(gpus((7, 0)))[1] == (
+        "GPU GPU0 has compute capability 7.0: float16 tensor cores start at 7.0, "
+        "bfloat16 ones at 8.0"
+    )
+    assert choose_auto(gpus((6, 1)))[1] == (
+        "GPU GPU0 has compute capability 6.1: tensor cores start at 7.0, so mixed "
+        "precision would not be faster than float32"
+    )
+    assert "reports no compute capability" in choose_auto(gpus(None))[1]
+    assert choose_auto(CPU_AMX)[1] == (
+        "no GPU or TPU; the CPU has AMX-BF16, which computes bfloat16 natively"
+    )
+    assert "AVX512-BF16, which" in choose_auto(CPU_AVX512_BF16)[1]
+    assert choose_auto(CPU)[1] == (
+        "no GPU or TPU, and the CPU has neither AMX-BF16 nor AVX512-BF16: half "
+        "precision would be emulated and slower than float32"
+    )
+
+
+@pytest.mark.parametrize(
+    ("detected", "expected"), [(gpus((8, 0)), "mixed_bfloat16"), (CPU, "float32")]
+)
+def test_use_auto_sets_the_global_policy(detected, expected):
+    choice = use("auto", detected=detected)
+    assert choice == PolicyChoice(expected, choose_auto(detected)[1], detected)
+    assert keras.config.dtype_policy().name == expected
+    assert keras.layers.Dense(2).dtype_policy.name == expected
+
+
+def test_use_detects_the_hardware_by_default():
+    choice = kmix.use()
+    detected = hardware()
+    assert choice == PolicyChoice(*choose_auto(detected), detected)
+    assert keras.config.dtype_policy().name == choice.name
+
+
+@pytest.mark.parametrize("name", [n for n in POLICY_NAMES if n != "auto"])
+def test_use_accepts_the_keras_names(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # float16 on a CPU warns; tested below
+        choice = use(name, detected=gpus((8, 0)))
+    assert (choice.name, choice.reason) == (name, f"{name!r} was requested explicitly")
+    assert keras.config.dtype_policy().name == name
+
+
+@pytest.mark.parametrize("bad", ["mixed_float32", "Float32", "", None, 16])
+def test_use_rejects_unknown_names_and_lists_the_valid_ones(bad):
+    with pytest.raises(ValueError) as raised:
+        use(bad, detected=CPU)
+    message = str(raised.value)
+    assert repr(bad) in message
+    assert all(repr(name) in message for name in POLICY_NAMES)
+    assert keras.config.dtype_policy().name == "float32"
+
+
+def test_float16_on_a_cpu_warns_once_and_says_what_to_use():
+    with pytest.warns(UserWarning) as record:
+        choice = use("mixed_float16", detected=CPU_AVX512_BF16)
+    assert len(record) == 1
+    assert record[0].filename == __file__  # points at the caller
+    message = str(record[0].message)
+    assert "on a CPU float16 is emulated, about 2x slower than float32" in message
+    assert "Use kmix.use('mixed_bfloat16') instead" in message
+    assert choice.reason.startswith("'mixed_float16' was requested explicitly; ")
+    assert keras.config.dtype_policy().name == "mixed_float16"  # still set
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same situation again: no warning
+        use("mixed_float16", detected=CPU_AVX512_BF16)
+    with pytest.warns(UserWarning, match=r"Use kmix.use\('float32'\) instead"):
+        use("float16", detected=CPU)  # another situation warns too
+
+
+@pytest.mark.parametrize(
+    ("detected", "instead", "why"),
+    [
+        (TPU, "mixed_bfloat16", "TPUs compute in bfloat16"),
+        (gpus((6, 1)), "float32", "GPU GPU0 has compute capability 6.1"),
+        (gpus((8, 0), (6, 1)), "float32", "GPU GPU1 has compute capability 6.1"),
+    ],
+)
+def test_float16_on_slow_accelerators_warns(detected, instead, why):
+    with pytest.warns(UserWarning, match=f"{why}.*kmix.use\\('{instead}'\\)"):
+        use("mixed_float16", detected=detected)
+
+
+@pytest.mark.parametrize("detected", [gpus((7, 0)), gpus((9, 0)), gpus(None)])
+def test_float16_on_fast_or_unknown_gpus_does_not_warn(detected):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert use("mixed_float16", detected=detected).name == "mixed_float16"
+        use("mixed_bfloat16", detected=CPU)  # bfloat16 never warns
+
+
+def test_policy_scope_sets_and_restores_the_policy():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    with kmix.policy_scope("float32", detected=CPU) as choice:
+        head = keras.layers.Dense(2)
+        assert choice == PolicyChoice("float32", "'float32' was requested explicitly", CPU)
+        with policy_scope("float64", detected=CPU):
+            inner = keras.layers.Dense(2)
+        assert keras.config.dtype_policy().name == "float32"
+    body = keras.layers.Dense(2)
+    assert (head.compute_dtype, inner.compute_dtype, body.compute_dtype) == (
+        "float32",
+        "float64",
+        "bfloat16",
+    )
+    assert keras.config.dtype_policy().name == "mixed_bfloat16"
+
+
+def test_policy_scope_restores_the_policy_when_the_block_raises():
+    with pytest.raises(RuntimeError, match="boom"):
+        with policy_scope("mixed_bfloat16", detected=CPU):
+            raise RuntimeError("boom")
+    assert keras.config.dtype_policy().name == "float32"
+
+
+def test_policy_scope_rejects_unknown_names_before_changing_anything():
+    with pytest.raises(ValueError, match="Invalid policy: 'fp16'"):
+        with policy_scope("fp16"):
+            pass  # pragma: no cover - never entered
+    assert keras.config.dtype_policy().name == "float32"
+
+
+def test_policy_choice_is_printable_and_json_ready():
+    choice = use("auto", detected=CPU)
+    assert str(choice) == f"float32: {choice.reason}"
+    assert json.loads(json.dumps(choice.to_dict())) == {
+        "name": "float32",
+        "reason": choice.reason,
+        "hardware": CPU.to_dict(),
+    }
+
+
+def test_public_names():
+    assert kmix.use is use
+    assert kmix.policy_scope is policy_scope
+    assert kmix.PolicyChoice is PolicyChoice
