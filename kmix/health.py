@@ -11,24 +11,17 @@ from typing import Any, NamedTuple
 
 from keras import ops
 
+from kmix import tags
+
 FLOAT16_MAX = 65504.0
 FLOAT16_SMALLEST_NORMAL = 2.0**-14
 FLOAT16_SMALLEST_SUBNORMAL = 2.0**-24
 MAX_HEADROOM_BITS = math.log2(FLOAT16_MAX / FLOAT16_SMALLEST_SUBNORMAL)
 """Headroom reported when every gradient is below float16's smallest subnormal."""
 
-EXPONENT_MIN = -40
-EXPONENT_MAX = 17
-NUM_EXPONENT_BINS = EXPONENT_MAX - EXPONENT_MIN + 5
-"""Exponent histogram layout, one integer bin per power of two:
-
-* bin 0: exactly zero;
-* bin 1: non-zero values below ``2**EXPONENT_MIN``;
-* bin ``2 + e - EXPONENT_MIN``: values ``v`` with ``floor(log2(|v|)) == e``, for
-  ``EXPONENT_MIN <= e <= EXPONENT_MAX`` (float16 keeps ``e`` in ``[-24, 15]``);
-* bin ``NUM_EXPONENT_BINS - 2``: finite values of ``2**(EXPONENT_MAX + 1)`` or more;
-* bin ``NUM_EXPONENT_BINS - 1``: inf and NaN.
-"""
+EXPONENT_MIN = tags.EXPONENT_MIN
+EXPONENT_MAX = tags.EXPONENT_MAX
+NUM_EXPONENT_BINS = tags.NUM_EXPONENT_BINS  # bin layout documented in kmix.tags
 
 
 class GradientHealth(NamedTuple):
@@ -129,7 +122,7 @@ def exact_exponent(x: Any) -> Any:
 
 
 def exponent_histogram(grad: Any) -> Any:
-    """Counts a gradient's elements per power of two (layout in ``NUM_EXPONENT_BINS``).
+    """Counts a gradient's elements per power of two (layout in ``kmix.tags``).
 
     Args:
         grad: one scaled gradient (dense or sparse slices), not ``None``.

@@ -305,25 +305,28 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if context.num_replicas_in_sync > 1:
             bad = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
 
-        def apply_inner() -> None:
-            scale = self.dynamic_scale
-            self.inner_optimizer.apply(
-                [
-                    g
-                    if g is None or self._overwrite_variable_with_gradient(v)
-                    else ops.divide(g, scale)
-                    for g, v in zip(grads, variables, strict=True)
-                ],
-                variables,
-            )
-
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            self._step(aligned, bad, apply_inner)
+            self._step(aligned, bad, lambda: self._apply_inner(grads, variables))
         else:
-            context.merge_call(self._merged_step, args=(aligned, bad, apply_inner))
+            context.merge_call(self._merged_step, args=(aligned, bad, grads, variables))
 
-    def _merged_step(self, distribution: Any, aligned: list, bad: Any, apply_inner: Any) -> None:
-        """Cross-replica part: one decision (the flags are already all-reduced)."""
+    def _apply_inner(self, grads: list, variables: list) -> None:
+        """Unscales the gradients and applies the inner optimizer (replica context)."""
+        scale = self.dynamic_scale
+        self.inner_optimizer.apply(
+            [
+                g
+                if g is None or self._overwrite_variable_with_gradient(v)
+                else ops.divide(g, scale)
+                for g, v in zip(grads, variables, strict=True)
+            ],
+            variables,
+        )
+
+    def _merged_step(
+        self, distribution: Any, aligned: list, bad: Any, grads: list, variables: list
+    ) -> None:
+        """Cross-replica part: one decision for all (the flags are already all-reduced)."""
 
         def first(value: Any) -> Any:
             return None if value is None else distribution.experimental_local_results(value)[0]
@@ -331,7 +334,9 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self._step(
             [first(g) for g in aligned],
             first(bad),
-            lambda: distribution.extended.call_for_each_replica(apply_inner),
+            lambda: distribution.extended.call_for_each_replica(
+                self._apply_inner, args=(grads, variables)
+            ),
         )
 
     def _step(self, aligned: list, bad: Any, apply_inner: Any) -> None:
