@@ -60,7 +60,7 @@ def exponent_bucket_edges() -> list[tuple[float, float]]:
 
 EVENT_KINDS = ("growth", "backoff", "skip_absorbed", "overflow_at_floor")
 _EVENT_RE = re.compile(
-    r"^\*\*(?P<kind>[a-z_]+)\*\* at step (?P<step>\d+): loss scale (?P<old>\S+) → (?P<new>\S+)"
+    r"^\*\*(?P<kind>[a-z_]+)\*\* at step (?P<step>\d+): loss scale (?P<old>[^ ;]+) → (?P<new>[^ ;]+)"
     r"(?:; first non-finite gradient `(?P<variable>[^`]+)` \((?P<count>\d+) variables?\))?"
     r"(?P<loss_nonfinite>; the loss itself was non-finite)?"
 )
