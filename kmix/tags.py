@@ -60,7 +60,8 @@ def exponent_bucket_edges() -> list[tuple[float, float]]:
 
 EVENT_KINDS = ("growth", "backoff", "skip_absorbed", "overflow_at_floor")
 _EVENT_RE = re.compile(
-    r"^\*\*(?P<kind>[a-z_]+)\*\* at step (?P<step>\d+): loss scale (?P<old>[^ ;]+) → (?P<new>[^ ;]+)"
+    r"^\*\*(?P<kind>[a-z_]+)\*\* at step (?P<step>\d+): "
+    r"loss scale (?P<old>[^ ;]+) → (?P<new>[^ ;]+)"
     r"(?:; first non-finite gradient `(?P<variable>[^`]+)` \((?P<count>\d+) variables?\))?"
     r"(?P<loss_nonfinite>; the loss itself was non-finite)?"
 )
@@ -77,7 +78,7 @@ def format_event(event: Any) -> str:
     """
     text = (
         f"**{event.kind}** at step {event.step}: "
-        f"loss scale {event.old_scale:g} → {event.new_scale:g}"
+        f"loss scale {event.old_scale:.9g} → {event.new_scale:.9g}"
     )
     if event.variable is not None:
         plural = "" if event.nonfinite_variables == 1 else "s"
