@@ -6,8 +6,9 @@ Example:
     >>> model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(10)])
     >>> print(kmix.audit(model))                              # doctest: +SKIP
 
-Each rule is a small function ``rule(model, layers) -> list[Finding]`` listed in
-:data:`RULES`; add one there to extend the audit.
+Each rule is a small function ``rule(model, layers) -> list[Finding]``, where
+``layers`` lists ``(path, layer)`` pairs; the rules are listed in
+:data:`RULES`: add one there to extend the audit.
 """
 
 from __future__ import annotations
@@ -154,8 +155,8 @@ def audit(model: Any) -> AuditReport:
     Example:
         >>> import keras, kmix
         >>> model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(8)])
-        >>> [row.params for row in kmix.audit(model).rows]
-        [136]
+        >>> [(row.class_name, row.params) for row in kmix.audit(model).rows]
+        [('InputLayer', 0), ('Dense', 136)]
     """
     import keras
 
@@ -171,8 +172,8 @@ def audit(model: Any) -> AuditReport:
             "`model(x[:1])`, or `model.build(input_shape)`, or give a Sequential "
             "model a `keras.Input(shape)` as its first layer."
         )
-    layers = dict(_walk(model))
-    rows = tuple(_row(path, layer) for path, layer in layers.items())
+    layers = list(_walk(model))
+    rows = tuple(_row(path, layer) for path, layer in layers)
     findings = [finding for rule in RULES for finding in rule(model, layers)]
     findings.sort(key=lambda finding: SEVERITIES.index(finding.severity))
     return AuditReport(
@@ -233,9 +234,9 @@ def _row(path: str, layer: Any) -> LayerRow:
     )
 
 
-# --- rules: each takes (model, {path: layer}) and returns findings ----------
+# --- rules: each takes (model, [(path, layer), ...]) and returns findings ---
 
-Layers = dict[str, Any]
+Layers = list[tuple[str, Any]]
 
 
 def _half_precision_outputs(model: Any, layers: Layers) -> list[Finding]:
@@ -246,7 +247,7 @@ def _half_precision_outputs(model: Any, layers: Layers) -> list[Finding]:
         return []
     import keras
 
-    producers = {id(layer): path for path, layer in layers.items()}
+    producers = {id(layer): path for path, layer in layers}
     findings = []
     for output in keras.tree.flatten(outputs):
         if str(output.dtype) not in HALF:
@@ -270,7 +271,7 @@ def _half_precision_outputs(model: Any, layers: Layers) -> list[Finding]:
 def _half_precision_variables(model: Any, layers: Layers) -> list[Finding]:
     """Variables stored in float16/bfloat16: small updates round away."""
     findings = []
-    for path, layer in layers.items():
+    for path, layer in layers:
         half = [v.name for v in _own_variables(layer) if str(v.dtype) in HALF]
         if half:
             findings.append(
@@ -289,7 +290,7 @@ def _half_precision_variables(model: Any, layers: Layers) -> list[Finding]:
 
 def _float16_without_loss_scaling(model: Any, layers: Layers) -> list[Finding]:
     """float16 compute with an optimizer that does not scale the loss."""
-    if not any(layer.compute_dtype == "float16" for layer in layers.values()):
+    if not any(layer.compute_dtype == "float16" for _, layer in layers):
         return []
     import keras
 
@@ -322,7 +323,7 @@ def _float16_without_loss_scaling(model: Any, layers: Layers) -> list[Finding]:
 def _fragile_half_precision(model: Any, layers: Layers) -> list[Finding]:
     """Layers whose half-precision output or reduction is known to be fragile."""
     findings = []
-    for path, layer in layers.items():
+    for path, layer in layers:
         if layer.compute_dtype not in HALF:
             continue
         activation = getattr(getattr(layer, "activation", None), "__name__", "")
@@ -355,7 +356,7 @@ def _tensor_core_alignment(model: Any, layers: Layers) -> list[Finding]:
     import keras
 
     findings = []
-    for path, layer in layers.items():
+    for path, layer in layers:
         if layer.compute_dtype not in HALF:
             continue
         if isinstance(layer, keras.layers.Dense):
@@ -390,7 +391,7 @@ def _unbuilt_layers(model: Any, layers: Layers) -> list[Finding]:
             "not built, so its variables and parameters are unknown",
             "call the model on a batch of data, e.g. `model(x[:1])`, and audit again",
         )
-        for path, layer in layers.items()
+        for path, layer in layers
         if not layer.built
     ]
 

@@ -92,6 +92,24 @@ def test_rows_of_a_subclassed_model_report_unknown_outputs():
     )
 
 
+def test_layers_with_the_same_path_each_get_a_row():
+    class Twins(keras.Model):
+        def __init__(self):
+            super().__init__(name="twins")
+            self.a = keras.layers.Dense(2, name="twin")
+            self.b = keras.layers.Dense(2, name="twin")
+
+        def call(self, x):
+            return self.b(self.a(x))
+
+    model = Twins()
+    model(np.zeros((1, 2), "float32"))
+    assert [(row.path, row.params) for row in audit(model).rows] == [
+        ("twins/twin", 6),
+        ("twins/twin", 6),
+    ]
+
+
 def test_unbuilt_models_get_a_clear_message():
     with pytest.raises(ValueError, match=r"not built yet.*model.build\(input_shape\)"):
         audit(keras.Sequential([keras.layers.Dense(2)]))
