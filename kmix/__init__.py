@@ -20,24 +20,31 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "LossScaleOptimizer": "kmix.optimizer",
     "ScaleEvent": "kmix.optimizer",
-    "use": "kmix.policy",
-    "policy_scope": "kmix.policy",
-    "PolicyChoice": "kmix.policy",
-    "hardware": "kmix.hardware",
-    "Hardware": "kmix.hardware",
-    "audit": "kmix.audit",
-    "AuditReport": "kmix.audit",
     "callbacks": "kmix.callbacks",
 }
 
-__all__ = [*_PUBLIC, "__version__"]
+# Light modules (no TensorFlow at import) are imported now. Importing them here
+# also binds the *functions* `kmix.audit` and `kmix.hardware` over the submodules
+# of the same name, whatever is imported later.
+from kmix.audit import AuditReport, audit  # noqa: E402
+from kmix.hardware import Hardware, hardware  # noqa: E402
+from kmix.policy import PolicyChoice, policy_scope, use  # noqa: E402
+
+__all__ = [
+    *_PUBLIC,
+    "AuditReport",
+    "Hardware",
+    "PolicyChoice",
+    "__version__",
+    "audit",
+    "hardware",
+    "policy_scope",
+    "use",
+]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from kmix import callbacks
-    from kmix.audit import AuditReport, audit
-    from kmix.hardware import Hardware, hardware
-    from kmix.optimizer import LossScaleOptimizer, ScaleEvent
-    from kmix.policy import PolicyChoice, policy_scope, use
+    from kmix import callbacks  # noqa: F401
+    from kmix.optimizer import LossScaleOptimizer, ScaleEvent  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from kmix.hardware import json_ready, make_module_callable
+from kmix.hardware import json_ready
 
 SEVERITIES = ("error", "warning", "info")
 HALF = ("float16", "bfloat16")
@@ -404,5 +404,3 @@ RULES: tuple[Callable[[Any, Layers], list[Finding]], ...] = (
     _tensor_core_alignment,
     _unbuilt_layers,
 )
-
-make_module_callable(__name__, audit)

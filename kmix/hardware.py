@@ -14,9 +14,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import sys
-import types
-from collections.abc import Callable
 from typing import Any
 
 # Where the CPU flags are read from; tests pass another file to ``hardware()``.
@@ -148,26 +145,6 @@ def json_ready(value: Any) -> Any:
     return value
 
 
-def make_module_callable(module_name: str, function: Callable[..., Any]) -> None:
-    """Lets ``kmix.<module>(...)`` call the module's function of the same name.
-
-    ``import kmix.hardware`` (done by any module that uses it) binds the *module*
-    to ``kmix.hardware``, hiding the function of the same name that the public API
-    promises. Calling the module forwards to the function, so ``kmix.hardware()``
-    and ``kmix.audit(model)`` work whatever was imported first.
-
-    Args:
-        module_name: the module's ``__name__``.
-        function: what calling the module runs.
-    """
-
-    class _CallableModule(types.ModuleType):
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs)
-
-    sys.modules[module_name].__class__ = _CallableModule
-
-
 def _describe_gpu(tf: Any, device: Any) -> GPU:
     try:
         details = tf.config.experimental.get_device_details(device)
@@ -180,5 +157,3 @@ def _describe_gpu(tf: Any, device: Any) -> GPU:
         compute_capability=None if capability is None else tuple(capability),
     )
 
-
-make_module_callable(__name__, hardware)
