@@ -64,7 +64,9 @@ def test_statistics_match_numpy_on_random_gradients(seed):
     for key in ("grad_norm", "max_abs_scaled", "headroom_bits", "underflow_fraction"):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=0, err_msg=key)
     assert got["nonfinite_elements"] == want["nonfinite_elements"] == 2.0
-    np.testing.assert_allclose(got["underflow_per_variable"], want["underflow_per_variable"], rtol=1e-6)
+    np.testing.assert_allclose(
+        got["underflow_per_variable"], want["underflow_per_variable"], rtol=1e-6
+    )
 
 
 def test_exact_values_on_a_hand_made_gradient():

@@ -48,9 +48,11 @@ def graph_step(state: tuple, finite: bool, c: ScaleConfig) -> tuple[tuple, int]:
     )
     new, event = scaling.update_scale(tensors, ops.convert_to_tensor(finite), c)
     as_np = ops.convert_to_numpy
-    return (np.float32(as_np(new.scale)), int(as_np(new.good_steps)), int(as_np(new.hysteresis_left))), int(
-        as_np(event)
-    )
+    return (
+        np.float32(as_np(new.scale)),
+        int(as_np(new.good_steps)),
+        int(as_np(new.hysteresis_left)),
+    ), int(as_np(event))
 
 
 def run(step_fn, finite_seq, c: ScaleConfig, initial: float):
@@ -63,21 +65,27 @@ def run(step_fn, finite_seq, c: ScaleConfig, initial: float):
 
 
 def test_exact_trace_with_hysteresis_and_bounds():
-    c = ScaleConfig(growth_factor=2.0, backoff_factor=0.5, growth_steps=2, hysteresis=2,
-                    min_scale=1.0, max_scale=8.0)
+    c = ScaleConfig(
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_steps=2,
+        hysteresis=2,
+        min_scale=1.0,
+        max_scale=8.0,
+    )
     seq = [True, True, False, False, False, True, True, True, True, False, False, False, False]
     trace = run(graph_step, seq, c, initial=4.0)
     g, b, a, f, n = (KINDS[k] for k in ("growth", "backoff", "absorbed", "floor", "none"))
     assert trace == [
         (4.0, 1, 2, n),
-        (8.0, 0, 2, g),   # two good steps: grow to the ceiling
-        (8.0, 0, 1, a),   # first overflow absorbed by hysteresis=2
-        (4.0, 0, 2, b),   # second overflow backs off, budget refills
+        (8.0, 0, 2, g),  # two good steps: grow to the ceiling
+        (8.0, 0, 1, a),  # first overflow absorbed by hysteresis=2
+        (4.0, 0, 2, b),  # second overflow backs off, budget refills
         (4.0, 0, 1, a),
-        (4.0, 1, 1, n),   # good steps do not refill the budget
-        (8.0, 0, 2, g),   # growth does
+        (4.0, 1, 1, n),  # good steps do not refill the budget
+        (8.0, 0, 2, g),  # growth does
         (8.0, 1, 2, n),
-        (8.0, 0, 2, n),   # growth period ends at max_scale: no change, no event
+        (8.0, 0, 2, n),  # growth period ends at max_scale: no change, no event
         (8.0, 0, 1, a),
         (4.0, 0, 2, b),
         (4.0, 0, 1, a),

@@ -31,8 +31,11 @@ def main(which: str) -> None:
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, use_bias=False)])
         inner = keras.optimizers.SGD(0.01)
-        opt = kmix.LossScaleOptimizer(inner) if which == "kmix" else (
-            keras.mixed_precision.LossScaleOptimizer(inner))
+        opt = (
+            kmix.LossScaleOptimizer(inner)
+            if which == "kmix"
+            else (keras.mixed_precision.LossScaleOptimizer(inner))
+        )
         model.compile(optimizer=opt, loss="mse")
     x = np.ones((GLOBAL_BATCH * 4, 4), "float32")
     y = np.zeros((GLOBAL_BATCH * 4, 1), "float32")
@@ -43,15 +46,20 @@ def main(which: str) -> None:
     model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
     kernel = model.layers[0].kernel.value
     replicas = [np.asarray(v.numpy()) for v in kernel.values]
-    print(json.dumps({
-        "finite": bool(all(np.isfinite(r).all() for r in replicas)),
-        "replicas_equal": bool(np.array_equal(replicas[0], replicas[1])),
-        "scale": float(keras.ops.convert_to_numpy(opt.dynamic_scale)),
-        "skipped": opt.skipped_steps if which == "kmix" else None,
-        "events": [[e.step, e.kind, e.old_scale, e.new_scale] for e in opt.scale_events()]
-        if which == "kmix" else None,
-        "iterations": int(opt.iterations.numpy()),
-    }))
+    print(
+        json.dumps(
+            {
+                "finite": bool(all(np.isfinite(r).all() for r in replicas)),
+                "replicas_equal": bool(np.array_equal(replicas[0], replicas[1])),
+                "scale": float(keras.ops.convert_to_numpy(opt.dynamic_scale)),
+                "skipped": opt.skipped_steps if which == "kmix" else None,
+                "events": [[e.step, e.kind, e.old_scale, e.new_scale] for e in opt.scale_events()]
+                if which == "kmix"
+                else None,
+                "iterations": int(opt.iterations.numpy()),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,442 @@
+"""kmix.LossScaleOptimizer: exact traces, skipped steps, state, saving, replicas."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmix
+from kmix import optimizer as kmix_optimizer
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+
+
+class GradientFault(keras.layers.Layer):
+    """Identity forward; at the chosen (1-based) training calls, its backward pass
+    turns the incoming gradient into inf, so every layer *before* it overflows."""
+
+    def __init__(self, bad_steps=(), **kwargs):
+        super().__init__(**kwargs)
+        self.bad_steps = tuple(bad_steps)
+
+    def build(self, input_shape):
+        self.calls = self.add_weight(shape=(), dtype="int64", initializer="zeros", trainable=False)
+
+    def call(self, x):
+        step = self.calls.assign_add(1)
+        bad = tf.reduce_any(tf.equal(step, tf.constant(self.bad_steps + (-1,), "int64")))
+
+        @tf.custom_gradient
+        def fault(x):
+            def grad(dy):
+                return tf.where(bad, tf.cast(np.inf, dy.dtype) * tf.ones_like(dy), dy)
+
+            return tf.identity(x), grad
+
+        return fault(x)
+
+
+def faulty_model(bad_steps=()):
+    """Dense(2) -> fault -> Dense(1): a fault overflows only the first Dense's gradients."""
+    return keras.Sequential(
+        [
+            keras.Input((3,)),
+            keras.layers.Dense(2, kernel_initializer="ones", name="first"),
+            GradientFault(bad_steps, name="fault"),
+            keras.layers.Dense(1, kernel_initializer="ones", name="last", dtype="float32"),
+        ],
+        name="net",
+    )
+
+
+class Recorder(keras.callbacks.Callback):
+    """Records the optimizer state, weights and inner-optimizer state after each batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.states, self.weights, self.inner = [], [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        opt = self.model.optimizer
+        self.states.append(opt.read_state())
+        self.weights.append([v.numpy().copy() for v in self.model.trainable_variables])
+        self.inner.append([v.numpy().copy() for v in opt.inner_optimizer.variables])
+
+
+def fit(model, opt, steps, recorder=None, **compile_kwargs):
+    model.compile(optimizer=opt, loss="mse", **compile_kwargs)
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0.5, 1.0, (steps, 3)).astype("float32")
+    y = rng.uniform(0.0, 1.0, (steps, 1)).astype("float32")
+    callbacks = [recorder] if recorder else []
+    model.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_exact_trace_under_fit(jit_compile):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    rec = Recorder()
+    opt = kmix.LossScaleOptimizer(
+        keras.optimizers.Adam(0.1), initial_scale=8.0, dynamic_growth_steps=2
+    )
+    fit(faulty_model(bad_steps=(3, 4, 7)), opt, steps=8, recorder=rec, jit_compile=jit_compile)
+
+    trace = [
+        (
+            s["attempted_steps"],
+            s["loss_scale"],
+            s["good_steps"],
+            s["skipped_steps"],
+            s["last_overflow_step"],
+            s["consecutive_skips"],
+        )
+        for s in rec.states
+    ]
+    assert trace == [
+        (1, 8.0, 1, 0, 0, 0),
+        (2, 16.0, 0, 0, 0, 0),  # grew after 2 good steps
+        (3, 8.0, 0, 1, 3, 1),  # overflow: skip, back off
+        (4, 4.0, 0, 2, 4, 2),
+        (5, 4.0, 1, 2, 4, 0),
+        (6, 8.0, 0, 2, 4, 0),
+        (7, 4.0, 0, 3, 7, 1),
+        (8, 4.0, 1, 3, 7, 0),
+    ]
+    assert opt.iterations.numpy() == 5  # the inner optimizer applied only the good steps
+    events = opt.scale_events()
+    assert [(e.index, e.step, e.kind, e.old_scale, e.new_scale) for e in events] == [
+        (1, 2, "growth", 8.0, 16.0),
+        (2, 3, "backoff", 16.0, 8.0),
+        (3, 4, "backoff", 8.0, 4.0),
+        (4, 6, "growth", 4.0, 8.0),
+        (5, 7, "backoff", 8.0, 4.0),
+    ]
+    skipped = [e for e in events if e.kind == "backoff"]
+    # Only the layer before the fault overflowed: its kernel and bias.
+    assert {(e.variable, e.nonfinite_variables, e.loss_finite) for e in skipped} == {
+        ("net/first/kernel", 2, True)
+    }
+    assert opt.scale_events(since=4) == events[4:]
+
+
+def test_skipped_steps_leave_weights_and_inner_state_bit_for_bit():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    rec = Recorder()
+    opt = kmix.LossScaleOptimizer(keras.optimizers.Adam(0.1), initial_scale=8.0)
+    fit(faulty_model(bad_steps=(2, 3)), opt, steps=4, recorder=rec)
+    for before, after in ((0, 1), (1, 2)):  # steps 2 and 3 were skipped
+        for a, b in zip(rec.weights[before], rec.weights[after], strict=True):
+            assert a.tobytes() == b.tobytes()
+        for a, b in zip(rec.inner[before], rec.inner[after], strict=True):
+            assert a.tobytes() == b.tobytes()
+    # ... and the good step after them moved every weight.
+    assert all(
+        not np.array_equal(a, b) for a, b in zip(rec.weights[2], rec.weights[3], strict=True)
+    )
+
+
+def test_sgd_lr1_gives_known_weights_with_unscaled_gradients():
+    """w <- w - grad with the gradient unscaled exactly (scale 2**10, float32 policy)."""
+    w = keras.Variable(np.array([1.0, 2.0], "float32"))
+    opt = kmix.LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=1024.0)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * x)
+            scaled = opt.scale_loss(loss)
+        opt.apply(tape.gradient(scaled, [w]), [w])
+
+    step(tf.constant([0.5, -0.25]))
+    np.testing.assert_array_equal(w.numpy(), [0.5, 2.25])
+    step(tf.constant([np.inf, 1.0]))  # non-finite loss: skipped, recorded as such
+    np.testing.assert_array_equal(w.numpy(), [0.5, 2.25])
+    (event,) = opt.scale_events()
+    assert (event.step, event.kind, event.loss_finite, event.variable) == (
+        2,
+        "backoff",
+        False,
+        w.path,
+    )
+    assert opt.read_state()["consecutive_nonfinite_loss"] == 1
+    step(tf.constant([1.0, 1.0]))
+    np.testing.assert_array_equal(w.numpy(), [-0.5, 1.25])
+    assert opt.read_state()["loss_finite"] is True
+    assert opt.read_state()["consecutive_nonfinite_loss"] == 0
+
+
+def test_health_statistics_in_fit_match_numpy():
+    """The stored statistics equal a NumPy reference on the same scaled gradients."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    opt = kmix.LossScaleOptimizer("sgd", initial_scale=256.0, health_every=1, histogram_every=1)
+    model.compile(optimizer=opt, loss="mse")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((8, 4)).astype("float32")
+    y = rng.standard_normal((8, 1)).astype("float32")
+    initial = model.get_weights()
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0, epochs=1)  # one step
+    state = opt.read_state()
+    assert state["health_step"] == 1 and opt.histogram_step.numpy() == 1
+
+    model.set_weights(initial)  # the reference: the same step's scaled gradients
+    with tf.GradientTape() as tape:
+        scaled = keras.losses.MeanSquaredError()(y, model(x)) * 256.0
+    ref = [g.numpy().astype(np.float64) for g in tape.gradient(scaled, model.trainable_variables)]
+    flat = np.concatenate([g.ravel() for g in ref])
+    np.testing.assert_allclose(state["grad_norm"], np.linalg.norm(flat / 256.0), rtol=1e-5)
+    np.testing.assert_allclose(state["max_abs_scaled"], np.abs(flat).max(), rtol=1e-5)
+    np.testing.assert_allclose(
+        state["headroom_bits"], np.log2(65504.0 / np.abs(flat).max()), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        state["underflow_fraction"], np.mean(np.abs(flat) < 2.0**-14), atol=1e-7
+    )
+    assert state["nonfinite_elements"] == 0.0
+    hist = opt.exponent_histograms_by_variable()
+    assert list(hist) == opt.variable_paths()
+    assert [int(h.sum()) for h in hist.values()] == [g.size for g in ref]
+
+
+def test_custom_gradient_tape_loop_with_fault_on_chosen_layer():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = faulty_model(bad_steps=(2,))
+    model.build((None, 3))
+    opt = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=64.0)
+    x, y = tf.ones((2, 3)), tf.zeros((2, 1))
+
+    @tf.function
+    def train_step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+            scaled = opt.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        opt.apply(grads, model.trainable_variables)
+
+    for _ in range(3):
+        train_step()
+    assert (opt.attempted_steps, opt.skipped_steps, opt.loss_scale) == (3, 1, 32.0)
+    (event,) = opt.scale_events()
+    assert (event.step, event.variable, event.loss_finite) == (2, "net/first/kernel", True)
+
+
+def test_gradient_accumulation_in_the_inner_optimizer():
+    """SGD(lr=1) accumulating 2 steps: w <- w - mean(grad_1, grad_2), gradients unscaled."""
+    model = keras.Sequential(
+        [keras.Input((2,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")]
+    )
+    inner = keras.optimizers.SGD(1.0, gradient_accumulation_steps=2)
+    opt = kmix.LossScaleOptimizer(inner, initial_scale=4.0)
+    model.compile(optimizer=opt, loss="mse")
+    rec = Recorder()
+    x, y = np.ones((4, 2), "float32"), np.zeros((4, 1), "float32")
+    model.fit(x, y, batch_size=1, verbose=0, shuffle=False, callbacks=[rec])
+    # pred = 2 -> d(loss)/dw = 2 * 2 = 4; then pred = -6 -> grad -12.
+    assert [w[0].ravel().tolist() for w in rec.weights] == [[1, 1], [-3, -3], [-3, -3], [9, 9]]
+
+
+def test_counters_saturate_instead_of_overflowing():
+    w = keras.Variable(np.ones(2, "float32"))
+    opt = kmix.LossScaleOptimizer("sgd")
+    opt.build([w])
+    opt.skipped_steps_var.assign(kmix_optimizer.INT64_MAX - 1)
+    opt.attempted_steps_var.assign(kmix_optimizer.INT64_MAX - 1)
+    for _ in range(2):
+        opt.apply([tf.constant([np.nan, 0.0])], [w])
+    assert opt.skipped_steps == opt.attempted_steps == kmix_optimizer.INT64_MAX
+
+
+def test_event_ring_keeps_the_most_recent_events():
+    w = keras.Variable(np.ones(1, "float32"))
+    opt = kmix.LossScaleOptimizer("sgd", event_capacity=3, initial_scale=2.0**10)
+    for _ in range(5):
+        opt.apply([tf.constant([np.inf])], [w])
+    assert opt.event_count == 5
+    assert [e.index for e in opt.scale_events()] == [3, 4, 5]
+    assert [e.new_scale for e in opt.scale_events(since=3)] == [2.0**6, 2.0**5]
+
+
+def test_compile_does_not_wrap_it_again():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    opt = kmix.LossScaleOptimizer("adam")
+    model.compile(optimizer=opt, loss="mse")
+    assert model.optimizer is opt
+    assert isinstance(opt, keras.mixed_precision.LossScaleOptimizer)
+    assert isinstance(opt.inner_optimizer, keras.optimizers.Adam)
+
+
+def test_config_round_trip():
+    opt = kmix.LossScaleOptimizer(
+        keras.optimizers.SGD(0.5),
+        initial_scale=64.0,
+        dynamic_growth_steps=7,
+        growth_factor=3.0,
+        backoff_factor=0.25,
+        hysteresis=2,
+        min_scale=2.0,
+        max_scale=1024.0,
+        health_every=5,
+        histogram_every=10,
+        event_capacity=9,
+    )
+    config = opt.get_config()
+    clone = kmix.LossScaleOptimizer.from_config(json.loads(json.dumps(config)))
+    assert clone.get_config() == config
+    assert config["inner_optimizer"]["class_name"] == "SGD"
+    restored = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
+    assert type(restored) is kmix.LossScaleOptimizer
+
+
+def train_small(model, opt, epochs=1, callbacks=()):
+    model.compile(optimizer=opt, loss="mse")
+    x = np.linspace(0, 1, 24, dtype="float32").reshape(8, 3)
+    y = np.arange(8, dtype="float32").reshape(8, 1)
+    model.fit(
+        x, y, batch_size=2, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks)
+    )
+
+
+def test_keras_file_restores_scale_and_counters(tmp_path):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = faulty_model(bad_steps=(2,))
+    opt = kmix.LossScaleOptimizer("adam", initial_scale=32.0, dynamic_growth_steps=2)
+    train_small(model, opt)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path, custom_objects={"GradientFault": GradientFault})
+    assert type(loaded.optimizer) is kmix.LossScaleOptimizer
+    assert loaded.optimizer.read_state() == opt.read_state()
+    # Keras names the reloaded variables without the model's prefix; the rest is equal.
+    got, want = loaded.optimizer.scale_events(), opt.scale_events()
+    assert [e.kind for e in want] == ["backoff", "growth"]
+    assert [dataclasses.replace(e, variable=None) for e in got] == [
+        dataclasses.replace(e, variable=None) for e in want
+    ]
+    assert got[0].variable == loaded.get_layer("first").kernel.path
+    for a, b in zip(loaded.optimizer.variables, opt.variables, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+class StopAfterEpoch(keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise KeyboardInterrupt("simulated interruption")
+
+
+def test_resume_with_backup_and_restore_continues_with_identical_state(tmp_path):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+
+    def make():
+        keras.utils.set_random_seed(0)
+        return faulty_model(bad_steps=(3, 6)), kmix.LossScaleOptimizer(
+            "adam", initial_scale=32.0, dynamic_growth_steps=3
+        )
+
+    model, opt = make()
+    train_small(model, opt, epochs=3)
+    expected = opt.read_state(), [v.numpy() for v in model.weights]
+
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    model, opt = make()
+    with pytest.raises(KeyboardInterrupt):
+        train_small(model, opt, epochs=3, callbacks=[backup, StopAfterEpoch(1)])
+    model, opt = make()
+    train_small(model, opt, epochs=3, callbacks=[backup])
+    # The fault layer counts its own calls, so resumed faults land on the same steps.
+    assert opt.read_state() == expected[0]
+    for got, want in zip([v.numpy() for v in model.weights], expected[1], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_model_saved_with_stock_optimizer_loads_and_migrates(tmp_path):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, dtype="float32")])
+    stock = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam(), initial_scale=512.0)
+    train_small(model, stock)
+    path = str(tmp_path / "stock.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert type(loaded.optimizer) is keras.mixed_precision.LossScaleOptimizer
+    migrated = kmix.LossScaleOptimizer.from_keras(loaded.optimizer, hysteresis=2)
+    assert migrated.initial_scale == 512.0
+    assert migrated.inner_optimizer is loaded.optimizer.inner_optimizer
+    loaded.compile(optimizer=migrated, loss="mse")
+    train_small(loaded, migrated)
+    assert migrated.attempted_steps == 4
+    with pytest.raises(ValueError, match="`optimizer`"):
+        kmix.LossScaleOptimizer.from_keras(keras.optimizers.Adam())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"growth_factor": 1.0}, "growth_factor"),
+        ({"growth_factor": float("inf")}, "growth_factor"),
+        ({"backoff_factor": 1.0}, "backoff_factor"),
+        ({"backoff_factor": 0.0}, "backoff_factor"),
+        ({"backoff_factor": -0.5}, "backoff_factor"),
+        ({"min_scale": 0.0}, "min_scale"),
+        ({"min_scale": 8.0, "max_scale": 4.0, "initial_scale": 4.0}, "max_scale"),
+        ({"max_scale": float("inf")}, "max_scale"),
+        ({"initial_scale": float("nan")}, "initial_scale"),
+        ({"initial_scale": 2.0**30}, "initial_scale"),
+        ({"dynamic_growth_steps": 0}, "dynamic_growth_steps"),
+        ({"dynamic_growth_steps": 2.5}, "dynamic_growth_steps"),
+        ({"dynamic_growth_steps": True}, "dynamic_growth_steps"),
+        ({"hysteresis": 0}, "hysteresis"),
+        ({"health_every": 0}, "health_every"),
+        ({"histogram_every": -1}, "histogram_every"),
+        ({"event_capacity": 0}, "event_capacity"),
+    ],
+)
+def test_invalid_arguments_name_argument_value_and_range(kwargs, name):
+    with pytest.raises(ValueError) as info:
+        kmix.LossScaleOptimizer("sgd", **kwargs)
+    message = str(info.value)
+    assert f"`{name}`" in message and f"{name}={kwargs[name]!r}" in message
+    assert "must be" in message
+
+
+@pytest.mark.parametrize(
+    "inner", ["adamm", 3, keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD())]
+)
+def test_invalid_inner_optimizer(inner):
+    with pytest.raises(ValueError, match="`inner_optimizer`"):
+        kmix.LossScaleOptimizer(inner)
+
+
+def run_script(*args):
+    result = subprocess.run(
+        [sys.executable, os.path.join(SCRIPTS, "mirrored_overflow.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_mirrored_strategy_overflow_on_one_replica_skips_on_all():
+    got = run_script("kmix")
+    assert got["finite"] and got["replicas_equal"]
+    assert got["skipped"] == 1 and got["scale"] == 2.0**14
+    assert got["events"] == [[3, "backoff", 2.0**15, 2.0**14]]
+    assert got["iterations"] == 3  # 4 steps, the overflowing one skipped
+
+
+def test_stock_keras_corrupts_weights_in_the_same_case():
+    """The fact kmix exists to fix: stock Keras reads replica 0 only and applies NaN."""
+    got = run_script("keras")
+    assert not got["finite"]
