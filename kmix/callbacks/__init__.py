@@ -1,0 +1,16 @@
+"""Keras callbacks that show and guard mixed-precision training.
+
+Example:
+    >>> import kmix
+    >>> callbacks = [                                            # doctest: +SKIP
+    ...     kmix.callbacks.MixedPrecisionMonitor("runs/exp1"),
+    ...     kmix.callbacks.LossScaleGuard(),
+    ... ]
+"""
+
+from __future__ import annotations
+
+from kmix.callbacks.guard import LossScaleGuard, LossScaleGuardError
+from kmix.callbacks.monitor import MixedPrecisionMonitor
+
+__all__ = ["LossScaleGuard", "LossScaleGuardError", "MixedPrecisionMonitor"]

@@ -1,0 +1,236 @@
+"""LossScaleGuard: stop a run that loss scaling cannot save, and say why."""
+
+from __future__ import annotations
+
+import collections
+import math
+import warnings
+from typing import Any
+
+import numpy as np
+
+from kmix.callbacks._base import KERAS, KMIX, StepCallback, check_int, check_real
+
+_OWNER = "kmix.callbacks.LossScaleGuard"
+MODES = ("stop", "raise")
+REASONS = ("nonfinite_loss", "overflow_at_floor", "skip_rate")
+STOCK_MIN_SCALE = 1.0
+"""The floor the guard assumes for the stock Keras optimizer, which has none."""
+
+
+class LossScaleGuardError(RuntimeError):
+    """Raised by :class:`LossScaleGuard` with ``mode="raise"``.
+
+    Attributes:
+        reason: ``"nonfinite_loss"``, ``"overflow_at_floor"`` or ``"skip_rate"``.
+        step: the attempted optimizer step at which the guard tripped.
+    """
+
+    def __init__(self, message: str, reason: str, step: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.step = step
+
+
+def _is_nonfinite(value: Any) -> bool:
+    try:
+        return not math.isfinite(float(np.asarray(value)))
+    except (TypeError, ValueError):
+        return False
+
+
+class LossScaleGuard(StepCallback):
+    """Stops training that loss scaling cannot save, with a diagnosis a user can act on.
+
+    It trips on the first of:
+
+    * ``nonfinite_loss``: the loss, before scaling, has been NaN/Inf for
+      ``patience`` consecutive steps. The forward pass makes it, so no loss scale helps.
+    * ``overflow_at_floor``: the loss scale is at its minimum and the gradients
+      have overflowed for ``patience`` consecutive steps.
+    * ``skip_rate``: more than ``max_skip_rate`` of the last ``window`` steps were
+      skipped (checked once ``window`` steps have run in this ``fit``).
+
+    With ``kmix.LossScaleOptimizer`` it reads the optimizer's in-graph counters,
+    one read per check, and names the first non-finite variable. With the stock
+    Keras optimizer, which halves its scale down to 0.0 and trains on with NaN
+    loss, it infers skipped steps from the optimizer's iterations, counts a step
+    as a non-finite loss when it was skipped and the logged loss is NaN/Inf, and
+    takes 1.0 as the floor. Without loss scaling only ``nonfinite_loss`` applies
+    (from the logged loss, which is the epoch's running mean).
+
+    Example:
+        >>> model.fit(x, y, callbacks=[kmix.callbacks.LossScaleGuard()])  # doctest: +SKIP
+
+    Args:
+        patience: consecutive bad steps before tripping, >= 1. Default 20: a
+            healthy run skips a few steps in a row at most while the scale settles.
+        max_skip_rate: trip when the share of skipped steps over ``window``
+            exceeds this, in (0, 1]. Default 0.5: a run that skips half its steps
+            barely trains.
+        window: steps over which the skip rate is measured, >= 1. Default 200.
+        mode: ``"stop"`` sets ``model.stop_training`` and prints the diagnosis;
+            ``"raise"`` raises :class:`LossScaleGuardError`.
+        check_freq: check every this many steps, >= 1. Default 1, so the guard
+            trips exactly after ``patience`` steps; larger values save host syncs
+            and trip up to ``check_freq - 1`` steps later.
+        verbose: 1 prints the diagnosis when stopping; 0 is quiet.
+
+    Attributes:
+        diagnosis: the message, once tripped; None before.
+        reason: one of ``"nonfinite_loss"``, ``"overflow_at_floor"``,
+            ``"skip_rate"`` once tripped; None before.
+        step: the attempted optimizer step at which it tripped; None before.
+
+    Raises:
+        ValueError: an argument is invalid; at train begin, the model is not compiled.
+    """
+
+    def __init__(
+        self,
+        patience: int = 20,
+        max_skip_rate: float = 0.5,
+        window: int = 200,
+        mode: str = "stop",
+        check_freq: int = 1,
+        verbose: int = 1,
+    ) -> None:
+        super().__init__(every=check_int(_OWNER, "check_freq", check_freq, 1))
+        self.patience = check_int(_OWNER, "patience", patience, 1)
+        self.max_skip_rate = check_real(_OWNER, "max_skip_rate", max_skip_rate, 0.0, 1.0)
+        self.window = check_int(_OWNER, "window", window, 1)
+        if mode not in MODES:
+            raise ValueError(
+                f"Invalid `mode` for {_OWNER}: mode={mode!r}. `mode` must be 'stop' "
+                "(set model.stop_training) or 'raise' (raise LossScaleGuardError)."
+            )
+        self.mode = mode
+        if verbose not in (0, 1):
+            raise ValueError(
+                f"Invalid `verbose` for {_OWNER}: verbose={verbose!r}. `verbose` must be 0 or 1."
+            )
+        self.verbose = int(verbose)
+        self.diagnosis: str | None = None
+        self.reason: str | None = None
+        self.step: int | None = None
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        """Resets the guard and reads the optimizer's starting point.
+
+        Raises:
+            ValueError: the model is not compiled.
+        """
+        super().on_train_begin(logs)
+        self.diagnosis = self.reason = self.step = None
+        self._min_scale = (
+            self._optimizer.get_config()["min_scale"] if self._kind == KMIX else STOCK_MIN_SCALE
+        )
+        if self._kind is None:
+            warnings.warn(
+                f"{_OWNER}: the model's optimizer {type(self._optimizer).__name__} does "
+                "not scale the loss, so only the non-finite loss check applies.",
+                stacklevel=2,
+            )
+        state = self._read_state()
+        self._history = collections.deque([(state["attempted_steps"], state["skipped_steps"])])
+        self._skip_streak = self._loss_streak = 0
+
+    # ------------------------------------------------------------------ checks
+    def _on_read(self, logs: dict) -> None:
+        if self.diagnosis is not None:
+            return
+        state = self._read_state()
+        step, skipped = state["attempted_steps"], state["skipped_steps"]
+        if self._kind == KMIX:
+            loss_streak = state["consecutive_nonfinite_loss"]
+            skip_streak = state["consecutive_skips"]
+        else:
+            steps = step - self._history[-1][0]
+            new_skips = skipped - self._history[-1][1]
+            all_skipped = self._kind == KERAS and new_skips == steps
+            self._skip_streak = self._skip_streak + steps if all_skipped else 0
+            bad_loss = _is_nonfinite(logs.get("loss")) and (self._kind is None or all_skipped)
+            self._loss_streak = self._loss_streak + steps if bad_loss else 0
+            loss_streak, skip_streak = self._loss_streak, self._skip_streak
+        self._history.append((step, skipped))
+        while len(self._history) > 1 and self._history[1][0] <= step - self.window:
+            self._history.popleft()
+        if loss_streak >= self.patience:
+            self._trip("nonfinite_loss", step, self._nonfinite_loss_text(step, loss_streak))
+        elif self._kind is not None and state["loss_scale"] <= self._min_scale:
+            if skip_streak >= self.patience:
+                self._trip(
+                    "overflow_at_floor",
+                    step,
+                    self._floor_text(step, skip_streak, state["loss_scale"]),
+                )
+        if self.diagnosis is None and self._kind is not None:
+            first_step, first_skipped = self._history[0]
+            if first_step <= step - self.window:
+                rate = (skipped - first_skipped) / (step - first_step)
+                if rate > self.max_skip_rate:
+                    self._trip(
+                        "skip_rate",
+                        step,
+                        self._skip_rate_text(step, step - first_step, skipped - first_skipped),
+                    )
+
+    def _trip(self, reason: str, step: int, message: str) -> None:
+        self.diagnosis, self.reason, self.step = message, reason, step
+        if self.mode == "raise":
+            raise LossScaleGuardError(message, reason, step)
+        self.model.stop_training = True
+        if self.verbose:
+            print(f"\n{message}")
+
+    # -------------------------------------------------------------- messages
+    def _first_variable(self) -> str:
+        """Where the last recorded event says the gradients first went non-finite."""
+        if self._kind != KMIX:
+            return (
+                "unknown (the stock Keras optimizer does not record it; "
+                "kmix.LossScaleOptimizer does)"
+            )
+        count = self._optimizer.event_count
+        for event in reversed(self._optimizer.scale_events(max(count - self.patience, 0))):
+            if event.variable is not None:
+                return f"`{event.variable}`"
+        return "none (the gradients stayed finite)"
+
+    def _nonfinite_loss_text(self, step: int, streak: int) -> str:
+        return (
+            f"kmix.LossScaleGuard stopped training at step {step}: the loss has been "
+            f"NaN/Inf before any loss scaling for {streak} consecutive steps (since step "
+            f"{step - streak + 1}; patience={self.patience}). The forward pass produces "
+            "it, so lowering the loss scale cannot help. First non-finite gradient: "
+            f"{self._first_variable()}. Usual causes: NaN/Inf in the input data or "
+            "labels; a learning rate so high that the weights diverged; log, sqrt or "
+            "division of zero or negative values in the model or the loss; an "
+            "activation or reduction (softmax, exp, large sums) overflowing float16 — "
+            "keep such layers in float32 (dtype='float32'); run kmix.audit(model)."
+        )
+
+    def _floor_text(self, step: int, streak: int, scale: float) -> str:
+        return (
+            f"kmix.LossScaleGuard stopped training at step {step}: the loss scale is "
+            f"{scale:g}, at or below its floor {self._min_scale:g}, and the gradients "
+            f"have overflowed for {streak} consecutive steps (since step "
+            f"{step - streak + 1}; patience={self.patience}), so every step is skipped. "
+            f"First non-finite gradient: {self._first_variable()}. Float16 cannot hold "
+            "these gradients even unscaled. Usual causes: exploding gradients (lower the "
+            "learning rate or clip, e.g. clipnorm=1.0); a layer whose float16 output "
+            "overflows (run kmix.audit(model) and keep it in float32). 'mixed_bfloat16' "
+            "has float32's range, where the hardware supports it."
+        )
+
+    def _skip_rate_text(self, step: int, steps: int, skipped: int) -> str:
+        return (
+            f"kmix.LossScaleGuard stopped training at step {step}: {skipped} of the last "
+            f"{steps} steps ({skipped / steps:.0%}) were skipped for non-finite gradients, "
+            f"more than max_skip_rate={self.max_skip_rate:g}, so the model barely trains. "
+            "Usual causes: gradients that overflow float16 at every scale the optimizer "
+            "tries (lower the learning rate or clip, e.g. clipnorm=1.0), or a scale that "
+            "grows too often (raise dynamic_growth_steps or hysteresis of "
+            "kmix.LossScaleOptimizer). Run kmix.audit(model) and look at kmix/events in "
+            "TensorBoard."
+        )

@@ -1,0 +1,319 @@
+"""MixedPrecisionMonitor, checked by reading its event files with TensorBoard's reader.
+
+The model is built so that float16 overflows happen exactly where the data says:
+``out = a(x1) + b(x2)`` with both kernels 1 and SGD at learning rate 0, batch size 1.
+A normal row (x1=1, x2=0, y=0) gives unscaled gradients a/kernel=2, a/bias=2,
+b/kernel=0, b/bias=2. A spike row (x1=0, x2=10000, y=9999) gives a scaled
+b/kernel gradient of 20000 * scale, which overflows float16 for every scale >= 4,
+while every other gradient stays finite. Step k of an epoch is row k.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+
+import kmix
+from kmix import tags
+from kmix.callbacks import MixedPrecisionMonitor
+
+
+def spiky_data(n: int, spikes=(), nan_rows=()) -> tuple[list[np.ndarray], np.ndarray]:
+    """Rows of the model below; ``spikes`` and ``nan_rows`` are 1-based row numbers."""
+    x1 = np.ones((n, 1), np.float32)
+    x2 = np.zeros((n, 1), np.float32)
+    y = np.zeros((n, 1), np.float32)
+    for row in spikes:
+        x1[row - 1], x2[row - 1], y[row - 1] = 0.0, 10000.0, 9999.0
+    for row in nan_rows:
+        x1[row - 1] = np.nan
+    return [x1, x2], y
+
+
+def spiky_model(optimizer=None, steps_per_execution: int = 1) -> keras.Model:
+    """``a(x1) + b(x2)`` under mixed_float16, compiled with ``optimizer``."""
+    keras.config.set_dtype_policy("mixed_float16")
+    x1, x2 = keras.Input((1,)), keras.Input((1,))
+    a = keras.layers.Dense(1, kernel_initializer="ones", name="a")(x1)
+    b = keras.layers.Dense(1, kernel_initializer="ones", name="b")(x2)
+    out = keras.layers.Activation("linear", dtype="float32")(keras.layers.Add()([a, b]))
+    model = keras.Model([x1, x2], out)
+    if optimizer is None:
+        optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=1024)
+    model.compile(optimizer, "mse", steps_per_execution=steps_per_execution)
+    return model
+
+
+def fit(model, data, epochs: int = 1, **kwargs):
+    x, y = data
+    return model.fit(x, y, batch_size=1, epochs=epochs, shuffle=False, verbose=0, **kwargs)
+
+
+def read_back(log_dir) -> dict[str, list[tuple[int, object]]]:
+    """Every tensor point under ``<log_dir>/train``, as TensorBoard reads it."""
+    guidance = {kind: 0 for kind in event_accumulator.DEFAULT_SIZE_GUIDANCE}
+    acc = event_accumulator.EventAccumulator(
+        os.path.join(str(log_dir), tags.TRAIN_DIR), size_guidance=guidance
+    )
+    acc.Reload()
+    out = {}
+    for tag in acc.Tags()["tensors"]:
+        out[tag] = [(e.step, tf.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)]
+    return out
+
+
+def scalars(data, tag) -> dict[int, float]:
+    return {step: float(value) for step, value in data.get(tag, [])}
+
+
+def texts(data, tag) -> list[tuple[int, str]]:
+    return [(step, value.item().decode()) for step, value in data.get(tag, [])]
+
+
+def events(data) -> list[tuple[int, dict]]:
+    parsed = [(step, tags.parse_event(line)) for step, line in texts(data, tags.EVENTS)]
+    return [(step, event) for step, event in parsed if event is not None]
+
+
+def test_every_overflow_at_its_exact_step_with_a_long_update_freq(tmp_path):
+    model = spiky_model()
+    monitor = MixedPrecisionMonitor(tmp_path, update_freq=1000, verbose=0)
+    fit(model, spiky_data(10, spikes=(3, 7)), epochs=2, callbacks=[monitor])
+
+    data = read_back(tmp_path)
+    got = events(data)
+    assert [step for step, _ in got] == [3, 7, 13, 17]
+    assert all(step == event["step"] for step, event in got)
+    assert {event["variable"] for _, event in got} == {"b/kernel"}
+    assert [(e["kind"], e["old_scale"], e["new_scale"]) for _, e in got] == [
+        ("backoff", 1024.0, 512.0),
+        ("backoff", 512.0, 256.0),
+        ("backoff", 256.0, 128.0),
+        ("backoff", 128.0, 64.0),
+    ]
+    assert all(e["loss_finite"] and e["nonfinite_variables"] == 1 for _, e in got)
+    # The scale before and after each change, plus the reads at both epoch ends.
+    assert scalars(data, tags.LOSS_SCALE) == {
+        2: 1024.0, 3: 512.0, 6: 512.0, 7: 256.0, 10: 256.0,
+        12: 256.0, 13: 128.0, 16: 128.0, 17: 64.0, 20: 64.0,
+    }  # fmt: skip
+    assert scalars(data, tags.SKIPPED_STEPS) == {3: 1, 7: 2, 10: 2, 13: 3, 17: 4, 20: 4}
+    assert scalars(data, tags.SKIP_RATE) == pytest.approx({10: 0.2, 20: 0.2}, rel=1e-6)
+    assert scalars(data, tags.LOSS_FINITE) == {10: 1.0, 20: 1.0}
+
+
+def test_health_scalars_and_exponent_histograms(tmp_path):
+    model = spiky_model()
+    optimizer = model.optimizer
+    before = (optimizer.health_every, optimizer.histogram_every)
+    monitor = MixedPrecisionMonitor(tmp_path, update_freq=2, histogram_freq=4, verbose=0)
+    fit(model, spiky_data(8, spikes=(3,)), callbacks=[monitor])
+    assert (optimizer.health_every, optimizer.histogram_every) == before  # restored
+
+    data = read_back(tmp_path)
+    # Steps 2 and 8 are normal; step 4 is normal too (scale 512 after the spike at 3).
+    scale_at = {2: 1024.0, 4: 512.0, 6: 512.0, 8: 512.0}
+    assert sorted(scalars(data, tags.GRAD_NORM)) == [2, 4, 6, 8]
+    for step, scale in scale_at.items():
+        assert scalars(data, tags.GRAD_NORM)[step] == pytest.approx(math.sqrt(12), rel=1e-6)
+        assert scalars(data, tags.MAX_ABS_SCALED_GRAD)[step] == 2 * scale
+        headroom = scalars(data, tags.OVERFLOW_HEADROOM_BITS)[step]
+        assert headroom == pytest.approx(math.log2(65504 / (2 * scale)), abs=1e-5)
+        assert scalars(data, tags.UNDERFLOW_FRACTION)[step] == 0.25
+        assert scalars(data, tags.NONFINITE_ELEMENTS)[step] == 0.0
+    by_variable = {
+        path: scalars(data, tags.UNDERFLOW_BY_VARIABLE + path)[8]
+        for path in ("a/kernel", "a/bias", "b/kernel", "b/bias")
+    }
+    assert by_variable == {"a/kernel": 0.0, "a/bias": 0.0, "b/kernel": 1.0, "b/bias": 0.0}
+
+    edges = tags.exponent_bucket_edges()
+    for path, exponent in (("a/kernel", 10), ("b/kernel", None)):  # 2 * 512 = 2**10
+        points = data[tags.GRAD_EXPONENT + path]
+        assert [step for step, _ in points] == [4, 8]
+        histogram = points[-1][1]
+        assert histogram.shape == (len(edges), 3)
+        assert [tuple(row) for row in histogram[:, :2]] == edges
+        (nonzero,) = np.nonzero(histogram[:, 2])
+        assert histogram[:, 2].sum() == 1
+        left = histogram[nonzero[0], 0]
+        # A zero gradient is drawn left of every exponent, below float16's 2**-24.
+        assert left == (exponent if exponent is not None else tags.EXPONENT_MIN - 2)
+    assert histogram[:, 0].min() < tags.FLOAT16_MIN_SUBNORMAL_EXPONENT
+    assert histogram[:, 1].max() > tags.FLOAT16_MAX_EXPONENT + 1
+
+
+def test_lost_events_are_reported_not_silently_dropped(tmp_path):
+    optimizer = kmix.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0), initial_scale=1024, event_capacity=2
+    )
+    model = spiky_model(optimizer)
+    monitor = MixedPrecisionMonitor(tmp_path, update_freq=1000, verbose=0)
+    fit(model, spiky_data(10, spikes=(1, 2, 4, 6, 9)), callbacks=[monitor])
+
+    data = read_back(tmp_path)
+    assert [step for step, _ in events(data)] == [6, 9]
+    notes = [line for _, line in texts(data, tags.EVENTS) if tags.parse_event(line) is None]
+    assert len(notes) == 1
+    assert "3 scale events lost" in notes[0]
+    assert "event_capacity=2" in notes[0] and "update_freq" in notes[0]
+    assert scalars(data, tags.SKIPPED_STEPS) == {10: 5}
+
+
+def test_steps_per_execution(tmp_path):
+    model = spiky_model(steps_per_execution=2)
+    monitor = MixedPrecisionMonitor(tmp_path, update_freq=4, verbose=0)
+    fit(model, spiky_data(10, spikes=(3, 6)), callbacks=[monitor])
+
+    data = read_back(tmp_path)
+    assert [step for step, _ in events(data)] == [3, 6]
+    assert scalars(data, tags.SKIPPED_STEPS) == {3: 1, 4: 1, 6: 2, 8: 2, 10: 2}
+    assert scalars(data, tags.LOSS_SCALE) == {
+        2: 1024.0, 3: 512.0, 4: 512.0, 5: 512.0, 6: 256.0, 8: 256.0, 10: 256.0
+    }  # fmt: skip
+
+
+def test_with_validation_and_keras_tensorboard_on_the_same_log_dir(tmp_path):
+    model = spiky_model()
+    callbacks = [
+        keras.callbacks.TensorBoard(tmp_path, update_freq=1),
+        MixedPrecisionMonitor(tmp_path, update_freq=5, verbose=0),
+    ]
+    fit(
+        model,
+        spiky_data(10, spikes=(4,)),
+        epochs=2,
+        validation_data=spiky_data(3),
+        callbacks=callbacks,
+    )
+    data = read_back(tmp_path)
+    assert [step for step, _ in events(data)] == [4, 14]
+    assert scalars(data, tags.SKIPPED_STEPS) == {4: 1, 5: 1, 10: 1, 14: 2, 15: 2, 20: 2}
+    assert "epoch_loss" in data  # Keras's own points sit beside kmix's
+    assert os.path.isdir(os.path.join(tmp_path, "validation"))
+
+
+def test_train_begin_writes_policy_layout_and_prints_the_command(tmp_path, capsys):
+    model = spiky_model()
+    fit(model, spiky_data(2), callbacks=[MixedPrecisionMonitor(tmp_path)])
+    assert f"tensorboard --logdir {tmp_path}" in capsys.readouterr().out
+
+    data = read_back(tmp_path)
+    ((_, policy),) = texts(data, tags.POLICY)
+    assert "mixed_float16" in policy and "kmix.LossScaleOptimizer" in policy
+    assert "| b | Dense | float16 | float32 |" in policy  # the per-layer dtype table
+    ((_, raw),) = data["custom_scalars__config__"]
+    layout = layout_pb2.Layout.FromString(raw.item())
+    patterns = {
+        pattern
+        for category in layout.category
+        for chart in category.chart
+        for pattern in chart.multiline.tag
+    }
+    for tag in (tags.LOSS_SCALE, tags.SKIPPED_STEPS, tags.SKIP_RATE, tags.GRAD_NORM):
+        assert f"^{tag}$" in patterns
+    assert f"^{tags.OVERFLOW_HEADROOM_BITS}$" in patterns
+    assert f"^{tags.UNDERFLOW_FRACTION}$" in patterns
+
+
+def test_stock_keras_optimizer_logs_scale_and_inferred_skips_and_warns_once(tmp_path):
+    optimizer = keras.mixed_precision.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0), initial_scale=1024
+    )
+    model = spiky_model(optimizer)
+    monitor = MixedPrecisionMonitor(tmp_path, update_freq=5, verbose=0)
+    with pytest.warns(UserWarning, match="kmix.LossScaleOptimizer") as record:
+        fit(model, spiky_data(10, spikes=(2, 3, 8)), callbacks=[monitor])
+        fit(model, spiky_data(5), callbacks=[monitor])
+    assert len([w for w in record if "kmix.LossScaleOptimizer" in str(w.message)]) == 1
+
+    data = read_back(tmp_path)
+    assert scalars(data, tags.LOSS_SCALE)[5] == 256.0
+    assert scalars(data, tags.LOSS_SCALE)[10] == 128.0
+    assert scalars(data, tags.SKIPPED_STEPS)[5] == 2
+    assert scalars(data, tags.SKIPPED_STEPS)[10] == 3
+    assert tags.GRAD_NORM not in data and not events(data)
+    assert "from_keras" in texts(data, tags.NOTES)[0][1]
+
+
+def test_without_loss_scaling_logs_the_policy_and_why_the_rest_is_missing(tmp_path):
+    keras.config.set_dtype_policy("float32")
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    x, y = np.ones((4, 1), np.float32), np.zeros((4, 1), np.float32)
+    model.fit(x, y, callbacks=[MixedPrecisionMonitor(tmp_path, update_freq=1, verbose=0)])
+
+    data = read_back(tmp_path)
+    assert tags.LOSS_SCALE not in data and tags.SKIPPED_STEPS not in data
+    ((_, note),) = texts(data, tags.NOTES)
+    assert "No loss-scale optimizer" in note and "float32" in note
+    assert "loss scaling: none" in texts(data, tags.POLICY)[0][1]
+
+
+def test_interrupted_fit_leaves_everything_up_to_the_last_read_on_disk(tmp_path):
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 12:  # step 13
+                raise KeyboardInterrupt
+
+    model = spiky_model()
+    monitor = MixedPrecisionMonitor(tmp_path, update_freq=5, verbose=0)
+    with pytest.raises(KeyboardInterrupt):
+        fit(model, spiky_data(20, spikes=(3, 12)), callbacks=[monitor, Interrupt()])
+
+    data = read_back(tmp_path)
+    assert [step for step, _ in events(data)] == [3]  # step 12 was not read yet
+    assert max(scalars(data, tags.LOSS_SCALE)) == 10
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"log_dir": None}, TypeError, "log_dir=None"),
+        ({"log_dir": 3}, TypeError, "log_dir=3"),
+        ({"log_dir": " "}, ValueError, "non-empty"),
+        ({"update_freq": 0}, ValueError, "update_freq=0.*integer >= 1"),
+        ({"update_freq": -5}, ValueError, "update_freq=-5"),
+        ({"update_freq": 2.5}, ValueError, "update_freq=2.5"),
+        ({"update_freq": True}, ValueError, "update_freq=True"),
+        ({"histogram_freq": -1}, ValueError, "histogram_freq=-1.*integer >= 0"),
+        ({"verbose": 2}, ValueError, "verbose=2"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(tmp_path, kwargs, error, match):
+    kwargs = {"log_dir": tmp_path, **kwargs}
+    with pytest.raises(error, match=match):
+        MixedPrecisionMonitor(**kwargs)
+
+
+def test_log_dir_under_a_file_fails_at_construction(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        MixedPrecisionMonitor(blocker / "run")
+    with pytest.raises(ValueError, match="is a file"):
+        MixedPrecisionMonitor(blocker)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_log_dir_fails_at_construction(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(ValueError, match="not writable"):
+        MixedPrecisionMonitor(locked / "run")
+
+
+def test_uncompiled_model_fails_at_train_begin(tmp_path):
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    monitor = MixedPrecisionMonitor(tmp_path, verbose=0)
+    monitor.set_model(model)
+    with pytest.raises(ValueError, match="not compiled.*model.compile"):
+        monitor.on_train_begin()
+    assert not os.path.exists(os.path.join(tmp_path, tags.TRAIN_DIR))
