@@ -1,0 +1,292 @@
+"""``kmix demo``: mixed-precision training made visible, on data that ships with kmix.
+
+A small convolutional network learns the 8x8 handwritten digits in
+``mixed_float16`` with :class:`kmix.LossScaleOptimizer`,
+:class:`kmix.callbacks.MixedPrecisionMonitor` and
+:class:`kmix.callbacks.LossScaleGuard`. The loss scale starts at ``2**24``, far too
+high, so the first steps overflow float16 and back off: the report shows the
+overflow episode, the recovery, the growth events that follow, gradient health
+and exponent histograms. The same model is then trained in float32 from the same
+seed, to compare test accuracies.
+
+Example:
+    >>> from kmix import demo
+    >>> result = demo.run("runs/demo", epochs=1, verbose=0)  # doctest: +SKIP
+    >>> result.mixed_accuracy, result.float32_accuracy       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import importlib.resources
+import os
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+
+TEST_EVERY = 6
+"""Every 6th image is a test image: 300 test, 1,497 train, all classes in both."""
+
+BATCH_SIZE = 32
+LEARNING_RATE = 3e-3
+INITIAL_SCALE = 2.0**24  # the optimizer's max_scale: gradients overflow float16 at once
+GROWTH_STEPS = 50  # small, so that growth events appear within a few epochs
+UPDATE_FREQ = 10
+HISTOGRAM_FREQ = 50
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoResult:
+    """What :func:`run` trained and measured.
+
+    Attributes:
+        logdir: the TensorBoard log dir of the run.
+        policy: the dtype policy of the mixed-precision run, and why.
+        mixed_accuracy: test accuracy of the mixed-precision model.
+        float32_accuracy: test accuracy of the same model trained in float32, or
+            None when the comparison was not run.
+        guard_diagnosis: why LossScaleGuard stopped training, or None.
+        summary: the :func:`kmix.report.summarize` dict of the run.
+        plots: the PNG files written (empty without matplotlib).
+        seconds: wall time of the whole demo.
+    """
+
+    logdir: str
+    policy: str
+    mixed_accuracy: float
+    float32_accuracy: float | None
+    guard_diagnosis: str | None
+    summary: dict[str, Any]
+    plots: list[str]
+    seconds: float
+
+
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """Loads the 1,797 8x8 handwritten digits shipped in ``kmix/data/digits.npz``.
+
+    See ``kmix/data/README.md`` for the source (UCI, CC BY 4.0).
+
+    Returns:
+        ``(images, labels)``: uint8 arrays of shapes (1797, 8, 8), values 0..16,
+        and (1797,), values 0..9.
+    """
+    resource = importlib.resources.files("kmix").joinpath("data", "digits.npz")
+    with resource.open("rb") as file, np.load(file) as data:
+        return data["images"], data["labels"]
+
+
+def split(
+    images: np.ndarray, labels: np.ndarray, train_limit: int | None = None
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """Splits the digits into train and test sets, scaled to [0, 1] with a channel axis.
+
+    Args:
+        images: uint8 images, values 0..16.
+        labels: their labels.
+        train_limit: keep only the first this many training images (for quick tests).
+
+    Returns:
+        ``((x_train, y_train), (x_test, y_test))``; x is float32 of shape (n, 8, 8, 1).
+    """
+    x = (images.astype("float32") / 16.0)[..., None]
+    test = np.arange(len(images)) % TEST_EVERY == 0
+    train = (x[~test][:train_limit], labels[~test][:train_limit])
+    return train, (x[test], labels[test])
+
+
+def build_model() -> Any:
+    """Builds the small CNN under the current global dtype policy.
+
+    The softmax head computes in float32, as mixed precision advises.
+
+    Returns:
+        An uncompiled ``keras.Model``: two 3x3 convolutions (16 and 32 filters),
+        max pooling, a third convolution (64), global average pooling, Dense(10).
+    """
+    import keras
+    from keras import layers
+
+    inputs = keras.Input((8, 8, 1))
+    x = layers.Conv2D(16, 3, padding="same", activation="relu")(inputs)
+    x = layers.Conv2D(32, 3, padding="same", activation="relu")(x)
+    x = layers.MaxPooling2D()(x)
+    x = layers.Conv2D(64, 3, padding="same", activation="relu")(x)
+    x = layers.GlobalAveragePooling2D()(x)
+    outputs = layers.Dense(10, activation="softmax", dtype="float32")(x)
+    return keras.Model(inputs, outputs, name="digits_cnn")
+
+
+def _train(
+    policy: str,
+    data: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
+    epochs: int,
+    seed: int,
+    callbacks: list[Any],
+    scaled: bool,
+    verbose: int,
+) -> tuple[Any, str, float]:
+    """Builds, compiles and trains one model; returns it, the policy text and test accuracy."""
+    import keras
+
+    import kmix
+
+    keras.utils.set_random_seed(seed)
+    with contextlib.ExitStack() as stack:
+        with warnings.catch_warnings():  # the choice's reason says when float16 is slow here
+            warnings.simplefilter("ignore", UserWarning)
+            choice = stack.enter_context(kmix.policy_scope(policy))
+        model = build_model()
+        optimizer: Any = keras.optimizers.Adam(LEARNING_RATE)
+        if scaled:
+            optimizer = kmix.LossScaleOptimizer(
+                optimizer, initial_scale=INITIAL_SCALE, dynamic_growth_steps=GROWTH_STEPS
+            )
+        model.compile(
+            optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"]
+        )
+        (x_train, y_train), (x_test, y_test) = data
+        model.fit(
+            x_train,
+            y_train,
+            batch_size=BATCH_SIZE,
+            epochs=epochs,
+            validation_data=(x_test, y_test),
+            callbacks=callbacks,
+            verbose=verbose,
+        )
+        _, accuracy = model.evaluate(x_test, y_test, batch_size=256, verbose=0)
+    return model, str(choice), float(accuracy)
+
+
+def clear_previous_run(logdir: str) -> int:
+    """Removes the event files a previous demo wrote into ``logdir``.
+
+    TensorBoard would otherwise draw both runs on top of each other.
+
+    Args:
+        logdir: the demo's log dir.
+
+    Returns:
+        How many files were removed.
+    """
+    from kmix import tags
+
+    old = []
+    for sub in (tags.TRAIN_DIR, "validation"):
+        old += glob.glob(os.path.join(logdir, sub, "events.out.tfevents.*"))
+    for path in old:
+        os.remove(path)
+    return len(old)
+
+
+def run(
+    logdir: str,
+    epochs: int = 10,
+    policy: str = "mixed_float16",
+    *,
+    train_limit: int | None = None,
+    compare_float32: bool = True,
+    seed: int = 0,
+    verbose: int = 1,
+) -> DemoResult:
+    """Trains the demo in mixed precision (logged), then in float32, and reports.
+
+    The global dtype policy is the same afterwards as before.
+
+    Args:
+        logdir: TensorBoard log dir; event files of a previous demo there are removed.
+        epochs: epochs per run, >= 1.
+        policy: the dtype policy of the logged run (any name ``kmix.use`` accepts).
+        train_limit: train on only the first this many training images.
+        compare_float32: also train the same model in float32.
+        seed: random seed of both runs.
+        verbose: Keras's verbosity for the logged run: 1 shows a progress bar.
+
+    Returns:
+        A :class:`DemoResult`.
+
+    Raises:
+        ValueError: ``epochs`` < 1 or ``policy`` is not a known policy name.
+    """
+    import keras
+
+    from kmix import report
+    from kmix.callbacks import LossScaleGuard, MixedPrecisionMonitor
+
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"Invalid `epochs` for kmix demo: epochs={epochs!r}. Use an integer >= 1.")
+    start = time.perf_counter()
+    clear_previous_run(logdir)
+    data = split(*load_digits(), train_limit=train_limit)
+    guard = LossScaleGuard(check_freq=UPDATE_FREQ)
+    callbacks = [
+        MixedPrecisionMonitor(
+            logdir, update_freq=UPDATE_FREQ, histogram_freq=HISTOGRAM_FREQ, verbose=0
+        ),
+        guard,
+        keras.callbacks.TensorBoard(logdir),
+    ]
+    _, choice, mixed_accuracy = _train(policy, data, epochs, seed, callbacks, True, verbose)
+    float32_accuracy = None
+    if compare_float32:
+        float32_accuracy = _train("float32", data, epochs, seed, [], False, 0)[2]
+    log = report.read_log(logdir)
+    summary = report.summarize(log)
+    try:
+        plots = report.write_plots(log, summary, os.path.join(logdir, "report"))
+    except ImportError:
+        plots = []
+    return DemoResult(
+        logdir=logdir,
+        policy=choice,
+        mixed_accuracy=mixed_accuracy,
+        float32_accuracy=float32_accuracy,
+        guard_diagnosis=guard.diagnosis,
+        summary=summary,
+        plots=plots,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def main(logdir: str, epochs: int = 10, policy: str = "mixed_float16") -> int:
+    """Runs the demo and prints accuracies, the report and how to open TensorBoard.
+
+    Args:
+        logdir: TensorBoard log dir.
+        epochs: epochs per run, >= 1.
+        policy: the dtype policy of the logged run.
+
+    Returns:
+        The exit status: 0, or 1 when LossScaleGuard stopped training.
+    """
+    from kmix import report
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    print(
+        f"kmix demo: {epochs} epoch(s) on the 8x8 digits in {policy}, loss scale starting "
+        f"at 2^24 so the first steps overflow float16 and back off; logs in {logdir}"
+    )
+    result = run(logdir, epochs, policy)
+    print()
+    print(f"policy: {result.policy}")
+    print(f"test accuracy, {policy} with kmix: {result.mixed_accuracy:.4f}")
+    if result.float32_accuracy is not None:
+        print(f"test accuracy, same model in float32: {result.float32_accuracy:.4f}")
+    print()
+    print(report.format_summary(result.summary))
+    print()
+    if result.plots:
+        print("plots: " + ", ".join(result.plots))
+    else:
+        print("plots: none (matplotlib is not installed: pip install matplotlib)")
+    print(f"TensorBoard: tensorboard --logdir {logdir}")
+    print(f"again, from the logs: kmix report {logdir}")
+    print(f"demo took {result.seconds:.0f} s")
+    if result.guard_diagnosis:
+        print(f"LossScaleGuard stopped training: {result.guard_diagnosis}")
+        return 1
+    return 0
