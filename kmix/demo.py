@@ -36,7 +36,7 @@ LEARNING_RATE = 3e-3
 INITIAL_SCALE = 2.0**24  # the optimizer's max_scale: gradients overflow float16 at once
 GROWTH_STEPS = 50  # small, so that growth events appear within a few epochs
 UPDATE_FREQ = 10
-HISTOGRAM_FREQ = 50
+HISTOGRAM_FREQ = 25  # at least one histogram in the first epoch (47 steps)
 
 
 @dataclasses.dataclass(frozen=True)
