@@ -37,7 +37,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return BAD_INPUT
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # e.g. `kmix report LOGDIR | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -267,8 +267,9 @@ def main(logdir: str, epochs: int = 10, policy: str = "mixed_float16") -> int:
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     print(
-        f"kmix demo: {epochs} epoch(s) on the 8x8 digits in {policy}, loss scale starting "
-        f"at 2^24 so the first steps overflow float16 and back off; logs in {logdir}"
+        f"kmix demo: {epochs} epoch(s) on the 8x8 digits, policy {policy}. The loss scale "
+        "starts at 2^24, too high for float16 on purpose: the first float16 steps overflow "
+        f"and back off. Logs in {logdir}"
     )
     result = run(logdir, epochs, policy)
     print()

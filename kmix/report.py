@@ -37,6 +37,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import types
 from collections import Counter
@@ -64,6 +65,8 @@ TREND_TAGS = {
 """Summary key -> scalar tag of the gradient-health trends."""
 
 PLOT_FILES = ("loss_scale.png", "health.png", "grad_exponents.png")
+
+_MODEL_POLICY = re.compile(r"model `[^`]*` policy `([^`]+)`")
 
 EXPECTED = (
     "TensorBoard event files with kmix/ tags under {train} "
@@ -242,8 +245,8 @@ def summarize(log: KmixLog) -> dict[str, Any]:
         ``logdir``, ``steps_seen``, ``loss_scale`` (``initial``, ``final``,
         ``min``, ``max``), ``skipped_steps``, ``skip_rate``, ``recent_skip_rate``,
         ``events``, ``event_counts``, ``trends``, ``underflow_by_variable``,
-        ``gradient_exponents`` (see :func:`exponent_shares`), ``policy``, ``notes``
-        and ``findings``.
+        ``gradient_exponents`` (see :func:`exponent_shares`), ``policy``,
+        ``compute_dtype``, ``notes`` and ``findings``.
     """
     events, notes = _events_and_notes(log)
     scale = log.scalars.get(tags.LOSS_SCALE)
@@ -267,6 +270,7 @@ def summarize(log: KmixLog) -> dict[str, Any]:
             variable: exponent_shares(*points[-1]) for variable, points in log.histograms.items()
         },
         "policy": policy[-1][1] if policy else None,
+        "compute_dtype": compute_dtype(policy[-1][1]) if policy else None,
         "notes": notes,
     }
     summary["findings"] = [dataclasses.asdict(f) for f in findings(summary)]
@@ -369,6 +373,19 @@ def _latest_by_variable(log: KmixLog) -> dict[str, float | None]:
     return dict(sorted(latest.items(), key=lambda item: -(item[1] or 0.0)))
 
 
+def compute_dtype(policy_text: str) -> str | None:
+    """The model's compute dtype, read from the ``kmix/policy`` text of the monitor.
+
+    Args:
+        policy_text: the text, which names the model's policy as ``policy `NAME```.
+
+    Returns:
+        ``"float16"``, ``"bfloat16"``, ``"float32"``...; None if the text names none.
+    """
+    match = _MODEL_POLICY.search(policy_text)
+    return None if match is None else match[1].removeprefix("mixed_")
+
+
 def exponent_shares(step: int, counts: np.ndarray) -> dict[str, Any]:
     """Splits one exponent histogram into the ranges that matter for float16.
 
@@ -411,8 +428,15 @@ def _steps_list(steps: list[int], limit: int = 5) -> str:
     return shown + (f" and {len(steps) - limit} more" if len(steps) > limit else "")
 
 
+def _float16(summary: dict[str, Any]) -> bool:
+    """Whether float16's limits apply: the model computes in float16, or it is unknown."""
+    return summary["compute_dtype"] in (None, "float16")
+
+
 def _rule_underflow(summary: dict[str, Any]) -> list[Finding]:
     """Underflow per variable, told apart into zeros and tiny values when histograms allow."""
+    if not _float16(summary):
+        return []
     found = []
     headroom = (summary["trends"]["overflow_headroom_bits"] or {}).get("last")
     for variable, fraction in summary["underflow_by_variable"].items():
@@ -468,14 +492,31 @@ def _rule_underflow(summary: dict[str, Any]) -> list[Finding]:
 
 def _rule_headroom(summary: dict[str, Any]) -> list[Finding]:
     last = (summary["trends"]["overflow_headroom_bits"] or {}).get("last")
-    if last is None or last >= HEADROOM_WARN_BITS:
+    if not _float16(summary) or last is None or last >= HEADROOM_WARN_BITS:
+        return []
+    if last < 0:
+        message = (
+            f"the largest scaled gradient exceeded float16's maximum (65504) by {-last:.2f} "
+            "bits at the last reading: gradients overflow, expect skipped steps"
+        )
+    else:
+        message = (
+            f"the largest scaled gradient was {last:.2f} bits below float16's maximum "
+            "(65504) at the last reading: close to overflow, expect skipped steps"
+        )
+    return [Finding("warning", "headroom", message)]
+
+
+def _rule_not_float16(summary: dict[str, Any]) -> list[Finding]:
+    if _float16(summary):
         return []
     return [
         Finding(
-            "warning",
-            "headroom",
-            f"the largest scaled gradient was {last:.2f} bits below float16's maximum (65504) "
-            "at the last reading: close to overflow, expect skipped steps",
+            "info",
+            "not_float16",
+            f"the model computes in {summary['compute_dtype']}, not float16: float16's limits "
+            "in the headroom, underflow and exponent statistics do not apply to it, and "
+            "bfloat16 or float32 need no loss scaling",
         )
     ]
 
@@ -596,6 +637,7 @@ RULES: tuple[Callable[[dict[str, Any]], list[Finding]], ...] = (
     _rule_skip_rate,
     _rule_headroom,
     _rule_underflow,
+    _rule_not_float16,
     _rule_culprit,
     _rule_overflow_episodes,
     _rule_notes,
@@ -610,8 +652,8 @@ def findings(summary: dict[str, Any]) -> list[Finding]:
         summary: a dict from :func:`summarize` (its ``findings`` key is not read).
 
     Returns:
-        The findings, warnings of each rule before its infos; a single info saying
-        so when no rule found a problem.
+        The findings in the order of :data:`RULES`, preceded by an info saying
+        "no problems found" when none is a warning.
     """
     found = [finding for rule in RULES for finding in rule(summary)]
     if not any(f.severity == "warning" for f in found):

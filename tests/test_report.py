@@ -468,3 +468,40 @@ def test_no_histograms_no_heatmap(tmp_path):
     assert [os.path.basename(p) for p in written] == ["loss_scale.png", "health.png"]
     for path in written:
         assert_png(path)
+
+
+def test_headroom_below_zero_says_gradients_overflow():
+    log = hand_log(scalars={tags.OVERFLOW_HEADROOM_BITS: ([10], [-2.0])})
+    (finding,) = report.summarize(log)["findings"]
+    assert finding["message"].startswith(
+        "the largest scaled gradient exceeded float16's maximum (65504) by 2.00 bits"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "dtype"),
+    [
+        ("Global dtype policy `float32`; model `m` policy `mixed_float16`; ...", "float16"),
+        ("Global dtype policy `x`; model `cnn` policy `mixed_bfloat16`; ...", "bfloat16"),
+        ("model `m` policy `float32`.", "float32"),
+        ("a policy text in another format", None),
+    ],
+)
+def test_compute_dtype_from_the_policy_text(text, dtype):
+    assert report.compute_dtype(text) == dtype
+
+
+def test_float16_limits_do_not_apply_to_bfloat16():
+    log = hand_log(
+        scalars={
+            tags.OVERFLOW_HEADROOM_BITS: ([10], [-8.0]),
+            tags.UNDERFLOW_BY_VARIABLE + "d/kernel": ([10], [0.5]),
+        },
+        texts={tags.POLICY: [(0, "Global dtype policy `a`; model `m` policy `mixed_bfloat16`.")]},
+    )
+    summary = report.summarize(log)
+    assert summary["compute_dtype"] == "bfloat16"
+    assert [(f["severity"], f["rule"]) for f in summary["findings"]] == [
+        ("info", "healthy"),
+        ("info", "not_float16"),
+    ]
