@@ -149,7 +149,8 @@ def read_log(logdir: str) -> KmixLog:
         A :class:`KmixLog`.
 
     Raises:
-        ReportError: the path is missing, not a directory, empty, or holds no kmix data.
+        ReportError: the path is missing, not a directory, unreadable, empty, or
+            holds no kmix data.
     """
     train = os.path.join(logdir, tags.TRAIN_DIR)
     expected = EXPECTED.format(train=train)
@@ -157,7 +158,13 @@ def read_log(logdir: str) -> KmixLog:
         raise ReportError(f"{logdir} does not exist: expected a log dir with {expected}")
     if not os.path.isdir(logdir):
         raise ReportError(f"{logdir} is not a directory: expected a log dir with {expected}")
-    if not os.listdir(logdir):
+    try:
+        empty = not os.listdir(logdir)
+    except OSError as error:
+        raise ReportError(
+            f"{logdir} cannot be read ({error.strerror}): expected {expected}"
+        ) from error
+    if empty:
         raise ReportError(f"{logdir} is empty: expected {expected}")
     for path in (train, logdir):
         if os.path.isdir(path):
@@ -171,11 +178,7 @@ def _read_dir(path: str) -> KmixLog:
     from tensorboard.backend.event_processing import event_accumulator as ea
     from tensorboard.util import tensor_util
 
-    keep_all = {
-        kind: 0
-        for kind in (ea.SCALARS, ea.TENSORS, ea.HISTOGRAMS, ea.COMPRESSED_HISTOGRAMS)
-        + (ea.IMAGES, ea.AUDIO)
-    }
+    keep_all = {ea.SCALARS: 0, ea.TENSORS: 0}  # 0: every point, none sampled away
     accumulator = ea.EventAccumulator(path, size_guidance=keep_all)
     accumulator.Reload()
     found = accumulator.Tags()

@@ -505,3 +505,12 @@ def test_float16_limits_do_not_apply_to_bfloat16():
         ("info", "healthy"),
         ("info", "not_float16"),
     ]
+
+
+def test_unreadable_log_dir(tmp_path, monkeypatch):
+    def denied(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(report.os, "listdir", denied)
+    with pytest.raises(report.ReportError, match=r"cannot be read \(Permission denied\)"):
+        report.read_log(str(tmp_path))
