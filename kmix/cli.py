@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from kmix import __version__
 from kmix.policy import POLICY_NAMES
 
 BAD_INPUT = 2
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kmix",
         description="Safe and visible Keras mixed-precision training.",
     )
+    parser.add_argument("--version", action="version", version=f"kmix {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     demo = commands.add_parser(

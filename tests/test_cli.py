@@ -95,6 +95,11 @@ def test_subcommand_help(command):
     assert f"usage: kmix {command}" in result.stdout
 
 
+def test_version():
+    result = kmix("--version")
+    assert (result.returncode, result.stdout.strip()) == (0, "kmix 0.1.0")
+
+
 def test_no_command_prints_usage_and_exits_2():
     result = kmix()
     assert result.returncode == 2
