@@ -264,6 +264,7 @@ def test_interrupted_fit_leaves_everything_up_to_the_last_read_on_disk(tmp_path)
                 raise KeyboardInterrupt
 
     model = spiky_model()
+    before = model.optimizer.health_every
     monitor = MixedPrecisionMonitor(tmp_path, update_freq=5, verbose=0)
     with pytest.raises(KeyboardInterrupt):
         fit(model, spiky_data(20, spikes=(3, 12)), callbacks=[monitor, Interrupt()])
@@ -271,6 +272,11 @@ def test_interrupted_fit_leaves_everything_up_to_the_last_read_on_disk(tmp_path)
     data = read_back(tmp_path)
     assert [step for step, _ in events(data)] == [3]  # step 12 was not read yet
     assert max(scalars(data, tags.LOSS_SCALE)) == 10
+    # The interrupted fit left health_every at 5; the monitor's next fit gives the
+    # optimizer back its own setting at the end.
+    assert model.optimizer.health_every == 5
+    fit(model, spiky_data(2), callbacks=[monitor])
+    assert model.optimizer.health_every == before
 
 
 @pytest.mark.parametrize(

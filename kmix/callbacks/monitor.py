@@ -206,7 +206,7 @@ class MixedPrecisionMonitor(StepCallback):
         self.verbose = int(verbose)
         self._writer: Any = None
         self._warned = False
-        self._restore: dict[str, int] = {}
+        self._restore: list[tuple[Any, str, int]] = []  # (optimizer, setting, value)
 
     # ---------------------------------------------------------------- hooks
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -226,15 +226,14 @@ class MixedPrecisionMonitor(StepCallback):
                 f"{_OWNER} cannot create its log directory {train_dir!r} "
                 f"(log_dir={self.log_dir!r}): {error}. Pass a directory you can write to."
             ) from error
-        self._close()
+        self._close()  # and undo the settings of a fit that was interrupted
         self._writer = tf.summary.create_file_writer(train_dir)
-        self._restore = {}
         if self._kind == KMIX:
             opt = self._optimizer
-            self._restore = {"health_every": opt.health_every}
+            self._restore = [(opt, "health_every", opt.health_every)]
             opt.health_every = self.update_freq
             if self.histogram_freq:
-                self._restore["histogram_every"] = opt.histogram_every
+                self._restore.append((opt, "histogram_every", opt.histogram_every))
                 opt.histogram_every = self.histogram_freq
         elif self._kind == KERAS and not self._warned:
             self._warned = True
@@ -265,13 +264,14 @@ class MixedPrecisionMonitor(StepCallback):
             return
         if self._unread_steps:
             self._read(logs)
-        for name, value in self._restore.items():
-            setattr(self._optimizer, name, value)
-        self._restore = {}
         self._close()
 
     # --------------------------------------------------------------- writing
     def _close(self) -> None:
+        """Gives the optimizer its own settings back and closes the file."""
+        for optimizer, name, value in self._restore:
+            setattr(optimizer, name, value)
+        self._restore = []
         if self._writer is not None:
             self._writer.close()
             self._writer = None

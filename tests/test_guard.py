@@ -1,0 +1,185 @@
+"""LossScaleGuard: trips exactly after `patience` bad steps, never on a healthy run.
+
+The spiky model (as in test_monitor): ``out = a(x1) + b(x2)``, kernels 1, SGD at
+learning rate 0, batch size 1. A spike row overflows only b/kernel's float16
+gradient (20000 * scale, for every scale >= 4); a NaN in x1 makes the loss NaN.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import kmix
+from kmix.callbacks import LossScaleGuard, LossScaleGuardError
+
+
+def spiky_data(n: int, spikes=(), nan_rows=()) -> tuple[list[np.ndarray], np.ndarray]:
+    x1 = np.ones((n, 1), np.float32)
+    x2 = np.zeros((n, 1), np.float32)
+    y = np.zeros((n, 1), np.float32)
+    for row in spikes:
+        x1[row - 1], x2[row - 1], y[row - 1] = 0.0, 10000.0, 9999.0
+    for row in nan_rows:
+        x1[row - 1] = np.nan
+    return [x1, x2], y
+
+
+def spiky_model(optimizer=None) -> keras.Model:
+    keras.config.set_dtype_policy("mixed_float16")
+    x1, x2 = keras.Input((1,)), keras.Input((1,))
+    a = keras.layers.Dense(1, kernel_initializer="ones", name="a")(x1)
+    b = keras.layers.Dense(1, kernel_initializer="ones", name="b")(x2)
+    out = keras.layers.Activation("linear", dtype="float32")(keras.layers.Add()([a, b]))
+    model = keras.Model([x1, x2], out)
+    if optimizer is None:
+        optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=1024)
+    model.compile(optimizer, "mse")
+    return model
+
+
+class CountSteps(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.steps = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+
+
+def fit(model, data, guard, epochs: int = 1):
+    counter = CountSteps()
+    x, y = data
+    model.fit(
+        x, y, batch_size=1, epochs=epochs, shuffle=False, verbose=0, callbacks=[guard, counter]
+    )
+    return counter.steps
+
+
+def test_a_healthy_run_never_trips_it():
+    keras.config.set_dtype_policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 16)).astype("float32")
+    y = (x @ rng.normal(size=(16, 1))).astype("float32")
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(1, dtype="float32"),
+        ]
+    )
+    model.compile(kmix.LossScaleOptimizer(keras.optimizers.Adam(1e-2)), "mse")
+    guard = LossScaleGuard(patience=3, window=20, max_skip_rate=0.2)
+    history = model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[guard])
+    assert len(history.history["loss"]) == 3
+    assert (guard.diagnosis, guard.reason, guard.step) == (None, None, None)
+    assert np.isfinite(history.history["loss"]).all()
+
+
+def test_nonfinite_loss_stops_after_exactly_patience_steps(capsys):
+    model = spiky_model()
+    guard = LossScaleGuard(patience=5)
+    steps = fit(model, spiky_data(30, nan_rows=range(6, 31)), guard)
+    assert steps == 10  # NaN loss from step 6; the 5th in a row is step 10
+    assert (guard.reason, guard.step) == ("nonfinite_loss", 10)
+    assert model.optimizer.attempted_steps == 10
+    assert "step 10" in guard.diagnosis and "since step 6" in guard.diagnosis
+    assert "`a/kernel`" in guard.diagnosis  # every gradient is NaN; the first is named
+    assert "lowering the loss scale cannot help" in guard.diagnosis
+    assert guard.diagnosis in capsys.readouterr().out
+    # kmix's optimizer never goes below its floor, unlike the stock one (below).
+    assert model.optimizer.loss_scale >= 1.0
+
+
+def test_overflow_at_the_floor_stops_and_names_the_variable():
+    optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=16, min_scale=4)
+    model = spiky_model(optimizer)
+    guard = LossScaleGuard(patience=4, verbose=0)
+    # Every step overflows: 16 -> 8 -> 4 (steps 1, 2), then skipped at the floor.
+    steps = fit(model, spiky_data(20, spikes=range(1, 21)), guard)
+    assert steps == 4 and (guard.reason, guard.step) == ("overflow_at_floor", 4)
+    assert "`b/kernel`" in guard.diagnosis and "floor 4" in guard.diagnosis
+
+
+def test_skip_rate_over_the_window_raises_in_raise_mode():
+    optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64)
+    model = spiky_model(optimizer)
+    guard = LossScaleGuard(patience=5, window=10, max_skip_rate=0.4, mode="raise")
+    with pytest.raises(LossScaleGuardError) as caught:
+        fit(model, spiky_data(40, spikes=range(2, 41, 2)), guard)  # every other step
+    assert isinstance(caught.value, RuntimeError)
+    assert (caught.value.reason, caught.value.step) == ("skip_rate", 10)
+    assert str(caught.value) == guard.diagnosis
+    assert "5 of the last 10 steps (50%)" in guard.diagnosis
+
+
+def test_stock_keras_scale_falls_to_zero_and_the_guard_stops_it_within_patience():
+    data = spiky_data(200, nan_rows=range(1, 201))
+
+    def stock():
+        return keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.01))
+
+    # Stock Keras alone: the scale halves on every NaN step down to exactly 0.0
+    # and training goes on with a NaN loss, silently.
+    model = spiky_model(stock())
+    history = model.fit(*data, batch_size=1, shuffle=False, verbose=0)
+    assert float(model.optimizer.dynamic_scale.numpy()) == 0.0
+    assert np.isnan(history.history["loss"][-1])
+
+    model = spiky_model(stock())
+    guard = LossScaleGuard(patience=5, verbose=0)
+    assert fit(model, data, guard) == 5
+    assert (guard.reason, guard.step) == ("nonfinite_loss", 5)
+    assert "kmix.LossScaleOptimizer does" in guard.diagnosis  # where to see the variable
+
+
+def test_stock_keras_overflow_at_the_floor():
+    optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=4)
+    model = spiky_model(optimizer)
+    guard = LossScaleGuard(patience=3, verbose=0)
+    # x2 = 60000, y = 0: the loss (3.6e9) is finite in float32, but b/kernel's
+    # scaled gradient (3.6e9 * scale) overflows float16 at every scale down to 2**-16.
+    x = [np.zeros((20, 1), np.float32), np.full((20, 1), 60000.0, np.float32)]
+    steps = fit(model, (x, np.zeros((20, 1), np.float32)), guard)
+    # The stock scale goes 4 -> 2 -> 1 -> 0.5: after step 3 it is below the floor
+    # 1.0 the guard assumes, with three skipped steps in a row.
+    assert (guard.reason, guard.step, steps) == ("overflow_at_floor", 3, 3)
+    assert "0.5, at or below its floor 1" in guard.diagnosis
+
+
+def test_without_loss_scaling_only_the_loss_check_applies():
+    keras.config.set_dtype_policy("float32")
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    x = np.full((20, 1), np.nan, np.float32)
+    guard = LossScaleGuard(patience=3, verbose=0)
+    with pytest.warns(UserWarning, match="only the non-finite loss check"):
+        model.fit(x, np.zeros((20, 1)), batch_size=1, verbose=0, callbacks=[guard])
+    assert (guard.reason, guard.step) == ("nonfinite_loss", 3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"patience": 0}, "patience=0.*integer >= 1"),
+        ({"patience": 2.0}, "patience=2.0"),
+        ({"max_skip_rate": 0}, r"max_skip_rate=0.*\(0.0, 1.0\]"),
+        ({"max_skip_rate": 1.5}, "max_skip_rate=1.5"),
+        ({"max_skip_rate": float("nan")}, "max_skip_rate=nan"),
+        ({"window": 0}, "window=0"),
+        ({"mode": "halt"}, "mode='halt'.*'stop'.*'raise'"),
+        ({"check_freq": -1}, "check_freq=-1"),
+        ({"verbose": 3}, "verbose=3"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LossScaleGuard(**kwargs)
+
+
+def test_uncompiled_model_fails_at_train_begin():
+    guard = LossScaleGuard()
+    guard.set_model(keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)]))
+    with pytest.raises(ValueError, match="not compiled"):
+        guard.on_train_begin()
