@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,6 +213,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self._histogram_every = histogram_every
         self.event_capacity = event_capacity
         self._loss_flag = threading.local()
+        _warn_if_fit_cannot_run_here()
 
     # ------------------------------------------------------------------ state
     def build(self, var_list: list[Any]) -> None:
@@ -448,37 +450,37 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     @property
     def loss_scale(self) -> float:
         """The current loss scale."""
-        return float(self._read(self.dynamic_scale, self.initial_scale))
+        return float(self._read("dynamic_scale", self.initial_scale))
 
     @property
     def skipped_steps(self) -> int:
         """Cumulative skipped (non-finite) steps."""
-        return int(self._read(self.skipped_steps_var, 0))
+        return int(self._read("skipped_steps_var", 0))
 
     @property
     def attempted_steps(self) -> int:
         """Optimizer steps attempted so far, skipped ones included."""
-        return int(self._read(self.attempted_steps_var, 0))
+        return int(self._read("attempted_steps_var", 0))
 
     @property
     def good_steps(self) -> int:
         """Consecutive finite steps since the scale last changed or a step was skipped."""
-        return int(self._read(self.good_steps_var, 0))
+        return int(self._read("good_steps_var", 0))
 
     @property
     def last_overflow_step(self) -> int:
         """Attempted step of the most recent skipped step; 0 if none yet."""
-        return int(self._read(self.last_overflow_step_var, 0))
+        return int(self._read("last_overflow_step_var", 0))
 
     @property
     def event_count(self) -> int:
         """Scale events recorded since training began (the ring keeps the last ones)."""
-        return int(self._read(self.event_count_var, 0))
+        return int(self._read("event_count_var", 0))
 
     @property
     def health_every(self) -> int:
         """Steps between gradient health computations."""
-        return int(self._read(getattr(self, "health_every_var", None), self._health_every))
+        return int(self._read("health_every_var", self._health_every))
 
     @health_every.setter
     def health_every(self, value: int) -> None:
@@ -489,7 +491,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     @property
     def histogram_every(self) -> int:
         """Steps between exponent histogram computations; 0 means off."""
-        return int(self._read(getattr(self, "histogram_every_var", None), self._histogram_every))
+        return int(self._read("histogram_every_var", self._histogram_every))
 
     @histogram_every.setter
     def histogram_every(self, value: int) -> None:
@@ -497,38 +499,37 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if self.built:
             self.histogram_every_var.assign(self._histogram_every)
 
-    def _read(self, variable: Any, default: Any) -> Any:
-        if not self.built or variable is None:
-            return default
-        return ops.convert_to_numpy(variable)
+    def _read(self, attribute: str, default: Any) -> Any:
+        """One variable's value, or ``default`` before the optimizer is built."""
+        variable = getattr(self, attribute, None) if self.built else None
+        return default if variable is None else ops.convert_to_numpy(variable)
 
     def read_state(self) -> dict[str, Any]:
-        """Reads scale, counters and the latest gradient health in one call.
+        """Reads scale, counters and the latest gradient health with two transfers.
 
         Returns:
             A dict of Python numbers: ``loss_scale``, ``attempted_steps``,
             ``skipped_steps``, ``good_steps``, ``consecutive_skips``,
             ``last_overflow_step``, ``loss_finite``, ``consecutive_nonfinite_loss``,
             ``event_count``, ``health_step`` (0 before the first health step) and
-            the :class:`kmix.health.GradientHealth` scalars.
+            the :class:`kmix.health.GradientHealth` scalars. Before the optimizer
+            is built: the initial scale and zeros.
         """
         if not self.built:
-            return {"loss_scale": float(self.initial_scale), "attempted_steps": 0}
-        ints = {
-            "attempted_steps": self.attempted_steps_var,
-            "skipped_steps": self.skipped_steps_var,
-            "good_steps": self.good_steps_var,
-            "consecutive_skips": self.consecutive_skips,
-            "last_overflow_step": self.last_overflow_step_var,
-            "consecutive_nonfinite_loss": self.consecutive_nonfinite_loss,
-            "event_count": self.event_count_var,
-            "health_step": self.health_step,
-        }
-        state = {name: int(ops.convert_to_numpy(v)) for name, v in ints.items()}
-        state["loss_scale"] = self.loss_scale
-        state["loss_finite"] = bool(ops.convert_to_numpy(self.loss_finite))
-        stats = ops.convert_to_numpy(self.health_stats)
-        state.update({f: float(x) for f, x in zip(_HEALTH_FIELDS, stats, strict=True)})
+            ints = [int(name == "loss_finite") for name in _INT_STATE]
+            floats = [self.initial_scale] + [0.0] * len(_HEALTH_FIELDS)
+        else:
+            # Stack on the device first: one host transfer per dtype, not per value.
+            ints = ops.convert_to_numpy(
+                ops.stack([ops.cast(getattr(self, a), "int64") for a in _INT_STATE.values()])
+            )
+            floats = ops.convert_to_numpy(
+                ops.concatenate([ops.reshape(self.dynamic_scale, (1,)), self.health_stats])
+            )
+        state: dict[str, Any] = {name: int(x) for name, x in zip(_INT_STATE, ints, strict=True)}
+        state["loss_finite"] = bool(state["loss_finite"])
+        state["loss_scale"] = float(floats[0])
+        state.update({f: float(x) for f, x in zip(_HEALTH_FIELDS, floats[1:], strict=True)})
         return state
 
     def variable_paths(self) -> list[str]:
@@ -631,6 +632,17 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         return cls(optimizer.inner_optimizer, **kwargs)
 
 
+_INT_STATE = {  # read_state() key -> variable attribute
+    "attempted_steps": "attempted_steps_var",
+    "skipped_steps": "skipped_steps_var",
+    "good_steps": "good_steps_var",
+    "consecutive_skips": "consecutive_skips",
+    "last_overflow_step": "last_overflow_step_var",
+    "loss_finite": "loss_finite",
+    "consecutive_nonfinite_loss": "consecutive_nonfinite_loss",
+    "event_count": "event_count_var",
+    "health_step": "health_step",
+}
 _HEALTH_FIELDS = (
     "grad_norm",
     "max_abs_scaled",
@@ -638,6 +650,24 @@ _HEALTH_FIELDS = (
     "underflow_fraction",
     "nonfinite_elements",
 )
+
+
+FIT_UNDER_MULTI_WORKER = (
+    "kmix.LossScaleOptimizer was created under tf.distribute.MultiWorkerMirroredStrategy: "
+    "model.fit cannot train under this strategy with Keras {version} (keras-team/keras#20585: "
+    "it fails before the first step with 'Attempt to convert a value (PerReplica...)'), so "
+    "train with a custom loop driven by kmix.callbacks.LoopDriver, as in the README section "
+    "'Distributed training'."
+)
+
+
+def _warn_if_fit_cannot_run_here() -> None:
+    """Says once, at creation, what Keras would otherwise say with a deep traceback."""
+    import tensorflow as tf
+
+    strategy = tf.distribute.get_strategy()
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        warnings.warn(FIT_UNDER_MULTI_WORKER.format(version=keras.version()), stacklevel=3)
 
 
 def _reachable_from_current_graph(tensor: Any, tf: Any) -> bool:

@@ -242,6 +242,23 @@ def test_gradient_accumulation_in_the_inner_optimizer():
     assert [w[0].ravel().tolist() for w in rec.weights] == [[1, 1], [-3, -3], [-3, -3], [9, 9]]
 
 
+def test_state_reads_before_the_optimizer_is_built():
+    opt = kmix.LossScaleOptimizer("sgd", initial_scale=64.0, health_every=7)
+    assert (opt.loss_scale, opt.skipped_steps, opt.attempted_steps, opt.event_count) == (
+        64.0,
+        0,
+        0,
+        0,
+    )
+    assert (opt.health_every, opt.scale_events(), opt.underflow_by_variable()) == (7, [], {})
+    state = opt.read_state()
+    assert state["loss_scale"] == 64.0 and state["loss_finite"] is True
+    assert state["attempted_steps"] == state["health_step"] == 0
+    w = keras.Variable(np.ones(2, "float32"))
+    opt.apply([tf.constant([1.0, 1.0])], [w])
+    assert set(opt.read_state()) == set(state)
+
+
 def test_counters_saturate_instead_of_overflowing():
     w = keras.Variable(np.ones(2, "float32"))
     opt = kmix.LossScaleOptimizer("sgd")

@@ -74,16 +74,6 @@ def loss_scale_kind(optimizer: Any) -> str | None:
     return None
 
 
-_UNBUILT_STATE = {
-    "skipped_steps": 0,
-    "consecutive_skips": 0,
-    "consecutive_nonfinite_loss": 0,
-    "loss_finite": True,
-    "event_count": 0,
-    "health_step": 0,
-}
-
-
 def _to_int(variable: Any) -> int:
     return int(ops.convert_to_numpy(variable))
 
@@ -167,8 +157,8 @@ class StepCallback(keras.callbacks.Callback):
             inner optimizer applied). Without loss scaling: ``attempted_steps`` and
             ``skipped_steps`` (0).
         """
-        if self._kind == KMIX:  # an unbuilt optimizer reports only scale and step
-            return {**_UNBUILT_STATE, **self._optimizer.read_state()}
+        if self._kind == KMIX:
+            return self._optimizer.read_state()
         state: dict[str, Any] = {
             "attempted_steps": self._start_step + self._steps_seen,
             "skipped_steps": 0,
