@@ -666,7 +666,10 @@ def _warn_if_fit_cannot_run_here() -> None:
     import tensorflow as tf
 
     strategy = tf.distribute.get_strategy()
-    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return
+    tasks = strategy.cluster_resolver.cluster_spec().as_dict().values()
+    if sum(len(t) for t in tasks) > 1:  # one worker alone trains with fit fine
         warnings.warn(FIT_UNDER_MULTI_WORKER.format(version=keras.version()), stacklevel=3)
 
 

@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 from kmix.callbacks.guard import LossScaleGuard, LossScaleGuardError
+from kmix.callbacks.loop import LoopDriver
 from kmix.callbacks.monitor import MixedPrecisionMonitor
 
-__all__ = ["LossScaleGuard", "LossScaleGuardError", "MixedPrecisionMonitor"]
+__all__ = ["LoopDriver", "LossScaleGuard", "LossScaleGuardError", "MixedPrecisionMonitor"]

@@ -1,0 +1,148 @@
+"""LoopDriver: kmix's callbacks in a custom training loop, on one machine or many.
+
+``model.fit`` calls the callback hooks itself; a custom loop (for example under
+``tf.distribute.MultiWorkerMirroredStrategy``, where Keras 3's ``fit`` cannot run)
+needs someone to call them. The driver does, and makes the workers agree: only the
+chief writes TensorBoard data, and a stop asked for on any worker stops every
+worker at the same step, so none is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import keras
+
+from kmix.callbacks.monitor import MixedPrecisionMonitor
+
+CHIEF_ONLY = (MixedPrecisionMonitor, keras.callbacks.TensorBoard)
+"""Callbacks that write files, run on the chief worker only."""
+
+
+class LoopDriver:
+    """Calls Keras callbacks from a custom loop and agrees on stopping across workers.
+
+    Example (every worker runs the same code)::
+
+        with strategy.scope():
+            model = make_model()
+            opt = kmix.LossScaleOptimizer(keras.optimizers.Adam())
+            model.compile(optimizer=opt)          # so callbacks find the optimizer
+        callbacks = [kmix.callbacks.MixedPrecisionMonitor("runs/mw"),
+                     kmix.callbacks.LossScaleGuard()]
+        with kmix.callbacks.LoopDriver(model, callbacks, strategy) as driver:
+            for x, y in dataset:
+                train_step(x, y)                  # strategy.run(...): scale_loss + apply
+                if driver.step_end():             # True on every worker, or on none
+                    break
+
+    Args:
+        model: the model being trained, compiled with its optimizer (``compile``
+            needs no loss for a custom loop).
+        callbacks: Keras callbacks, e.g. kmix's monitor and guard.
+        strategy: the ``tf.distribute`` strategy; default: the current one.
+        chief_only: callback classes that run on the chief worker only.
+
+    Raises:
+        ValueError: ``callbacks`` is not a sequence of Keras callbacks.
+    """
+
+    def __init__(
+        self,
+        model: keras.Model,
+        callbacks: Sequence[keras.callbacks.Callback] = (),
+        strategy: Any = None,
+        chief_only: tuple[type, ...] = CHIEF_ONLY,
+    ) -> None:
+        import tensorflow as tf
+
+        callbacks = list(callbacks)
+        for callback in callbacks:
+            if not isinstance(callback, keras.callbacks.Callback):
+                raise ValueError(
+                    f"Invalid `callbacks` for LoopDriver: {callback!r} is not a "
+                    "keras.callbacks.Callback. Pass callback instances, e.g. "
+                    "[kmix.callbacks.MixedPrecisionMonitor('runs/x')]."
+                )
+        self.strategy = strategy or tf.distribute.get_strategy()
+        self.is_chief = bool(getattr(self.strategy.extended, "should_save_summary", True))
+        if not self.is_chief:
+            callbacks = [c for c in callbacks if not isinstance(c, chief_only)]
+        self.model = model
+        self.callbacks = keras.callbacks.CallbackList(callbacks, model=model)
+        self.callbacks.set_params({"epochs": 1, "steps": None, "verbose": 0})
+        self.step = 0
+        self._batch = 0
+
+    def __enter__(self) -> LoopDriver:
+        self.model.stop_training = False
+        self.callbacks.on_train_begin()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.callbacks.on_train_end()  # flushes writers, also after an error
+
+    def epoch_begin(self, epoch: int) -> None:
+        """Starts an epoch (optional: a loop without epochs need not call it)."""
+        self._batch = 0
+        self.callbacks.on_epoch_begin(epoch)
+
+    def epoch_end(self, epoch: int, logs: dict | None = None) -> bool:
+        """Ends an epoch.
+
+        Returns:
+            True when training should stop, on every worker alike.
+        """
+        return self._agree(lambda: self.callbacks.on_epoch_end(epoch, logs))
+
+    def step_end(self, logs: dict | None = None) -> bool:
+        """Tells the callbacks that one optimizer step finished.
+
+        Args:
+            logs: metrics of the step, if any (e.g. ``{"loss": float(loss)}``).
+
+        Returns:
+            True when training should stop. Every worker must call this after
+            every step; they all get the same answer at the same step.
+
+        Raises:
+            Exception: what a callback raised (e.g. ``LossScaleGuardError`` in
+                ``mode="raise"``), after every worker has agreed to stop.
+        """
+        self.step += 1
+
+        def hooks() -> None:
+            self.callbacks.on_train_batch_begin(self._batch)
+            self.callbacks.on_train_batch_end(self._batch, logs)
+
+        stop = self._agree(hooks)
+        self._batch += 1
+        return stop
+
+    def _agree(self, run_hooks: Any) -> bool:
+        """Runs callback hooks, then agrees across workers on whether to stop."""
+        error = None
+        try:
+            run_hooks()
+        except Exception as raised:  # stop every worker before re-raising
+            error = raised
+        stop = self._any_worker(error is not None or bool(self.model.stop_training))
+        self.model.stop_training = stop
+        if error is not None:
+            raise error
+        return stop
+
+    def _any_worker(self, flag: bool) -> bool:
+        import tensorflow as tf
+
+        if self.strategy.num_replicas_in_sync == 1:
+            return flag
+        value = self.strategy.run(lambda: tf.constant(int(flag)))
+        return bool(self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None) > 0)
