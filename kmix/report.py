@@ -656,11 +656,12 @@ def findings(summary: dict[str, Any]) -> list[Finding]:
 
     Returns:
         The findings in the order of :data:`RULES`, preceded by an info saying
-        "no problems found" when none is a warning.
+        "no problems found" when none is a warning (and that the rest are notes).
     """
     found = [finding for rule in RULES for finding in rule(summary)]
     if not any(f.severity == "warning" for f in found):
-        found.insert(0, Finding("info", "healthy", "no problems found"))
+        message = "no problems found" + ("; notes for information:" if found else "")
+        found.insert(0, Finding("info", "healthy", message))
     return found
 
 

@@ -286,6 +286,16 @@ def test_healthy_run_says_so():
     assert "gradient norm              not logged" in report.format_summary(summary)
 
 
+def test_notes_without_warnings_are_introduced_as_notes():
+    log = hand_log(
+        scalars={tags.LOSS_SCALE: ([1, 100], [8.0, 4.0]), tags.SKIPPED_STEPS: ([100], [1])},
+        texts={tags.EVENTS: [event_line(3, "backoff", 8.0, 4.0, "w")]},
+    )
+    found = report.summarize(log)["findings"]
+    assert [f["severity"] for f in found] == ["info"] * len(found) and len(found) > 1
+    assert found[0]["message"] == "no problems found; notes for information:"
+
+
 def test_skip_rate_and_floor_warnings():
     lines = [event_line(s, "overflow_at_floor", 1.0, 1.0, "w") for s in range(1, 11)]
     log = hand_log(

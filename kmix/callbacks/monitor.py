@@ -299,8 +299,8 @@ class MixedPrecisionMonitor(StepCallback):
         if self._kind == KMIX:
             config = self._optimizer.get_config()
             scaling = (
-                f"`kmix.LossScaleOptimizer` (scale {state['loss_scale']:g}, range "
-                f"[{config['min_scale']:g}, {config['max_scale']:g}])"
+                f"`kmix.LossScaleOptimizer` (scale {state['loss_scale']:.9g}, range "
+                f"[{config['min_scale']:.9g}, {config['max_scale']:.9g}])"
             )
         elif self._kind == KERAS:
             scaling = "the stock `keras.mixed_precision.LossScaleOptimizer`"
