@@ -10,33 +10,10 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+from spiky import spiky_data, spiky_model
 
 import kmix
 from kmix.callbacks import LossScaleGuard, LossScaleGuardError
-
-
-def spiky_data(n: int, spikes=(), nan_rows=()) -> tuple[list[np.ndarray], np.ndarray]:
-    x1 = np.ones((n, 1), np.float32)
-    x2 = np.zeros((n, 1), np.float32)
-    y = np.zeros((n, 1), np.float32)
-    for row in spikes:
-        x1[row - 1], x2[row - 1], y[row - 1] = 0.0, 10000.0, 9999.0
-    for row in nan_rows:
-        x1[row - 1] = np.nan
-    return [x1, x2], y
-
-
-def spiky_model(optimizer=None) -> keras.Model:
-    keras.config.set_dtype_policy("mixed_float16")
-    x1, x2 = keras.Input((1,)), keras.Input((1,))
-    a = keras.layers.Dense(1, kernel_initializer="ones", name="a")(x1)
-    b = keras.layers.Dense(1, kernel_initializer="ones", name="b")(x2)
-    out = keras.layers.Activation("linear", dtype="float32")(keras.layers.Add()([a, b]))
-    model = keras.Model([x1, x2], out)
-    if optimizer is None:
-        optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=1024)
-    model.compile(optimizer, "mse")
-    return model
 
 
 class CountSteps(keras.callbacks.Callback):
