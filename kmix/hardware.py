@@ -156,4 +156,3 @@ def _describe_gpu(tf: Any, device: Any) -> GPU:
         name=details.get("device_name", ""),
         compute_capability=None if capability is None else tuple(capability),
     )
-

@@ -66,13 +66,19 @@ def nonfinite_flags(grads: list[Any]) -> Any:
     return ops.stack(flags) if flags else ops.zeros((0,), "float32")
 
 
-def gradient_health(scaled_grads: list[Any], scale: Any) -> GradientHealth:
+def gradient_health(
+    scaled_grads: list[Any], scale: Any, float16_mask: Any = None
+) -> GradientHealth:
     """Computes the statistics of :class:`GradientHealth` for one step.
 
     Args:
         scaled_grads: gradients of the scaled loss; ``None`` entries are ignored
             (their per-variable underflow is 0).
         scale: the loss scale the gradients carry.
+        float16_mask: optional float32 vector, 1.0 for variables whose layer
+            computes in float16 and 0.0 otherwise. Float16's range concerns only
+            the former, so ``max_abs_scaled``, ``headroom_bits`` and
+            ``underflow_fraction`` count only them; default: all variables.
 
     Returns:
         A :class:`GradientHealth` of float32 tensors.
@@ -81,10 +87,11 @@ def gradient_health(scaled_grads: list[Any], scale: Any) -> GradientHealth:
     zero = ops.zeros((), "float32")
     sum_sq, max_abs, underflow, nonfinite, size = zero, zero, zero, zero, zero
     per_variable = []
-    for grad in scaled_grads:
+    for i, grad in enumerate(scaled_grads):
         if grad is None:
             per_variable.append(zero)
             continue
+        in_float16 = 1.0 if float16_mask is None else float16_mask[i]
         values = dense_values(grad)
         finite = ops.isfinite(values)
         magnitude = ops.where(finite, ops.abs(values), 0.0)
@@ -92,10 +99,10 @@ def gradient_health(scaled_grads: list[Any], scale: Any) -> GradientHealth:
         # NaN compares False, so only finite tiny values and zeros count here.
         tiny = ops.sum(ops.cast(ops.abs(values) < FLOAT16_SMALLEST_NORMAL, "float32"))
         sum_sq += ops.sum(ops.square(magnitude / scale))
-        max_abs = ops.maximum(max_abs, ops.max(magnitude, initial=0.0))
-        underflow += tiny
+        max_abs = ops.maximum(max_abs, ops.max(magnitude, initial=0.0) * in_float16)
+        underflow += tiny * in_float16
         nonfinite += n - ops.sum(ops.cast(finite, "float32"))
-        size += n
+        size += n * in_float16
         per_variable.append(tiny / ops.maximum(n, 1.0))
     headroom = math.log2(FLOAT16_MAX) - ops.log2(ops.maximum(max_abs, FLOAT16_SMALLEST_SUBNORMAL))
     return GradientHealth(

@@ -242,6 +242,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.health_step = state("health_step", "int64")
         self.health_stats = state("health_stats", "float32", 0, (len(_HEALTH_FIELDS),))
         self.underflow_per_variable = state("underflow_per_variable", "float32", 0, (n,))
+        self.float16_mask = state("float16_mask", "float32", self._float16_mask(var_list), (n,))
         self.histogram_every_var = state("histogram_every", "int64", self._histogram_every)
         self.histogram_step = state("histogram_step", "int64")
         self.exponent_histograms = state(
@@ -422,7 +423,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.event_count_var.assign(_saturating_add(self.event_count_var, happened))
 
     def _record_health(self, step: Any, aligned: list, scale: Any) -> None:
-        stats = health.gradient_health(aligned, scale)
+        stats = health.gradient_health(aligned, scale, self.float16_mask)
         self.health_stats.assign(
             ops.stack([ops.cast(getattr(stats, f), "float32") for f in _HEALTH_FIELDS])
         )
@@ -531,6 +532,35 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         state["loss_scale"] = float(floats[0])
         state.update({f: float(x) for f, x in zip(_HEALTH_FIELDS, floats[1:], strict=True)})
         return state
+
+    def watch_float16_layers(self, model: keras.Model) -> list[str]:
+        """Tells the health statistics which variables' layers compute in float16.
+
+        Float16's range (headroom, underflow) matters only where float16 computes;
+        a float32 layer in a mixed model may hold larger gradients harmlessly.
+        ``kmix.callbacks.MixedPrecisionMonitor`` calls this at train begin; until
+        then every variable counts. Works before and after the optimizer is built.
+
+        Args:
+            model: the model whose trainable variables this optimizer updates.
+
+        Returns:
+            The paths of the model's trainable variables counted as float16.
+        """
+        compute_dtype = {}
+        for layer in model._flatten_layers(include_self=True, recursive=True):
+            for variable in layer.trainable_weights:  # inner layers come later and win
+                compute_dtype[id(variable)] = layer.compute_dtype
+        float16 = [v for v in model.trainable_weights if compute_dtype[id(v)] == "float16"]
+        self._float16_ids = frozenset(id(v) for v in float16)
+        if self.built:
+            self.float16_mask.assign(self._float16_mask(self._trainable_variables))
+        return [v.path for v in float16]
+
+    def _float16_mask(self, variables: list[Any]) -> np.ndarray:
+        """1.0 for variables counted as float16 (all until watch_float16_layers)."""
+        ids = getattr(self, "_float16_ids", None)
+        return np.asarray([ids is None or id(v) in ids for v in variables], "float32")
 
     def variable_paths(self) -> list[str]:
         """Paths of the tracked trainable variables, in the order of per-variable state."""

@@ -82,6 +82,20 @@ def test_exact_values_on_a_hand_made_gradient():
     assert got["nonfinite_elements"] == 0.0
 
 
+def test_float16_mask_limits_range_statistics_to_float16_variables():
+    grads = [np.array([1.0, 0.0], "float32"), np.array([1e6, 1e-9], "float32")]
+    mask = ops.convert_to_tensor([1.0, 0.0])  # the second variable computes in float32
+    got = {
+        k: ops.convert_to_numpy(v)
+        for k, v in health.gradient_health(grads, 1.0, mask)._asdict().items()
+    }
+    assert got["max_abs_scaled"] == 1.0  # 1e6 would overflow float16, but never was float16
+    assert got["headroom_bits"] == pytest.approx(math.log2(65504.0))
+    assert got["underflow_fraction"] == 0.5  # the zero of the first variable only
+    np.testing.assert_allclose(got["grad_norm"], math.sqrt(1.0 + 1e12), rtol=1e-6)  # all count
+    assert got["underflow_per_variable"].tolist() == [0.5, 0.5]
+
+
 def test_headroom_is_capped_when_all_gradients_are_zero():
     got = computed([np.zeros(3, "float32")], scale=1.0)
     assert got["headroom_bits"] == pytest.approx(health.MAX_HEADROOM_BITS)

@@ -205,6 +205,40 @@ def test_health_statistics_in_fit_match_numpy():
     assert [int(h.sum()) for h in hist.values()] == [g.size for g in ref]
 
 
+def test_float32_layers_do_not_count_against_float16_headroom():
+    """A float32 head in a mixed model may hold gradients beyond 65504 harmlessly."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential(
+        [
+            keras.Input((2,)),
+            keras.layers.Dense(2, name="body"),
+            keras.layers.Dense(1, kernel_initializer="zeros", name="head", dtype="float32"),
+        ],
+        name="net",
+    )
+    opt = kmix.LossScaleOptimizer(  # lr 0: both steps see the same weights
+        keras.optimizers.SGD(0.0), initial_scale=2.0**20, health_every=1
+    )
+    model.compile(optimizer=opt, loss="mse")
+    x, y = np.ones((1, 2), "float32"), np.full((1, 1), 10.0, "float32")
+    model.fit(x, y, verbose=0, epochs=1)
+    # Without the mask, head/bias's float32 gradient 2 * (0 - 10) * 2**20 counts:
+    assert opt.read_state()["headroom_bits"] == pytest.approx(np.log2(65504 / (20 * 2.0**20)))
+    assert opt.watch_float16_layers(model) == ["net/body/kernel", "net/body/bias"]
+    model.fit(x, y, verbose=0, epochs=1)
+    state = opt.read_state()
+    # head's zero kernel sends no gradient back: body's float16 gradients are all zero.
+    assert state["skipped_steps"] == 0 and state["max_abs_scaled"] == 0.0
+    assert state["headroom_bits"] == pytest.approx(kmix.health.MAX_HEADROOM_BITS)
+    assert state["underflow_fraction"] == 1.0  # body's 6 zeros; head's 3 values not counted
+
+    # Told before it is built (as the monitor does when fit builds it lazily):
+    fresh = kmix.LossScaleOptimizer("sgd")
+    assert fresh.watch_float16_layers(model) == ["net/body/kernel", "net/body/bias"]
+    fresh.build(model.trainable_variables)
+    assert fresh.float16_mask.numpy().tolist() == [1.0, 1.0, 0.0, 0.0]
+
+
 def test_custom_gradient_tape_loop_with_fault_on_chosen_layer():
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = faulty_model(bad_steps=(2,))

@@ -232,6 +232,7 @@ class MixedPrecisionMonitor(StepCallback):
             opt = self._optimizer
             self._restore = [(opt, "health_every", opt.health_every)]
             opt.health_every = self.update_freq
+            opt.watch_float16_layers(self.model)
             if self.histogram_freq:
                 self._restore.append((opt, "histogram_every", opt.histogram_every))
                 opt.histogram_every = self.histogram_freq
