@@ -15,6 +15,8 @@ from keras import ops
 from kmix import health, scaling
 
 INT64_MAX = 2**63 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 _EVENT_FIELDS = 5  # step, kind, first non-finite variable, non-finite variables, loss finite
 
 
@@ -165,15 +167,21 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 "KERAS_BACKEND=tensorflow before importing keras."
             )
         inf = math.inf
-        min_scale = _check_real("min_scale", min_scale, 0.0, inf, "a finite number > 0")
-        if min_scale == 0.0:
-            raise _invalid("min_scale", min_scale, "a finite number > 0")
+        # The scale is a float32 variable: its bounds must be float32 normal numbers.
+        min_scale = _check_real(
+            "min_scale",
+            min_scale,
+            FLOAT32_TINY,
+            FLOAT32_MAX,
+            f"a number in [{FLOAT32_TINY:.9g}, {FLOAT32_MAX:.9g}] (the scale is float32)",
+        )
         max_scale = _check_real(
             "max_scale",
             max_scale,
             min_scale,
-            inf,
-            f"a finite number >= min_scale={min_scale}",
+            FLOAT32_MAX,
+            f"a number in [min_scale, {FLOAT32_MAX:.9g}] = [{min_scale:.9g}, "
+            f"{FLOAT32_MAX:.9g}] (the scale is float32)",
         )
         initial_scale = _check_real(
             "initial_scale",
@@ -374,19 +382,18 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             ops.where(loss_finite, 0, _saturating_add(self.consecutive_nonfinite_loss, 1))
         )
         self._record_event(step, event, old.scale, new.scale, var_bad, loss_finite)
-        ops.cond(
-            ops.equal(ops.mod(step, self.health_every_var), 0),
-            lambda: self._record_health(step, aligned, old.scale),
-            lambda: None,
+        health_due = ops.equal(ops.mod(step, self.health_every_var), 0)
+        histogram_due = ops.logical_and(
+            self.histogram_every_var > 0,
+            ops.equal(ops.mod(step, ops.maximum(self.histogram_every_var, 1)), 0),
         )
-        ops.cond(
-            ops.logical_and(
-                self.histogram_every_var > 0,
-                ops.equal(ops.mod(step, ops.maximum(self.histogram_every_var, 1)), 0),
-            ),
-            lambda: self._record_histograms(step, aligned),
-            lambda: None,
-        )
+
+        def record_statistics() -> None:
+            ops.cond(health_due, lambda: self._record_health(step, aligned, old.scale), _noop)
+            ops.cond(histogram_due, lambda: self._record_histograms(step, aligned), _noop)
+
+        # One cond on the hot path: each cond costs a switch per gradient without XLA.
+        ops.cond(ops.logical_or(health_due, histogram_due), record_statistics, _noop)
 
     def _record_event(
         self,
@@ -653,11 +660,21 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """
         if not isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
             raise _invalid("optimizer", optimizer, "a keras.mixed_precision.LossScaleOptimizer")
-        scale = ops.convert_to_numpy(optimizer.dynamic_scale) if optimizer.built else None
-        kwargs.setdefault(
-            "initial_scale",
-            float(scale) if scale is not None else optimizer.initial_scale,
-        )
+        if "initial_scale" not in kwargs:
+            scale = float(
+                ops.convert_to_numpy(optimizer.dynamic_scale)
+                if optimizer.built
+                else optimizer.initial_scale
+            )
+            low, high = kwargs.get("min_scale", 1.0), kwargs.get("max_scale", 2.0**24)
+            kwargs["initial_scale"] = min(max(scale, low), high) if math.isfinite(scale) else high
+            if kwargs["initial_scale"] != scale:  # e.g. stock Keras halved it to 0.0
+                warnings.warn(
+                    f"The stock optimizer's loss scale {scale:.9g} is outside kmix's "
+                    f"[min_scale, max_scale] = [{low:.9g}, {high:.9g}]; the migrated "
+                    f"optimizer starts at {kwargs['initial_scale']:.9g}.",
+                    stacklevel=2,
+                )
         kwargs.setdefault("dynamic_growth_steps", optimizer.dynamic_growth_steps)
         return cls(optimizer.inner_optimizer, **kwargs)
 
@@ -701,6 +718,10 @@ def _warn_if_fit_cannot_run_here() -> None:
     tasks = strategy.cluster_resolver.cluster_spec().as_dict().values()
     if sum(len(t) for t in tasks) > 1:  # one worker alone trains with fit fine
         warnings.warn(FIT_UNDER_MULTI_WORKER.format(version=keras.version()), stacklevel=3)
+
+
+def _noop() -> None:
+    return None
 
 
 def _reachable_from_current_graph(tensor: Any, tf: Any) -> bool:

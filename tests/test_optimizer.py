@@ -430,6 +430,17 @@ def test_model_saved_with_stock_optimizer_loads_and_migrates(tmp_path):
         kmix.LossScaleOptimizer.from_keras(keras.optimizers.Adam())
 
 
+def test_from_keras_rescues_a_scale_stock_keras_drove_to_zero():
+    stock = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD())
+    stock.build([keras.Variable(np.ones(2, "float32"))])
+    stock.dynamic_scale.assign(0.0)  # DESIGN fact 1: persistent NaN halves it to 0.0
+    with pytest.warns(UserWarning, match="loss scale 0 is outside") as caught:
+        migrated = kmix.LossScaleOptimizer.from_keras(stock, min_scale=2.0)
+    assert migrated.loss_scale == 2.0
+    (ours,) = [w for w in caught if "is outside kmix's" in str(w.message)]
+    assert ours.filename == __file__
+
+
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
@@ -439,6 +450,8 @@ def test_model_saved_with_stock_optimizer_loads_and_migrates(tmp_path):
         ({"backoff_factor": 0.0}, "backoff_factor"),
         ({"backoff_factor": -0.5}, "backoff_factor"),
         ({"min_scale": 0.0}, "min_scale"),
+        ({"min_scale": 1e-50, "initial_scale": 1e-44}, "min_scale"),  # would round to 0.0
+        ({"max_scale": 1e300, "initial_scale": 1e38}, "max_scale"),  # would round to inf
         ({"min_scale": 8.0, "max_scale": 4.0, "initial_scale": 4.0}, "max_scale"),
         ({"max_scale": float("inf")}, "max_scale"),
         ({"initial_scale": float("nan")}, "initial_scale"),
