@@ -47,6 +47,40 @@ class ScaleEvent:
     loss_finite: bool
 
 
+class _Settings:
+    """Run-time settings read in-graph (what to compute, and where).
+
+    They steer the step but are not training state: kept out of the optimizer's
+    tracked variables, they are never saved, so a checkpoint cannot carry a
+    monitor's settings into a later run. Plain Python values until ``create``.
+    """
+
+    def __init__(self, **values: Any) -> None:
+        self.values = values
+        self.variables: dict[str, Any] = {}
+
+    def create(self, **extra: Any) -> None:
+        self.values.update(extra)
+        for name, value in self.values.items():
+            value = np.asarray(value)
+            self.variables[name] = keras.Variable(
+                value,
+                dtype="int64" if value.dtype.kind in "iu" else "float32",
+                trainable=False,
+                aggregation="only_first_replica",
+                name=name,
+            )
+
+    def get(self, name: str) -> Any:
+        variable = self.variables.get(name)
+        return self.values[name] if variable is None else ops.convert_to_numpy(variable)
+
+    def set(self, name: str, value: Any) -> None:
+        self.values[name] = value
+        if name in self.variables:
+            self.variables[name].assign(value)
+
+
 def _saturating_add(counter: Any, amount: Any) -> Any:
     amount = ops.cast(amount, "int64")
     return ops.where(counter > INT64_MAX - amount, INT64_MAX, counter + amount)
@@ -217,8 +251,9 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             **kwargs,
         )
         self._scale_config = rule
-        self._health_every = health_every
+        self._health_every = health_every  # the arguments, as get_config reports them
         self._histogram_every = histogram_every
+        self._settings = _Settings(health_every=health_every, histogram_every=histogram_every)
         self.event_capacity = event_capacity
         self._loss_flag = threading.local()
         _warn_if_fit_cannot_run_here()
@@ -246,12 +281,9 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.last_overflow_step_var = state("last_overflow_step", "int64")
         self.loss_finite = state("loss_finite", "int64", 1)
         self.consecutive_nonfinite_loss = state("consecutive_nonfinite_loss", "int64")
-        self.health_every_var = state("health_every", "int64", self._health_every)
         self.health_step = state("health_step", "int64")
         self.health_stats = state("health_stats", "float32", 0, (len(_HEALTH_FIELDS),))
         self.underflow_per_variable = state("underflow_per_variable", "float32", 0, (n,))
-        self.float16_mask = state("float16_mask", "float32", self._float16_mask(var_list), (n,))
-        self.histogram_every_var = state("histogram_every", "int64", self._histogram_every)
         self.histogram_step = state("histogram_step", "int64")
         self.exponent_histograms = state(
             "exponent_histograms", "int32", 0, (n, health.NUM_EXPONENT_BINS)
@@ -261,6 +293,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             "event_records", "int64", 0, (self.event_capacity, _EVENT_FIELDS)
         )
         self.event_scales = state("event_scales", "float32", 0, (self.event_capacity, 2))
+        self._settings.create(float16_mask=self._float16_mask(var_list))
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
 
@@ -382,10 +415,11 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             ops.where(loss_finite, 0, _saturating_add(self.consecutive_nonfinite_loss, 1))
         )
         self._record_event(step, event, old.scale, new.scale, var_bad, loss_finite)
-        health_due = ops.equal(ops.mod(step, self.health_every_var), 0)
+        settings = self._settings.variables
+        health_due = ops.equal(ops.mod(step, settings["health_every"]), 0)
+        histogram_every = settings["histogram_every"]
         histogram_due = ops.logical_and(
-            self.histogram_every_var > 0,
-            ops.equal(ops.mod(step, ops.maximum(self.histogram_every_var, 1)), 0),
+            histogram_every > 0, ops.equal(ops.mod(step, ops.maximum(histogram_every, 1)), 0)
         )
 
         def record_statistics() -> None:
@@ -430,7 +464,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.event_count_var.assign(_saturating_add(self.event_count_var, happened))
 
     def _record_health(self, step: Any, aligned: list, scale: Any) -> None:
-        stats = health.gradient_health(aligned, scale, self.float16_mask)
+        stats = health.gradient_health(aligned, scale, self._settings.variables["float16_mask"])
         self.health_stats.assign(
             ops.stack([ops.cast(getattr(stats, f), "float32") for f in _HEALTH_FIELDS])
         )
@@ -487,25 +521,26 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     @property
     def health_every(self) -> int:
-        """Steps between gradient health computations."""
-        return int(self._read("health_every_var", self._health_every))
+        """Steps between gradient health computations (a run-time setting, not saved)."""
+        return int(self._settings.get("health_every"))
 
     @health_every.setter
     def health_every(self, value: int) -> None:
-        self._health_every = _check_int("health_every", value, 1)
-        if self.built:
-            self.health_every_var.assign(self._health_every)
+        self._settings.set("health_every", _check_int("health_every", value, 1))
 
     @property
     def histogram_every(self) -> int:
-        """Steps between exponent histogram computations; 0 means off."""
-        return int(self._read("histogram_every_var", self._histogram_every))
+        """Steps between exponent histograms; 0 means off (a run-time setting, not saved)."""
+        return int(self._settings.get("histogram_every"))
 
     @histogram_every.setter
     def histogram_every(self, value: int) -> None:
-        self._histogram_every = _check_int("histogram_every", value, 0)
-        if self.built:
-            self.histogram_every_var.assign(self._histogram_every)
+        self._settings.set("histogram_every", _check_int("histogram_every", value, 0))
+
+    @property
+    def float16_mask(self) -> np.ndarray:
+        """1.0 per variable counted as float16 by the health statistics (see below)."""
+        return np.asarray(self._settings.get("float16_mask"))
 
     def _read(self, attribute: str, default: Any) -> Any:
         """One variable's value, or ``default`` before the optimizer is built."""
@@ -561,7 +596,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         float16 = [v for v in model.trainable_weights if compute_dtype[id(v)] == "float16"]
         self._float16_ids = frozenset(id(v) for v in float16)
         if self.built:
-            self.float16_mask.assign(self._float16_mask(self._trainable_variables))
+            self._settings.set("float16_mask", self._float16_mask(self._trainable_variables))
         return [v.path for v in float16]
 
     def _float16_mask(self, variables: list[Any]) -> np.ndarray:

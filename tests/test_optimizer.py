@@ -211,7 +211,7 @@ def test_float32_layers_do_not_count_against_float16_headroom():
     model = keras.Sequential(
         [
             keras.Input((2,)),
-            keras.layers.Dense(2, name="body"),
+            keras.layers.Dense(2, kernel_initializer="ones", name="body"),
             keras.layers.Dense(1, kernel_initializer="zeros", name="head", dtype="float32"),
         ],
         name="net",
@@ -222,8 +222,9 @@ def test_float32_layers_do_not_count_against_float16_headroom():
     model.compile(optimizer=opt, loss="mse")
     x, y = np.ones((1, 2), "float32"), np.full((1, 1), 10.0, "float32")
     model.fit(x, y, verbose=0, epochs=1)
-    # Without the mask, head/bias's float32 gradient 2 * (0 - 10) * 2**20 counts:
-    assert opt.read_state()["headroom_bits"] == pytest.approx(np.log2(65504 / (20 * 2.0**20)))
+    # Without the mask, head/kernel's float32 gradient counts: body outputs 2, the
+    # prediction is 0, so d loss/d kernel = 2 * 2 * (0 - 10), times the scale 2**20.
+    assert opt.read_state()["headroom_bits"] == pytest.approx(np.log2(65504 / (40 * 2.0**20)))
     assert opt.watch_float16_layers(model) == ["net/body/kernel", "net/body/bias"]
     model.fit(x, y, verbose=0, epochs=1)
     state = opt.read_state()
@@ -236,7 +237,7 @@ def test_float32_layers_do_not_count_against_float16_headroom():
     fresh = kmix.LossScaleOptimizer("sgd")
     assert fresh.watch_float16_layers(model) == ["net/body/kernel", "net/body/bias"]
     fresh.build(model.trainable_variables)
-    assert fresh.float16_mask.numpy().tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert fresh.float16_mask.tolist() == [1.0, 1.0, 0.0, 0.0]
 
 
 def test_custom_gradient_tape_loop_with_fault_on_chosen_layer():
@@ -409,6 +410,21 @@ def test_resume_with_backup_and_restore_continues_with_identical_state(tmp_path)
     assert opt.read_state() == expected[0]
     for got, want in zip([v.numpy() for v in model.weights], expected[1], strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_run_settings_are_not_saved_and_config_keeps_the_arguments(tmp_path):
+    """A monitor's settings (health_every...) must not leak through a saved file."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    opt = kmix.LossScaleOptimizer("sgd", health_every=7, histogram_every=0)
+    train_small(model, opt)
+    opt.health_every, opt.histogram_every = 1, 5  # as a monitor sets them during fit
+    assert (opt.health_every, opt.histogram_every) == (1, 5)
+    assert (opt.get_config()["health_every"], opt.get_config()["histogram_every"]) == (7, 0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path).optimizer
+    assert (loaded.health_every, loaded.histogram_every) == (7, 0)
+    assert len(loaded.variables) == len(opt.variables)
 
 
 def test_model_saved_with_stock_optimizer_loads_and_migrates(tmp_path):
