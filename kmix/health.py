@@ -51,6 +51,25 @@ def dense_values(grad: Any) -> Any:
     return ops.cast(getattr(grad, "values", grad), "float32")
 
 
+def row_values(grad: Any) -> Any:
+    """Returns a gradient's values as float32, sparse slices summed per row first.
+
+    An embedding's gradient repeats a row once per lookup; applying it adds the
+    repeats up, so statistics must see the sums, not the pieces. The sum runs only
+    on health steps; the per-step finite check reads the pieces, which is exact:
+    a row is non-finite if and only if one of its pieces is (short of float32
+    overflow in the sum itself).
+    """
+    indices = getattr(grad, "indices", None)
+    if indices is None:
+        return dense_values(grad)
+    import tensorflow as tf  # sparse slices exist only on the TensorFlow backend
+
+    rows, position = tf.unique(indices)
+    summed = tf.math.unsorted_segment_sum(grad.values, position, tf.size(rows))
+    return ops.cast(summed, "float32")
+
+
 def nonfinite_flags(grads: list[Any]) -> Any:
     """Returns a float32 vector: 1.0 where a gradient holds an inf or NaN, else 0.0.
 
@@ -92,7 +111,7 @@ def gradient_health(
             per_variable.append(zero)
             continue
         in_float16 = 1.0 if float16_mask is None else float16_mask[i]
-        values = dense_values(grad)
+        values = row_values(grad)
         finite = ops.isfinite(values)
         magnitude = ops.where(finite, ops.abs(values), 0.0)
         n = ops.cast(ops.size(values), "float32")
@@ -137,7 +156,7 @@ def exponent_histogram(grad: Any) -> Any:
     Returns:
         An int32 vector of length ``NUM_EXPONENT_BINS``.
     """
-    values = ops.reshape(dense_values(grad), (-1,))
+    values = ops.reshape(row_values(grad), (-1,))
     magnitude = ops.abs(values)
     finite = ops.isfinite(values)
     safe = ops.where(ops.logical_and(finite, magnitude > 0), magnitude, 1.0)

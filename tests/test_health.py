@@ -96,6 +96,22 @@ def test_float16_mask_limits_range_statistics_to_float16_variables():
     assert got["underflow_per_variable"].tolist() == [0.5, 0.5]
 
 
+def test_sparse_slices_are_summed_per_row_like_the_update():
+    """An embedding looked up 3 times at row 1: statistics see the summed row."""
+    import tensorflow as tf
+
+    values = np.array([[1.0, -2.0], [1.0, -2.0], [1.0, -2.0], [0.5, 2.0**-20]], "float32")
+    sparse = tf.IndexedSlices(values, tf.constant([1, 1, 1, 3]), tf.constant([5, 2]))
+    dense = tf.convert_to_tensor(sparse).numpy()  # TensorFlow's own densification
+    got = computed([sparse], scale=2.0)
+    rows = dense[[1, 3]]  # the rows the update touches
+    np.testing.assert_allclose(got["grad_norm"], np.linalg.norm(rows / 2.0), rtol=1e-6)
+    assert got["max_abs_scaled"] == 6.0  # 3 * |-2|
+    assert got["underflow_fraction"] == 0.25  # 2**-20 in one of the 4 row elements
+    hist = ops.convert_to_numpy(health.exponent_histogram(sparse))
+    np.testing.assert_array_equal(hist, reference_bins(rows.ravel()))
+
+
 def test_headroom_is_capped_when_all_gradients_are_zero():
     got = computed([np.zeros(3, "float32")], scale=1.0)
     assert got["headroom_bits"] == pytest.approx(health.MAX_HEADROOM_BITS)

@@ -240,6 +240,25 @@ def test_float32_layers_do_not_count_against_float16_headroom():
     assert fresh.float16_mask.tolist() == [1.0, 1.0, 0.0, 0.0]
 
 
+def test_embedding_gradients_train_and_count_rows_once():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential(
+        [
+            keras.Input((4,), dtype="int32"),
+            keras.layers.Embedding(10, 2, embeddings_initializer="ones", name="emb"),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1, kernel_initializer="ones", use_bias=False, dtype="float32"),
+        ]
+    )
+    opt = kmix.LossScaleOptimizer("sgd", initial_scale=4.0, health_every=1, histogram_every=1)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(np.array([[1, 1, 1, 3]]), np.zeros((1, 1)), verbose=0)
+    hist = opt.exponent_histograms_by_variable()
+    # Two rows were looked up (1 three times, 3 once): 2 rows x 2 columns counted.
+    assert int(hist[model.get_layer("emb").embeddings.path].sum()) == 4
+    assert opt.read_state()["skipped_steps"] == 0
+
+
 def test_custom_gradient_tape_loop_with_fault_on_chosen_layer():
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = faulty_model(bad_steps=(2,))
