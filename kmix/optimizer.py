@@ -13,6 +13,7 @@ import numpy as np
 from keras import ops
 
 from kmix import health, scaling
+from kmix._checks import check_int, check_real, invalid
 
 INT64_MAX = 2**63 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -86,27 +87,15 @@ def _saturating_add(counter: Any, amount: Any) -> Any:
     return ops.where(counter > INT64_MAX - amount, INT64_MAX, counter + amount)
 
 
+_OWNER = "kmix.LossScaleOptimizer"
+
+
 def _invalid(name: str, value: Any, valid: str) -> ValueError:
-    return ValueError(
-        f"Invalid `{name}` for kmix.LossScaleOptimizer: {name}={value!r}. `{name}` must be {valid}."
-    )
-
-
-def _check_real(name: str, value: Any, low: float, high: float, valid: str) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float | np.number)
-        or not math.isfinite(value)
-        or not low <= value <= high
-    ):
-        raise _invalid(name, value, valid)
-    return float(value)
+    return invalid(_OWNER, name, value, valid)
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise _invalid(name, value, f"an integer >= {low}")
-    return int(value)
+    return check_int(_OWNER, name, value, low)
 
 
 def _resolve_inner(inner_optimizer: Any) -> keras.optimizers.Optimizer:
@@ -202,14 +191,16 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             )
         inf = math.inf
         # The scale is a float32 variable: its bounds must be float32 normal numbers.
-        min_scale = _check_real(
+        min_scale = check_real(
+            _OWNER,
             "min_scale",
             min_scale,
             FLOAT32_TINY,
             FLOAT32_MAX,
             f"a number in [{FLOAT32_TINY:.9g}, {FLOAT32_MAX:.9g}] (the scale is float32)",
         )
-        max_scale = _check_real(
+        max_scale = check_real(
+            _OWNER,
             "max_scale",
             max_scale,
             min_scale,
@@ -217,21 +208,20 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             f"a number in [min_scale, {FLOAT32_MAX:.9g}] = [{min_scale:.9g}, "
             f"{FLOAT32_MAX:.9g}] (the scale is float32)",
         )
-        initial_scale = _check_real(
+        initial_scale = check_real(
+            _OWNER,
             "initial_scale",
             initial_scale,
             min_scale,
             max_scale,
             f"a finite number in [min_scale, max_scale] = [{min_scale}, {max_scale}]",
         )
-        growth_factor = _check_real("growth_factor", growth_factor, 1.0, inf, "a finite number > 1")
-        if growth_factor == 1.0:
-            raise _invalid("growth_factor", growth_factor, "a finite number > 1")
-        backoff_factor = _check_real(
-            "backoff_factor", backoff_factor, 0.0, 1.0, "a number in (0, 1)"
+        growth_factor = check_real(
+            _OWNER, "growth_factor", growth_factor, 1.0, inf, "a finite number > 1", open_low=True
         )
-        if backoff_factor in (0.0, 1.0):
-            raise _invalid("backoff_factor", backoff_factor, "a number in (0, 1)")
+        backoff_factor = check_real(
+            _OWNER, "backoff_factor", backoff_factor, 0.0, 1.0, open_low=True, open_high=True
+        )
         rule = scaling.ScaleConfig(
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,

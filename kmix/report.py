@@ -54,7 +54,7 @@ SKIP_RATE_WARN = 0.05
 RECENT_SKIP_RATE_WARN = 0.5
 HEADROOM_TIGHT_BITS = 4.0
 
-SKIP_KINDS = ("backoff", "skip_absorbed", "overflow_at_floor")
+SKIP_KINDS = tags.SKIP_KINDS
 """Event kinds that mark a skipped step."""
 
 TREND_TAGS = {

@@ -29,19 +29,16 @@ from typing import Any, NamedTuple
 
 from keras import ops
 
+from kmix import tags
+
 NONE = 0
 GROWTH = 1
 BACKOFF = 2
 SKIP_ABSORBED = 3
 OVERFLOW_AT_FLOOR = 4
 
-EVENT_KINDS = {
-    GROWTH: "growth",
-    BACKOFF: "backoff",
-    SKIP_ABSORBED: "skip_absorbed",
-    OVERFLOW_AT_FLOOR: "overflow_at_floor",
-}
-"""Names of the event kinds, as they appear in records and logs."""
+EVENT_KINDS = dict(enumerate(tags.EVENT_KINDS, start=GROWTH))
+"""Event code -> name, as the names appear in records and logs (kmix.tags)."""
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,9 @@ def exponent_bucket_edges() -> list[tuple[float, float]]:
 
 
 EVENT_KINDS = ("growth", "backoff", "skip_absorbed", "overflow_at_floor")
+"""Names of the scale event kinds, in the order of kmix.scaling's codes 1, 2, 3, 4."""
+SKIP_KINDS = frozenset(EVENT_KINDS[1:])
+"""The kinds recorded for a skipped (non-finite) step; only growth is not one."""
 _EVENT_RE = re.compile(
     r"^\*\*(?P<kind>[a-z_]+)\*\* at step (?P<step>\d+): "
     r"loss scale (?P<old>[^ ;]+) → (?P<new>[^ ;]+)"

@@ -141,7 +141,7 @@ def test_without_loss_scaling_only_the_loss_check_applies():
     [
         ({"patience": 0}, "patience=0.*integer >= 1"),
         ({"patience": 2.0}, "patience=2.0"),
-        ({"max_skip_rate": 0}, r"max_skip_rate=0.*\(0.0, 1.0\]"),
+        ({"max_skip_rate": 0}, r"max_skip_rate=0.*\(0, 1\]"),
         ({"max_skip_rate": 1.5}, "max_skip_rate=1.5"),
         ({"max_skip_rate": float("nan")}, "max_skip_rate=nan"),
         ({"window": 0}, "window=0"),

@@ -6,7 +6,6 @@ Counting batches is plain Python; the only host synchronisation is the read that
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import keras
@@ -15,47 +14,6 @@ from keras import ops
 KMIX = "kmix"
 KERAS = "keras"
 """Kinds of loss-scale optimizer a callback can find; None means no loss scaling."""
-
-
-def check_int(owner: str, name: str, value: Any, low: int) -> int:
-    """Returns ``value`` as an int if it is an integer ``>= low``.
-
-    Args:
-        owner: the class that takes the argument, for the message.
-        name: the argument's name.
-        value: what the user passed.
-        low: the smallest valid value.
-
-    Returns:
-        ``int(value)``.
-
-    Raises:
-        ValueError: ``value`` is not an integer or is below ``low``.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(
-            f"Invalid `{name}` for {owner}: {name}={value!r}. `{name}` must be an integer >= {low}."
-        )
-    return value
-
-
-def check_real(owner: str, name: str, value: Any, low: float, high: float) -> float:
-    """Returns ``value`` as a float if it is a finite number in ``(low, high]``.
-
-    Raises:
-        ValueError: ``value`` is not a number or is outside ``(low, high]``.
-    """
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or not low < value <= high
-    ):
-        raise ValueError(
-            f"Invalid `{name}` for {owner}: {name}={value!r}. `{name}` must be a "
-            f"number in ({low}, {high}]."
-        )
-    return float(value)
 
 
 def loss_scale_kind(optimizer: Any) -> str | None:
@@ -119,6 +77,7 @@ class StepCallback(keras.callbacks.Callback):
         self._kind = loss_scale_kind(self._optimizer)
         self._steps_seen = self._steps_at_read = self._batch_begin = 0
         self._start_iterations = _to_int(self._optimizer.iterations) if self._optimizer.built else 0
+        # Without kmix's counter, the stock state below counts from the iterations.
         self._start_step = self._start_iterations
         self._start_step = self._read_state()["attempted_steps"]
 

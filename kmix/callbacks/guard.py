@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from kmix.callbacks._base import KERAS, KMIX, StepCallback, check_int, check_real
+from kmix._checks import check_int, check_real
+from kmix.callbacks._base import KERAS, KMIX, StepCallback
 
 _OWNER = "kmix.callbacks.LossScaleGuard"
 MODES = ("stop", "raise")
@@ -97,7 +98,9 @@ class LossScaleGuard(StepCallback):
     ) -> None:
         super().__init__(every=check_int(_OWNER, "check_freq", check_freq, 1))
         self.patience = check_int(_OWNER, "patience", patience, 1)
-        self.max_skip_rate = check_real(_OWNER, "max_skip_rate", max_skip_rate, 0.0, 1.0)
+        self.max_skip_rate = check_real(
+            _OWNER, "max_skip_rate", max_skip_rate, 0.0, 1.0, open_low=True
+        )
         self.window = check_int(_OWNER, "window", window, 1)
         if mode not in MODES:
             raise ValueError(

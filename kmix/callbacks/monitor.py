@@ -11,7 +11,8 @@ import numpy as np
 from keras import ops
 
 from kmix import tags
-from kmix.callbacks._base import KERAS, KMIX, StepCallback, check_int
+from kmix._checks import check_int
+from kmix.callbacks._base import KERAS, KMIX, StepCallback
 
 _OWNER = "kmix.callbacks.MixedPrecisionMonitor"
 
@@ -372,6 +373,8 @@ class MixedPrecisionMonitor(StepCallback):
         import tensorflow as tf
 
         since = self._event_index
+        if state["event_count"] == since:  # nothing new: spare the ring's transfers
+            return
         events = self._optimizer.scale_events(since)
         lost = state["event_count"] - since - len(events)
         if lost > 0:
@@ -389,7 +392,7 @@ class MixedPrecisionMonitor(StepCallback):
             if event.step - 1 > self._scale_step:
                 scale_points.setdefault(event.step - 1, event.old_scale)
             scale_points[event.step] = event.new_scale
-            if event.kind != "growth" and lost <= 0:
+            if event.kind in tags.SKIP_KINDS and lost <= 0:
                 skipped += 1
                 skipped_points[event.step] = skipped
             tf.summary.text(tags.EVENTS, tags.format_event(event), step=event.step)
