@@ -14,6 +14,7 @@ from keras import ops
 
 from kmix import health, scaling
 from kmix._checks import check_int, check_real, invalid
+from kmix._cluster import worker_count
 
 INT64_MAX = 2**63 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -740,8 +741,7 @@ def _warn_if_fit_cannot_run_here() -> None:
     strategy = tf.distribute.get_strategy()
     if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return
-    tasks = strategy.cluster_resolver.cluster_spec().as_dict().values()
-    if sum(len(t) for t in tasks) > 1:  # one worker alone trains with fit fine
+    if worker_count(strategy) > 1:  # one worker alone trains with fit fine
         warnings.warn(FIT_UNDER_MULTI_WORKER.format(version=keras.version()), stacklevel=3)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import keras
 
+from kmix._cluster import worker_count
 from kmix.callbacks.monitor import MixedPrecisionMonitor
 
 CHIEF_ONLY = (MixedPrecisionMonitor, keras.callbacks.TensorBoard)
@@ -68,6 +69,7 @@ class LoopDriver:
                 )
         self.strategy = strategy or tf.distribute.get_strategy()
         self.is_chief = bool(getattr(self.strategy.extended, "should_save_summary", True))
+        self._workers = worker_count(self.strategy)
         if not self.is_chief:
             callbacks = [c for c in callbacks if not isinstance(c, chief_only)]
         self.model = model
@@ -110,7 +112,8 @@ class LoopDriver:
 
         Returns:
             True when training should stop. Every worker must call this after
-            every step; they all get the same answer at the same step.
+            every step; they all get the same answer at the same step (with more
+            than one worker, through one small collective per call).
 
         Raises:
             Exception: what a callback raised (e.g. ``LossScaleGuardError`` in
@@ -142,7 +145,7 @@ class LoopDriver:
     def _any_worker(self, flag: bool) -> bool:
         import tensorflow as tf
 
-        if self.strategy.num_replicas_in_sync == 1:
+        if self._workers == 1:  # one process: its own flag is the answer, no sync
             return flag
         value = self.strategy.run(lambda: tf.constant(int(flag)))
         return bool(self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None) > 0)
