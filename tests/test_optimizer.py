@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from test_health import reference_bins
 
 import kmix
 from kmix import optimizer as kmix_optimizer
@@ -202,7 +203,8 @@ def test_health_statistics_in_fit_match_numpy():
     assert state["nonfinite_elements"] == 0.0
     hist = opt.exponent_histograms_by_variable()
     assert list(hist) == opt.variable_paths()
-    assert [int(h.sum()) for h in hist.values()] == [g.size for g in ref]
+    for counts, grad in zip(hist.values(), ref, strict=True):
+        np.testing.assert_array_equal(counts, reference_bins(grad.ravel()))
 
 
 def test_float32_layers_do_not_count_against_float16_headroom():
@@ -332,6 +334,23 @@ def test_event_ring_keeps_the_most_recent_events():
     assert opt.event_count == 5
     assert [e.index for e in opt.scale_events()] == [3, 4, 5]
     assert [e.new_scale for e in opt.scale_events(since=3)] == [2.0**6, 2.0**5]
+
+
+@pytest.mark.parametrize("growth_steps", [1, 3])
+def test_defaults_follow_stock_keras_scale_trace(growth_steps):
+    """hysteresis=1 and factors 2 / 0.5 reproduce Keras's own rule, step for step."""
+    pattern = [True, True, True, False, True, False, False, True, True, True, True]
+    traces = []
+    for make in (kmix.LossScaleOptimizer, keras.mixed_precision.LossScaleOptimizer):
+        w = keras.Variable(np.ones(2, "float32"))
+        opt = make(keras.optimizers.SGD(0.0), dynamic_growth_steps=growth_steps)
+        trace = []
+        for finite in pattern:
+            opt.apply([tf.constant([1.0 if finite else np.inf, 0.0])], [w])
+            trace.append(float(opt.dynamic_scale.numpy()))
+        traces.append(trace)
+    assert traces[0] == traces[1]
+    assert len(set(traces[0])) > 2  # the pattern made the scale move both ways
 
 
 def test_compile_does_not_wrap_it_again():
