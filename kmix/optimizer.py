@@ -137,7 +137,10 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     otherwise it skips the step (weights and inner state untouched). The scale
     follows :func:`kmix.scaling.update_scale`. Counters, gradient health
     statistics and a ring of recent scale events are kept in optimizer variables,
-    computed in-graph, for :mod:`kmix.callbacks` to read.
+    computed in-graph, for :mod:`kmix.callbacks` to read. Under a ``tf.distribute``
+    strategy the skip decision, counters and events are agreed across replicas;
+    the gradient health statistics describe the first local replica's gradients
+    (before Keras all-reduces them, so their norm is that replica's share).
 
     Example:
         >>> opt = kmix.LossScaleOptimizer(keras.optimizers.Adam(1e-3))  # doctest: +SKIP
