@@ -6,7 +6,7 @@ configurations round by round so that machine noise hits all of them alike, and
 prints each configuration's median step time as a ratio to stock Keras.
 
 Usage:
-    python bench/bench_optimizer.py [--model mlp|cnn|both] [--steps 30] [--rounds 5]
+    python bench/bench_optimizer.py [--model mlp|cnn|deep|all] [--steps 30] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -50,6 +50,16 @@ def cnn() -> tuple[keras.Model, np.ndarray]:
         ]
     )
     return model, np.random.rand(BATCH, 32, 32, 3).astype("float32")
+
+
+def deep() -> tuple[keras.Model, np.ndarray]:
+    """Many small variables (82): per-variable overhead dominates, the worst case."""
+    model = keras.Sequential(
+        [keras.Input((16,))]
+        + [keras.layers.Dense(16, activation="relu") for _ in range(40)]
+        + [keras.layers.Dense(10, dtype="float32")]
+    )
+    return model, np.random.rand(BATCH, 16).astype("float32")
 
 
 CONFIGS = {
@@ -115,13 +125,17 @@ def run(name: str, make_model, steps: int, rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["mlp", "cnn", "both"], default="both")
+    parser.add_argument("--model", choices=["mlp", "cnn", "deep", "all"], default="all")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    models = {"MLP 784-1024-1024-10": mlp, "CNN 32x32x3 conv32-conv64": cnn}
+    models = {
+        "MLP 784-1024-1024-10": mlp,
+        "CNN 32x32x3 conv32-conv64": cnn,
+        "41 x Dense(16), 82 variables": deep,
+    }
     for name, make_model in models.items():
-        if args.model in ("both", make_model.__name__):
+        if args.model in ("all", make_model.__name__):
             run(name, make_model, args.steps, args.rounds)
 
 
