@@ -384,7 +384,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         var_bad = bad[:n] > 0
         all_finite = ops.logical_not(ops.any(var_bad))
         loss_finite = bad[n] <= 0
-        ops.cond(all_finite, apply_inner, lambda: None)
+        ops.cond(all_finite, apply_inner, _noop)
 
         old = scaling.ScaleState(  # snapshots, read before the assignments below
             ops.copy(self.dynamic_scale),
