@@ -548,7 +548,8 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             A dict of Python numbers: ``loss_scale``, ``attempted_steps``,
             ``skipped_steps``, ``good_steps``, ``consecutive_skips``,
             ``last_overflow_step``, ``loss_finite``, ``consecutive_nonfinite_loss``,
-            ``event_count``, ``health_step`` (0 before the first health step) and
+            ``event_count``, ``health_step`` and ``histogram_step`` (0 before the
+            first health step or histogram) and
             the :class:`kmix.health.GradientHealth` scalars. Before the optimizer
             is built: the initial scale and zeros.
         """
@@ -718,6 +719,7 @@ _INT_STATE = {  # read_state() key -> variable attribute
     "consecutive_nonfinite_loss": "consecutive_nonfinite_loss",
     "event_count": "event_count_var",
     "health_step": "health_step",
+    "histogram_step": "histogram_step",
 }
 _HEALTH_FIELDS = (
     "grad_norm",

@@ -8,7 +8,6 @@ from typing import Any
 
 import keras
 import numpy as np
-from keras import ops
 
 from kmix import tags
 from kmix._checks import check_int
@@ -244,7 +243,7 @@ class MixedPrecisionMonitor(StepCallback):
         self._last_state = state
         self._event_index = state.get("event_count", 0)
         self._health_step = state.get("health_step", 0)
-        self._histogram_step = self._read_histogram_step()
+        self._histogram_step = state.get("histogram_step", 0)
         self._scale_step = state["attempted_steps"]
         with self._writer.as_default():
             self._write_begin(state)
@@ -277,11 +276,6 @@ class MixedPrecisionMonitor(StepCallback):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-
-    def _read_histogram_step(self) -> int:
-        if self._kind != KMIX or not self.histogram_freq or not self._optimizer.built:
-            return 0
-        return int(ops.convert_to_numpy(self._optimizer.histogram_step))
 
     def _write_begin(self, state: dict) -> None:
         import tensorflow as tf
@@ -348,7 +342,7 @@ class MixedPrecisionMonitor(StepCallback):
             if self._kind == KMIX:
                 self._drain_events(state, scale_points, skipped_points)
                 self._write_health(state)
-                self._write_histograms()
+                self._write_histograms(state["histogram_step"])
                 tf.summary.scalar(tags.LOSS_FINITE, float(state["loss_finite"]), step=step)
             if step > self._scale_step:
                 scale_points[step] = state["loss_scale"]
@@ -410,11 +404,10 @@ class MixedPrecisionMonitor(StepCallback):
         for path, value in self._optimizer.underflow_by_variable().items():
             tf.summary.scalar(tags.UNDERFLOW_BY_VARIABLE + path, value, step=step)
 
-    def _write_histograms(self) -> None:
+    def _write_histograms(self, step: int) -> None:
         import tensorflow as tf
         from tensorboard.plugins.histogram import metadata
 
-        step = self._read_histogram_step()
         if step <= self._histogram_step:
             return
         self._histogram_step = step
