@@ -61,3 +61,15 @@ def check_real(
         interval = f"{'(' if open_low else '['}{low:.9g}, {high:.9g}{')' if open_high else ']'}"
         raise invalid(owner, name, value, valid or f"a finite number in {interval}")
     return float(value)
+
+
+def check_choice(owner: str, name: str, value: Any, choices: dict[Any, str]) -> Any:
+    """Returns ``value`` if it is one of ``choices`` (a dict: choice -> what it means).
+
+    Raises:
+        ValueError: otherwise, naming the argument, the value and every choice.
+    """
+    if isinstance(value, bool) or value not in choices:
+        valid = " or ".join(f"{choice!r} ({meaning})" for choice, meaning in choices.items())
+        raise invalid(owner, name, value, valid)
+    return value

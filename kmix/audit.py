@@ -14,9 +14,10 @@ Each rule is a small function ``rule(model, layers) -> list[Finding]``, where
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
+from kmix._layers import own_variables, walk_layers
 from kmix.hardware import json_ready
 
 SEVERITIES = ("error", "warning", "info")
@@ -172,7 +173,7 @@ def audit(model: Any) -> AuditReport:
             "`model(x[:1])`, or `model.build(input_shape)`, or give a Sequential "
             "model a `keras.Input(shape)` as its first layer."
         )
-    layers = list(_walk(model))
+    layers = list(walk_layers(model))
     rows = tuple(_row(path, layer) for path, layer in layers)
     findings = [finding for rule in RULES for finding in rule(model, layers)]
     findings.sort(key=lambda finding: SEVERITIES.index(finding.severity))
@@ -187,30 +188,6 @@ def audit(model: Any) -> AuditReport:
 # --- layers ------------------------------------------------------------------
 
 
-def _walk(
-    layer: Any, parent_path: str = "", seen: set[int] | None = None
-) -> Iterator[tuple[str, Any]]:
-    """Yields ``(path, layer)`` for every nested layer, depth first, once each."""
-    seen = set() if seen is None else seen
-    for child in layer._flatten_layers(include_self=False, recursive=False):
-        if id(child) in seen:
-            continue
-        seen.add(id(child))
-        path = getattr(child, "path", None) or "/".join(filter(None, (parent_path, child.name)))
-        yield path, child
-        yield from _walk(child, path, seen)
-
-
-def _own_variables(layer: Any) -> list[Any]:
-    """The variables a layer holds itself, not through its nested layers."""
-    nested = {
-        id(variable)
-        for child in layer._flatten_layers(include_self=False, recursive=False)
-        for variable in child.weights
-    }
-    return [variable for variable in layer.weights if id(variable) not in nested]
-
-
 def _output_dtype(layer: Any) -> str:
     try:
         output = layer.output
@@ -223,7 +200,7 @@ def _output_dtype(layer: Any) -> str:
 
 
 def _row(path: str, layer: Any) -> LayerRow:
-    own = dict.fromkeys(str(variable.dtype) for variable in _own_variables(layer))
+    own = dict.fromkeys(str(variable.dtype) for variable in own_variables(layer))
     return LayerRow(
         path=path,
         class_name=type(layer).__name__,
@@ -272,7 +249,7 @@ def _half_precision_variables(model: Any, layers: Layers) -> list[Finding]:
     """Variables stored in float16/bfloat16: small updates round away."""
     findings = []
     for path, layer in layers:
-        half = [v.name for v in _own_variables(layer) if str(v.dtype) in HALF]
+        half = [v.name for v in own_variables(layer) if str(v.dtype) in HALF]
         if half:
             findings.append(
                 Finding(

@@ -1,0 +1,60 @@
+"""One walk over a model's nested layers, shared by the audit, the optimizer and the monitor.
+
+It reads Keras's ``_flatten_layers`` (private, but stable across Keras 3 releases);
+this module is the only place that does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+
+def children(layer: Any) -> list[Any]:
+    """The layers directly nested in ``layer`` (not itself, not deeper)."""
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def walk_layers(
+    layer: Any, parent_path: str = "", seen: set[int] | None = None
+) -> Iterator[tuple[str, Any]]:
+    """Yields ``(path, layer)`` for every layer nested in ``layer``, depth first, once each.
+
+    Args:
+        layer: a model or layer.
+        parent_path: the path to prefix when a layer has no ``path`` of its own.
+        seen: ids of layers already yielded (shared layers are yielded once).
+
+    Returns:
+        An iterator of ``(path, layer)``; ``layer`` itself is not included.
+    """
+    seen = set() if seen is None else seen
+    for child in children(layer):
+        if id(child) in seen:
+            continue
+        seen.add(id(child))
+        path = getattr(child, "path", None) or "/".join(filter(None, (parent_path, child.name)))
+        yield path, child
+        yield from walk_layers(child, path, seen)
+
+
+def own_variables(layer: Any) -> list[Any]:
+    """The variables a layer holds itself, not through its nested layers."""
+    nested = {id(variable) for child in children(layer) for variable in child.weights}
+    return [variable for variable in layer.weights if id(variable) not in nested]
+
+
+def variable_compute_dtypes(model: Any) -> dict[int, str]:
+    """Maps ``id(variable)`` to the compute dtype of the innermost layer holding it.
+
+    Args:
+        model: a model (built or not: unbuilt layers simply hold no variables yet).
+
+    Returns:
+        A dict over every trainable variable of the model.
+    """
+    dtypes = {id(v): model.compute_dtype for v in getattr(model, "trainable_weights", [])}
+    for _, layer in walk_layers(model):  # depth first: inner layers come later and win
+        for variable in layer.trainable_weights:
+            dtypes[id(variable)] = layer.compute_dtype
+    return dtypes
