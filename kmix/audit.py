@@ -24,6 +24,8 @@ SEVERITIES = ("error", "warning", "info")
 HALF = ("float16", "bfloat16")
 # Activations whose half-precision output is fragile: exp and a sum in float16.
 FRAGILE_ACTIVATIONS = ("softmax", "log_softmax")
+# Decimal digits a half-precision value keeps (11 and 8 significand bits).
+SIGNIFICANT_DIGITS = {"float16": "about 3", "bfloat16": "about 2"}
 UNKNOWN = "?"
 
 COLUMNS = ("path", "class", "compute", "variables", "output", "params")
@@ -297,19 +299,65 @@ def _float16_without_loss_scaling(model: Any, layers: Layers) -> list[Finding]:
     ]
 
 
+def keras_own(layer: Any) -> bool:
+    """Whether a layer runs Keras's own ``call`` (a built-in layer, or a subclass keeping it).
+
+    Keras's own layers choose their precision on purpose: those that turn autocast off
+    (``Embedding``, ``LayerNormalization``, ``GroupNormalization``) look up values or
+    compute their statistics in float32, and ``BatchNormalization`` upcasts to float32.
+
+    Args:
+        layer: a Keras layer.
+
+    Returns:
+        True if the method ``call`` of the layer's class is defined in the ``keras`` package.
+    """
+    module = getattr(getattr(type(layer), "call", None), "__module__", None) or ""
+    return module == "keras" or module.startswith("keras.")
+
+
+def inside_keras_layers(layers: Layers) -> set[int]:
+    """The ids of layers nested in one of Keras's own layers (not in a model).
+
+    ``MultiHeadAttention`` computes its attention softmax in its compute dtype by
+    design; such inner layers are Keras's choice, not the user's.
+
+    Args:
+        layers: ``(path, layer)`` pairs, as from :func:`kmix._layers.walk_layers`.
+
+    Returns:
+        ``{id(layer)}`` of every layer nested in a built-in layer that is not a model.
+    """
+    import keras
+
+    inside: set[int] = set()
+    for _, layer in layers:
+        if keras_own(layer) and not isinstance(layer, keras.Model):
+            inside.update(id(nested) for _, nested in walk_layers(layer))
+    return inside
+
+
 def _fragile_half_precision(model: Any, layers: Layers) -> list[Finding]:
-    """Layers whose half-precision output or reduction is known to be fragile."""
+    """Layers whose half-precision output or reduction is known to be fragile.
+
+    Not flagged, because Keras chose their precision on purpose: layers nested in
+    Keras's own layers (the softmax of ``MultiHeadAttention``), and Keras's own
+    layers that turn autocast off (see :func:`keras_own`).
+    """
+    by_keras = inside_keras_layers(layers)
     findings = []
     for path, layer in layers:
-        if layer.compute_dtype not in HALF:
+        if layer.compute_dtype not in HALF or id(layer) in by_keras:
             continue
         activation = getattr(getattr(layer, "activation", None), "__name__", "")
         if type(layer).__name__ == "Softmax" or activation in FRAGILE_ACTIVATIONS:
             message = (
-                f"softmax computed in {layer.compute_dtype}: exp overflows and the "
-                "normalising sum rounds, so small probabilities become 0"
+                f"softmax computed in {layer.compute_dtype}: probabilities keep only "
+                f"{SIGNIFICANT_DIGITS[layer.compute_dtype]} significant digits"
+                + (" and those below 6e-8 round to 0" if layer.compute_dtype == "float16" else "")
+                + ", so a loss or log computed from them is inexact"
             )
-        elif not layer.autocast:
+        elif not layer.autocast and not keras_own(layer):
             message = (
                 f"autocast=False while computing in {layer.compute_dtype}: its "
                 "inputs and variables are not cast, so its own sums, means and "

@@ -10,7 +10,7 @@ import pytest
 
 import kmix
 from kmix import audit as audit_module
-from kmix.audit import AuditReport, Finding, LayerRow, audit
+from kmix.audit import AuditReport, Finding, LayerRow, audit, keras_own
 
 
 def mlp(hidden=8, out=4, inputs=16, out_dtype=None, activation=None):
@@ -191,6 +191,96 @@ def test_fragile_layer_with_autocast_off():
     x = keras.Input((8,))
     model = keras.Model(x, RawSum(name="raw_sum", dtype="float32")(RawSum(name="raw")(x)))
     assert findings(model, "autocast=False") == [("warning", "raw")]
+
+
+# --- Keras's own layers choose their precision on purpose: no false findings ---
+
+
+class RawLayerNorm(keras.layers.LayerNormalization):
+    """A user's LayerNormalization whose own call reduces in the compute dtype."""
+
+    def call(self, x):
+        mean = keras.ops.mean(x, axis=-1, keepdims=True)
+        return x - mean
+
+
+def transformer_block(head_dtype="float32", head_activation="softmax"):
+    """Embedding -> MultiHeadAttention -> Add & LayerNorm -> Dense FFN -> Add & LayerNorm."""
+    layers = keras.layers
+    tokens = keras.Input((16,), dtype="int32", name="tokens")
+    x = layers.Embedding(1000, 64, name="embed")(tokens)
+    x = layers.LayerNormalization(name="norm1")(
+        layers.Add()([x, layers.MultiHeadAttention(4, 16, name="attention")(x, x)])
+    )
+    ffn = layers.Dense(64, name="ffn2")(layers.Dense(128, activation="relu", name="ffn1")(x))
+    x = layers.LayerNormalization(name="norm2")(layers.Add()([x, ffn]))
+    x = layers.GlobalAveragePooling1D()(x)
+    y = layers.Dense(8, activation=head_activation, dtype=head_dtype, name="head")(x)
+    model = keras.Model(tokens, y, name="transformer")
+    model.compile(optimizer=kmix.LossScaleOptimizer("adam"), loss="mse")
+    return model
+
+
+def resnet_block():
+    """Conv -> BatchNorm -> ReLU -> Conv -> BatchNorm, a residual Add, a float32 head."""
+    layers = keras.layers
+    x0 = keras.Input((8, 8, 16))
+    x = layers.ReLU()(layers.BatchNormalization()(layers.Conv2D(16, 3, padding="same")(x0)))
+    x = layers.BatchNormalization()(layers.Conv2D(16, 3, padding="same")(x))
+    x = layers.GlobalAveragePooling2D()(layers.ReLU()(layers.Add()([x, x0])))
+    model = keras.Model(x0, layers.Dense(8, dtype="float32")(x), name="resnet")
+    model.compile(optimizer=kmix.LossScaleOptimizer("adam"), loss="mse")
+    return model
+
+
+def embedding_model():
+    model = keras.Sequential(
+        [
+            keras.Input((5,), dtype="int32"),
+            keras.layers.Embedding(64, 8, name="embed"),
+            keras.layers.GroupNormalization(groups=2, name="group_norm"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(8, dtype="float32"),
+        ]
+    )
+    model.compile(optimizer=kmix.LossScaleOptimizer("adam"), loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("build", [transformer_block, resnet_block, embedding_model])
+def test_keras_layers_that_choose_their_precision_get_no_findings(build):
+    keras.config.set_dtype_policy("mixed_float16")
+    model = build()
+    computes = {row.class_name: row.compute_dtype for row in audit(model).rows}
+    assert "float16" in computes.values()  # the model does compute in float16
+    assert audit(model).findings == ()
+
+
+def test_keras_own_layer_or_not():
+    keras.config.set_dtype_policy("mixed_float16")
+    assert keras_own(keras.layers.LayerNormalization())
+    assert keras_own(keras.layers.Embedding(4, 2))
+    assert not keras_own(RawLayerNorm())
+    assert not keras_own(RawSum())
+
+
+def test_real_findings_in_a_transformer_are_kept():
+    keras.config.set_dtype_policy("mixed_float16")
+    # A float16 softmax head: the output and the softmax are both findings.
+    assert findings(transformer_block(head_dtype=None)) == [
+        ("warning", "head"),
+        ("warning", "head"),
+    ]
+    [message] = [f.message for f in audit(transformer_block(head_dtype=None)).findings][1:]
+    assert message == (
+        "softmax computed in float16: probabilities keep only about 3 significant digits "
+        "and those below 6e-8 round to 0, so a loss or log computed from them is inexact"
+    )
+    # A user's layer that turns autocast off and reduces in float16 is still flagged,
+    # also when it subclasses Keras's LayerNormalization.
+    x = keras.Input((8,))
+    model = keras.Model(x, keras.layers.Dense(2, dtype="float32")(RawLayerNorm(name="raw_ln")(x)))
+    assert findings(model, "autocast=False") == [("warning", "raw_ln")]
 
 
 def test_tensor_core_alignment():
