@@ -140,6 +140,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- report
 def _run_report(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from kmix import report
 
     report.avoid_tensorflow()
@@ -149,10 +151,10 @@ def _run_report(args: argparse.Namespace) -> int:
         return _error("report", str(error))
     summary = report.summarize(log)
     out = args.out or os.path.join(args.logdir, "report")
-    summary["plots"] = []
     if not args.no_plots:
         try:
-            summary["plots"] = report.write_plots(log, summary, out)
+            plots = report.write_plots(log, summary, out)
+            summary = dataclasses.replace(summary, plots=tuple(plots))
         except ImportError:
             print(
                 "kmix report: matplotlib is not installed, so no plots were written "
@@ -165,7 +167,7 @@ def _run_report(args: argparse.Namespace) -> int:
         print(report.to_json(summary))
     else:
         print(report.format_summary(summary))
-        for path in summary["plots"]:
+        for path in summary.plots:
             print(f"plot: {path}")
     return 0
 

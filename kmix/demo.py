@@ -50,7 +50,7 @@ class DemoResult:
         float32_accuracy: test accuracy of the same model trained in float32, or
             None when the comparison was not run.
         guard_diagnosis: why LossScaleGuard stopped training, or None.
-        summary: the :func:`kmix.report.summarize` dict of the run.
+        summary: the :class:`kmix.report.Summary` of the run.
         plots: the PNG files written (empty without matplotlib).
         seconds: wall time of the whole demo.
     """
@@ -60,7 +60,7 @@ class DemoResult:
     mixed_accuracy: float
     float32_accuracy: float | None
     guard_diagnosis: str | None
-    summary: dict[str, Any]
+    summary: Any  # a kmix.report.Summary (imported lazily: no TensorBoard at import)
     plots: list[str]
     seconds: float
 

@@ -141,7 +141,7 @@ def test_report_json_is_the_summary(run_dir, tmp_path):
     result = kmix("report", run_dir, "--json", "--out", out)
     assert result.returncode == 0, result.stderr
     printed = json.loads(result.stdout)
-    expected = report.summarize(report.read_log(run_dir))
+    expected = report.summarize(report.read_log(run_dir)).to_dict()
     expected["plots"] = [os.path.join(out, name) for name in report.PLOT_FILES]
     assert printed == expected
     for path in expected["plots"]:
@@ -293,7 +293,7 @@ def test_demo_run_small(tmp_path):
     assert keras.config.dtype_policy().name == before
     assert result.policy.startswith("mixed_float16: ")
     assert 0.0 <= result.mixed_accuracy <= 1.0 and 0.0 <= result.float32_accuracy <= 1.0
-    summary = result.summary
+    summary = result.summary.to_dict()
     assert summary["steps_seen"] == 50
     first = summary["events"][0]
     assert (first["step"], first["kind"], first["old_scale"]) == (1, "backoff", 2.0**24)

@@ -7,6 +7,7 @@ against the tag contract rather than against the monitor's code.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import math
@@ -19,7 +20,9 @@ import tensorflow as tf
 from tensorboard.plugins.histogram import metadata as histogram_metadata
 
 from kmix import report, tags
-from kmix.optimizer import ScaleEvent
+from kmix.report import read as report_read
+from kmix.report.summary import _direction
+from kmix.tags import ScaleEvent
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -133,7 +136,8 @@ def expected_events() -> list[dict]:
 
 # ----------------------------------------------------------------- summary
 def test_summary_numbers_are_exact(run_dir):
-    summary = report.summarize(report.read_log(run_dir))
+    typed = report.summarize(report.read_log(run_dir))
+    summary = typed.to_dict()
 
     assert summary["logdir"] == os.path.join(run_dir, tags.TRAIN_DIR)
     assert summary["steps_seen"] == 100
@@ -146,7 +150,11 @@ def test_summary_numbers_are_exact(run_dir):
     assert summary["skipped_steps"] == 4
     assert summary["skip_rate"] == 0.04
     assert summary["recent_skip_rate"] == 0.0
-    assert summary["events"] == expected_events()
+    assert summary["events"] == [event | {"origin": None} for event in expected_events()]
+    assert typed.events == tuple(
+        ScaleEvent(0, step, kind, old, new, variable, count, loss_finite)
+        for step, kind, old, new, variable, count, loss_finite in EVENTS
+    )
     assert summary["event_counts"] == {"backoff": 4, "growth": 1}
     assert summary["trends"] == {
         "overflow_headroom_bits": {
@@ -213,7 +221,7 @@ def test_summary_numbers_are_exact(run_dir):
 
 
 def test_findings_in_plain_words(run_dir):
-    summary = report.summarize(report.read_log(run_dir))
+    summary = report.summarize(report.read_log(run_dir)).to_dict()
     found = summary["findings"]
 
     assert [(f["severity"], f["rule"]) for f in found] == [
@@ -270,7 +278,7 @@ def test_skips_after_the_last_counter_point_are_counted():
         scalars={tags.SKIPPED_STEPS: ([10], [3]), tags.LOSS_SCALE: ([10], [8.0])},
         texts={tags.EVENTS: [event_line(20, "backoff", 8.0, 4.0, "w")]},
     )
-    summary = report.summarize(log)
+    summary = report.summarize(log).to_dict()
     assert summary["skipped_steps"] == 4
     assert summary["steps_seen"] == 20
     assert summary["loss_scale"] == {"initial": 8.0, "final": 4.0, "min": 4.0, "max": 8.0}
@@ -278,12 +286,13 @@ def test_skips_after_the_last_counter_point_are_counted():
 
 def test_healthy_run_says_so():
     log = hand_log(scalars={tags.LOSS_SCALE: ([10, 20], [2.0**15, 2.0**15])})
-    summary = report.summarize(log)
+    typed = report.summarize(log)
+    summary = typed.to_dict()
     assert summary["findings"] == [
         {"severity": "info", "rule": "healthy", "message": "no problems found"}
     ]
     assert summary["trends"]["grad_norm"] is None
-    assert "gradient norm              not logged" in report.format_summary(summary)
+    assert "gradient norm              not logged" in report.format_summary(typed)
 
 
 def test_notes_without_warnings_are_introduced_as_notes():
@@ -291,7 +300,7 @@ def test_notes_without_warnings_are_introduced_as_notes():
         scalars={tags.LOSS_SCALE: ([1, 100], [8.0, 4.0]), tags.SKIPPED_STEPS: ([100], [1])},
         texts={tags.EVENTS: [event_line(3, "backoff", 8.0, 4.0, "w")]},
     )
-    found = report.summarize(log)["findings"]
+    found = report.summarize(log).to_dict()["findings"]
     assert [f["severity"] for f in found] == ["info"] * len(found) and len(found) > 1
     assert found[0]["message"] == "no problems found; notes for information:"
 
@@ -302,7 +311,7 @@ def test_skip_rate_and_floor_warnings():
         scalars={tags.SKIPPED_STEPS: ([10], [10]), tags.SKIP_RATE: ([10], [1.0])},
         texts={tags.EVENTS: lines},
     )
-    found = report.summarize(log)["findings"]
+    found = report.summarize(log).to_dict()["findings"]
     rules = [(f["severity"], f["rule"]) for f in found]
     assert rules[:3] == [
         ("warning", "overflow_at_floor"),
@@ -316,7 +325,7 @@ def test_skip_rate_and_floor_warnings():
 
 def test_underflow_without_histograms_says_zeros_are_included():
     log = hand_log(scalars={tags.UNDERFLOW_BY_VARIABLE + "d/kernel": ([10], [0.5])})
-    (finding,) = report.summarize(log)["findings"]
+    (finding,) = report.summarize(log).to_dict()["findings"]
     assert finding["rule"] == "underflow"
     assert finding["message"].startswith("50% of gradient elements in d/kernel sit at zero or")
     assert "zeros included" in finding["message"]
@@ -326,11 +335,12 @@ def test_nonfinite_values_become_null_and_json_is_strict():
     log = hand_log(
         scalars={tags.OVERFLOW_HEADROOM_BITS: ([10, 20, 30], [math.inf, 2.0, math.nan])},
     )
-    summary = report.summarize(log)
+    typed = report.summarize(log)
+    summary = typed.to_dict()
     trend = summary["trends"]["overflow_headroom_bits"]
     assert trend["nonfinite_points"] == 2
     assert (trend["first"], trend["last"], trend["direction"]) == (2.0, 2.0, "steady")
-    assert json.loads(report.to_json(summary)) == summary
+    assert json.loads(report.to_json(typed)) == summary
 
 
 @pytest.mark.parametrize(
@@ -338,7 +348,7 @@ def test_nonfinite_values_become_null_and_json_is_strict():
     [([1.0], "steady"), ([1.0, 1.01], "steady"), ([1.0, 2.0], "rising"), ([2, 1, 0], "falling")],
 )
 def test_direction(values, direction):
-    assert report._direction(np.asarray(values, np.float64)) == direction
+    assert _direction(np.asarray(values, np.float64)) == direction
 
 
 @pytest.mark.parametrize(
@@ -352,7 +362,7 @@ def test_format_scale(scale, text):
 def test_exponent_shares_cover_every_range():
     counts = exponent_histogram(zero=1, m41=1, m15=1, m14=1, e15=1, e16=1, e18=1)
     counts[-1] = 3  # inf/NaN
-    assert report.exponent_shares(7, counts) == {
+    assert dataclasses.asdict(report.exponent_shares(7, counts)) == {
         "step": 7,
         "elements": 10,
         "zero": 0.1,
@@ -378,22 +388,22 @@ def test_reads_the_train_dir_itself_and_legacy_scalars(tmp_path):
     log = report.read_log(train)
     assert log.path == train
     assert sorted(log.scalars) == [tags.LOSS_SCALE, tags.SKIPPED_STEPS]
-    assert report.summarize(log)["skipped_steps"] == 2
+    assert report.summarize(log).skipped_steps == 2
 
 
 def test_reads_a_log_dir_that_is_still_being_written(tmp_path):
     logdir = str(tmp_path / "live")
     writer = tf.summary.create_file_writer(os.path.join(logdir, tags.TRAIN_DIR))
     write_run(logdir, upto=50, writer=writer)
-    assert report.summarize(report.read_log(logdir))["steps_seen"] == 50
+    assert report.summarize(report.read_log(logdir)).steps_seen == 50
 
     # A half-written record at the end of the file is left for later.
     (event_file,) = glob.glob(os.path.join(logdir, tags.TRAIN_DIR, "events.out.tfevents.*"))
     with open(event_file, "ab") as file:
         file.write(b"\x10\x00\x00")
     summary = report.summarize(report.read_log(logdir))
-    assert summary["steps_seen"] == 50
-    assert summary["skipped_steps"] == 3
+    assert summary.steps_seen == 50
+    assert summary.skipped_steps == 3
 
 
 @pytest.mark.parametrize(
@@ -445,8 +455,8 @@ def test_format_summary_lists_every_event_and_finding(run_dir):
     assert event_lines[-1].endswith("loss non-finite")
     assert "  overflow headroom (bits)   5 -> 0.5, 0.5..5, falling (10 points)" in text
     assert "policy          Global dtype policy `mixed_float16`." in text
-    for finding in summary["findings"]:
-        assert finding["message"] in text
+    for finding in summary.findings:
+        assert finding.message in text
 
 
 # -------------------------------------------------------------------- plots
@@ -482,7 +492,7 @@ def test_no_histograms_no_heatmap(tmp_path):
 
 def test_headroom_below_zero_says_gradients_overflow():
     log = hand_log(scalars={tags.OVERFLOW_HEADROOM_BITS: ([10], [-2.0])})
-    (finding,) = report.summarize(log)["findings"]
+    (finding,) = report.summarize(log).to_dict()["findings"]
     assert finding["message"].startswith(
         "the largest scaled gradient exceeded float16's maximum (65504) by 2.00 bits"
     )
@@ -509,7 +519,7 @@ def test_float16_limits_do_not_apply_to_bfloat16():
         },
         texts={tags.POLICY: [(0, "Global dtype policy `a`; model `m` policy `mixed_bfloat16`.")]},
     )
-    summary = report.summarize(log)
+    summary = report.summarize(log).to_dict()
     assert summary["compute_dtype"] == "bfloat16"
     assert [(f["severity"], f["rule"]) for f in summary["findings"]] == [
         ("info", "healthy"),
@@ -521,6 +531,6 @@ def test_unreadable_log_dir(tmp_path, monkeypatch):
     def denied(path):
         raise PermissionError(13, "Permission denied", path)
 
-    monkeypatch.setattr(report.os, "listdir", denied)
+    monkeypatch.setattr(report_read.os, "listdir", denied)
     with pytest.raises(report.ReportError, match=r"cannot be read \(Permission denied\)"):
         report.read_log(str(tmp_path))

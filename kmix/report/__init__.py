@@ -1,0 +1,93 @@
+"""Read kmix's TensorBoard logs back: a summary, findings in plain words, PNG plots.
+
+This is what ``kmix report LOGDIR`` runs. It reads the event files with
+TensorBoard's own reader and imports neither TensorFlow nor Keras (TensorBoard
+falls back to its stub once :func:`avoid_tensorflow` has been called), so it is
+quick to start and works on a machine that only has TensorBoard.
+
+Example:
+    >>> from kmix import report
+    >>> log = report.read_log("runs/demo")                    # doctest: +SKIP
+    >>> summary = report.summarize(log)                       # doctest: +SKIP
+    >>> print(report.format_summary(summary))                 # doctest: +SKIP
+    >>> report.write_plots(log, summary, "runs/demo/report")  # doctest: +SKIP
+
+One module per concern:
+
+* :mod:`kmix.report.read`: event files (or TensorBoard's data provider, through
+  :func:`build_log`) -> :class:`KmixLog`;
+* :mod:`kmix.report.summary`: :class:`KmixLog` -> typed :class:`Summary` (JSON via
+  :meth:`Summary.to_dict`);
+* :mod:`kmix.report.findings`: the :data:`RULES` table over a :class:`Summary`,
+  and its thresholds;
+* :mod:`kmix.report.whatif`: what the recorded exponent histograms would lose in
+  float16, bfloat16 and FP8;
+* :mod:`kmix.report.text`: terminal text and JSON; :mod:`kmix.report.plots`: PNGs.
+
+``read``, ``summary``, ``findings`` and ``whatif`` neither print nor import
+matplotlib: the TensorBoard plugin reuses them. (The name ``findings`` in this
+package is the function; the module is ``sys.modules["kmix.report.findings"]``.)
+"""
+
+from kmix.report._words import format_scale
+from kmix.report.findings import (
+    HEADROOM_TIGHT_BITS,
+    HEADROOM_WARN_BITS,
+    RECENT_SKIP_RATE_WARN,
+    RULES,
+    SKIP_RATE_WARN,
+    UNDERFLOW_WARN_FRACTION,
+    Finding,
+)
+from kmix.report.findings import findings as findings  # the function shadows the module
+from kmix.report.plots import PLOT_FILES, write_plots
+from kmix.report.read import KmixLog, ReportError, Series, avoid_tensorflow, build_log, read_log
+from kmix.report.summary import (
+    ExponentShares,
+    Forecast,
+    LossScale,
+    Note,
+    Summary,
+    Trend,
+    compute_dtype,
+    exponent_shares,
+    forecast_zero_crossing,
+    summarize,
+)
+from kmix.report.text import format_summary, to_json
+from kmix.report.whatif import FORMATS, FormatShares, PrecisionWhatIf
+
+__all__ = [
+    "FORMATS",
+    "HEADROOM_TIGHT_BITS",
+    "HEADROOM_WARN_BITS",
+    "PLOT_FILES",
+    "RECENT_SKIP_RATE_WARN",
+    "RULES",
+    "SKIP_RATE_WARN",
+    "UNDERFLOW_WARN_FRACTION",
+    "ExponentShares",
+    "Finding",
+    "Forecast",
+    "FormatShares",
+    "KmixLog",
+    "LossScale",
+    "Note",
+    "PrecisionWhatIf",
+    "ReportError",
+    "Series",
+    "Summary",
+    "Trend",
+    "avoid_tensorflow",
+    "build_log",
+    "compute_dtype",
+    "exponent_shares",
+    "findings",
+    "forecast_zero_crossing",
+    "format_scale",
+    "format_summary",
+    "read_log",
+    "summarize",
+    "to_json",
+    "write_plots",
+]

@@ -1,0 +1,523 @@
+"""A typed :class:`Summary` of a run, from a :class:`~kmix.report.read.KmixLog`.
+
+Free of printing and matplotlib: the TensorBoard plugin reuses it. JSON through
+:meth:`Summary.to_dict` (the contract of ``kmix report --json``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from kmix import tags
+from kmix.report import whatif as _whatif
+from kmix.report.findings import HEADROOM_WARN_BITS, Finding, findings
+from kmix.report.read import KmixLog, Series
+from kmix.tags import PolicyRecord, RunEnd, ScaleEvent
+
+TREND_TAGS = {
+    "overflow_headroom_bits": tags.OVERFLOW_HEADROOM_BITS,
+    "underflow_fraction": tags.UNDERFLOW_FRACTION,
+    "grad_norm": tags.GRAD_NORM,
+}
+"""Summary key -> scalar tag of the gradient-health trends."""
+
+UNDERFLOW_SPLIT_TAGS = {
+    "zero_fraction": tags.ZERO_FRACTION,
+    "subnormal_fraction": tags.SUBNORMAL_FRACTION,
+}
+"""Summary key -> scalar tag of the two parts of the underflow fraction."""
+
+FORECAST_MIN_POINTS = 4
+FORECAST_MIN_R2 = 0.5
+"""A forecast needs at least this many points, and a fit explaining this share of their variance."""
+
+_MODEL_POLICY = re.compile(r"model `[^`]*` policy `([^`]+)`")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScale:
+    """Initial, final, lowest and highest loss scale; None when unknown or non-finite."""
+
+    initial: float | None
+    final: float | None
+    min: float | None
+    max: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Trend:
+    """One scalar over the run, its finite points only for the numbers.
+
+    Attributes:
+        points: how many points were logged.
+        nonfinite_points: how many of them were inf or NaN.
+        first_step: step of the first point.
+        last_step: step of the last point.
+        first: first finite value (None: none is finite; likewise below).
+        last: last finite value.
+        min: lowest finite value.
+        max: highest finite value.
+        direction: ``"rising"``, ``"falling"`` or ``"steady"`` (see :func:`_direction`).
+    """
+
+    points: int
+    nonfinite_points: int
+    first_step: int
+    last_step: int
+    first: float | None
+    last: float | None
+    min: float | None
+    max: float | None
+    direction: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExponentShares:
+    """One exponent histogram split into the ranges that matter for float16.
+
+    Attributes:
+        step: the step of the histogram.
+        elements: how many elements it counts.
+        zero: share of exact zeros.
+        below_normal: non-zero, below ``2**-14``: float16 loses precision, then flushes.
+        in_range: normal float16 values.
+        above_max: finite, ``2**16`` or more.
+        nonfinite: inf or NaN.
+    """
+
+    step: int
+    elements: int
+    zero: float
+    below_normal: float
+    in_range: float
+    above_max: float
+    nonfinite: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Note:
+    """A note of the writer (``kmix/notes``) or a ``kmix/events`` line that is no event."""
+
+    step: int
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Forecast:
+    """Where a falling headroom series reaches 0 bits (float16's max) at its trend.
+
+    Attributes:
+        series: ``"gradients"`` or ``"activations of <layer>"``.
+        zero_step: the step at which the fitted line reaches 0 bits.
+        bits_per_step: the fitted slope (negative).
+        last_step: the last step fitted.
+        last_bits: the headroom at that step.
+        points: how many points were fitted.
+    """
+
+    series: str
+    zero_step: int
+    bits_per_step: float
+    last_step: int
+    last_bits: float
+    points: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """What a run did to its loss scale and gradients, and what it means.
+
+    Attributes:
+        logdir: the directory read.
+        steps_seen: the last step anything was logged at.
+        loss_scale: the scale's range.
+        skipped_steps: skipped (non-finite) steps.
+        skip_rate: ``skipped_steps / steps_seen``.
+        recent_skip_rate: the skip rate of the latest window, None if not logged.
+        events: every scale event, in step order, each once.
+        event_counts: kind -> count.
+        trends: ``overflow_headroom_bits``, ``underflow_fraction``, ``grad_norm``
+            -> :class:`Trend`, None when not logged.
+        underflow_by_variable: variable -> latest zero-or-subnormal share, largest first.
+        gradient_exponents: variable -> :class:`ExponentShares` of its latest histogram.
+        policy: the ``kmix/policy`` text, None if not logged.
+        compute_dtype: the model's compute dtype, None if unknown.
+        notes: the writer's notes, and lines of ``kmix/events`` that are no event.
+        findings: what :data:`kmix.report.RULES` found.
+        events_lost: how many events the writer said were lost.
+        policy_record: the structured ``kmix/policy_record``, None for 0.1.0 logs.
+        run_end: how the run ended, None if not recorded.
+        underflow_split: ``zero_fraction``, ``subnormal_fraction`` -> :class:`Trend`
+            or None.
+        subnormal_by_variable: variable -> latest subnormal share, largest first.
+        activation_headroom: layer -> :class:`Trend` of its activation headroom
+            bits, tightest (lowest latest) first.
+        min_activation_headroom: :class:`Trend` of the minimum over layers, or None.
+        forecasts: falling headroom series and where they would reach 0 bits.
+        precision_whatif: ``{"gradients": PrecisionWhatIf | None}``.
+        plots: the PNG files written for it (set by the caller).
+    """
+
+    logdir: str
+    steps_seen: int
+    loss_scale: LossScale
+    skipped_steps: int
+    skip_rate: float
+    recent_skip_rate: float | None
+    events: tuple[ScaleEvent, ...]
+    event_counts: dict[str, int]
+    trends: dict[str, Trend | None]
+    underflow_by_variable: dict[str, float | None]
+    gradient_exponents: dict[str, ExponentShares]
+    policy: str | None
+    compute_dtype: str | None
+    notes: tuple[Note, ...]
+    events_lost: int
+    policy_record: PolicyRecord | None
+    run_end: RunEnd | None
+    underflow_split: dict[str, Trend | None]
+    subnormal_by_variable: dict[str, float | None]
+    activation_headroom: dict[str, Trend]
+    min_activation_headroom: Trend | None
+    forecasts: tuple[Forecast, ...]
+    precision_whatif: dict[str, _whatif.PrecisionWhatIf | None]
+    findings: tuple[Finding, ...] = ()
+    plots: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summary as JSON-ready data: lists for tuples, None for non-finite numbers.
+
+        Events leave out ``index``, which the event lines do not hold.
+
+        Returns:
+            A dict with one key per field.
+        """
+        data = _jsonable(dataclasses.asdict(self))
+        for event in data["events"]:
+            del event["index"]
+        return data
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, float | np.floating):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def summarize(log: KmixLog) -> Summary:
+    """Summarizes a run: steps, loss scale, skips, events, health trends, findings.
+
+    Args:
+        log: what :func:`kmix.report.read_log` (or :func:`kmix.report.build_log`) returned.
+
+    Returns:
+        The :class:`Summary`, its ``findings`` filled in.
+    """
+    events, notes, lost = _events_and_notes(log)
+    scale = log.scalars.get(tags.LOSS_SCALE)
+    recent = log.scalars.get(tags.SKIP_RATE)
+    steps_seen = _steps_seen(log, events)
+    skipped = _skipped_steps(log.scalars.get(tags.SKIPPED_STEPS), events)
+    policy = _latest_text(log, tags.POLICY)
+    record = _latest_record(log, tags.POLICY_RECORD, tags.parse_policy_record)
+    if record is not None:
+        dtype: str | None = record.compute_dtype
+    else:
+        dtype = None if policy is None else compute_dtype(policy)
+    activation = {
+        tag[len(tags.ACTIVATION_HEADROOM_BITS) :]: _trend(series)
+        for tag, series in log.scalars.items()
+        if tag.startswith(tags.ACTIVATION_HEADROOM_BITS)
+    }
+    activation = dict(
+        sorted(activation.items(), key=lambda item: (item[1].last is None, item[1].last or 0.0))
+    )
+    summary = Summary(
+        logdir=log.path,
+        steps_seen=steps_seen,
+        loss_scale=_loss_scale(scale, events),
+        skipped_steps=skipped,
+        skip_rate=skipped / steps_seen if steps_seen else 0.0,
+        recent_skip_rate=None if recent is None else _finite(recent.values[-1]),
+        events=tuple(events),
+        event_counts=dict(Counter(event.kind for event in events)),
+        trends={key: _trend(log.scalars.get(tag)) for key, tag in TREND_TAGS.items()},
+        underflow_by_variable=_latest_by_variable(log, tags.UNDERFLOW_BY_VARIABLE),
+        gradient_exponents={
+            variable: exponent_shares(*points[-1]) for variable, points in log.histograms.items()
+        },
+        policy=policy,
+        compute_dtype=dtype,
+        notes=tuple(notes),
+        events_lost=lost,
+        policy_record=record,
+        run_end=_latest_record(log, tags.RUN_END, tags.parse_run_end),
+        underflow_split={
+            key: _trend(log.scalars.get(tag)) for key, tag in UNDERFLOW_SPLIT_TAGS.items()
+        },
+        subnormal_by_variable=_latest_by_variable(log, tags.SUBNORMAL_BY_VARIABLE),
+        activation_headroom=activation,
+        min_activation_headroom=_trend(log.scalars.get(tags.MIN_ACTIVATION_HEADROOM_BITS)),
+        forecasts=_forecasts(log),
+        precision_whatif={"gradients": _whatif.whatif(log.histograms)},
+    )
+    return dataclasses.replace(summary, findings=tuple(findings(summary)))
+
+
+# ------------------------------------------------------------------- pieces
+def _latest_text(log: KmixLog, tag: str) -> str | None:
+    points = log.texts.get(tag)
+    return points[-1][1] if points else None
+
+
+def _latest_record(log: KmixLog, tag: str, parse: Any) -> Any:
+    """The latest text of ``tag`` that parses as a record (the last run of a resumed log)."""
+    for _, text in reversed(log.texts.get(tag, [])):
+        record = parse(text)
+        if record is not None:
+            return record
+    return None
+
+
+def _events_and_notes(log: KmixLog) -> tuple[list[ScaleEvent], list[Note], int]:
+    """Events (each once, in step order), notes, and how many events were said lost.
+
+    A run resumed with ``BackupAndRestore`` writes the events before the resume
+    again: one event per (step, kind, old scale, new scale) is kept.
+    """
+    events: dict[tuple[int, str, float, float], ScaleEvent] = {}
+    notes: list[Note] = []
+    lost = 0
+    for step, text in log.texts.get(tags.EVENTS, []):
+        for line in filter(None, (line.strip() for line in text.splitlines())):
+            lost_note = tags.parse_events_lost(line)
+            event = None if lost_note is not None else tags.parse_event(line)
+            if event is not None:
+                events.setdefault((event.step, event.kind, event.old_scale, event.new_scale), event)
+                continue
+            if lost_note is not None:
+                lost += lost_note.count
+            notes.append(Note(step, line))
+    notes += [Note(step, text) for step, text in log.texts.get(tags.NOTES, [])]
+    notes.sort(key=lambda note: note.step)
+    return sorted(events.values(), key=lambda event: event.step), notes, lost
+
+
+def _steps_seen(log: KmixLog, events: list[ScaleEvent]) -> int:
+    last = [int(series.steps[-1]) for series in log.scalars.values()]
+    last += [points[-1][0] for points in log.histograms.values()]
+    last += [event.step for event in events[-1:]]
+    return max(last, default=0)
+
+
+def _skipped_steps(series: Series | None, events: list[ScaleEvent]) -> int:
+    """The counter's last value, plus skip events logged after it was last written."""
+    counted, since = (0, 0) if series is None else (int(series.values[-1]), int(series.steps[-1]))
+    return counted + sum(e.kind in tags.SKIP_KINDS and e.step > since for e in events)
+
+
+def _loss_scale(series: Series | None, events: list[ScaleEvent]) -> LossScale:
+    """Initial, final, min and max scale from the scalar and the (complete) event list."""
+    values = [] if series is None else list(series.values)
+    values += [value for e in events for value in (e.old_scale, e.new_scale)]
+    if not values:
+        return LossScale(None, None, None, None)
+    if events and (series is None or events[0].step <= series.steps[0]):
+        initial = events[0].old_scale
+    else:
+        initial = series.values[0]
+    if events and (series is None or events[-1].step > series.steps[-1]):
+        final = events[-1].new_scale
+    else:
+        final = series.values[-1]
+    return LossScale(_finite(initial), _finite(final), _finite(min(values)), _finite(max(values)))
+
+
+def _trend(series: Series | None) -> Trend | None:
+    """First, last, min, max over finite points, and the direction of the change."""
+    if series is None:
+        return None
+    finite = np.isfinite(series.values)
+    values = series.values[finite]
+    counts = {
+        "points": int(series.values.size),
+        "nonfinite_points": int((~finite).sum()),
+        "first_step": int(series.steps[0]),
+        "last_step": int(series.steps[-1]),
+    }
+    if values.size == 0:
+        return Trend(**counts, first=None, last=None, min=None, max=None, direction=None)
+    return Trend(
+        **counts,
+        first=float(values[0]),
+        last=float(values[-1]),
+        min=float(values.min()),
+        max=float(values.max()),
+        direction=_direction(values),
+    )
+
+
+def _direction(values: np.ndarray) -> str:
+    """``"rising"``, ``"falling"`` or ``"steady"``: second half's mean vs the first half's.
+
+    A change below 5% of the largest absolute value counts as steady.
+    """
+    if values.size < 2:
+        return "steady"
+    half = values.size // 2
+    change = values[values.size - half :].mean() - values[:half].mean()
+    if abs(change) <= 0.05 * max(np.abs(values).max(), 1e-30):
+        return "steady"
+    return "rising" if change > 0 else "falling"
+
+
+def _latest_by_variable(log: KmixLog, prefix: str) -> dict[str, float | None]:
+    latest = {
+        tag[len(prefix) :]: _finite(series.values[-1])
+        for tag, series in log.scalars.items()
+        if tag.startswith(prefix)
+    }
+    return dict(sorted(latest.items(), key=lambda item: -(item[1] or 0.0)))
+
+
+def compute_dtype(policy_text: str) -> str | None:
+    """The model's compute dtype from the prose of ``kmix/policy`` (logs of kmix 0.1.0).
+
+    Newer logs hold a :class:`kmix.tags.PolicyRecord`, which the summary reads
+    instead; this is the one place that reads the prose.
+
+    Args:
+        policy_text: the text, which names the model's policy as ``policy `NAME```.
+
+    Returns:
+        ``"float16"``, ``"bfloat16"``, ``"float32"``...; None if the text names none.
+    """
+    match = _MODEL_POLICY.search(policy_text)
+    return None if match is None else match[1].removeprefix("mixed_")
+
+
+def exponent_shares(step: int, counts: np.ndarray) -> ExponentShares:
+    """Splits one exponent histogram into the ranges that matter for float16.
+
+    Args:
+        step: the step of the histogram.
+        counts: one count per exponent bin of :mod:`kmix.tags`.
+
+    Returns:
+        The :class:`ExponentShares`: ``step``, ``elements``, and the share of
+        elements that are ``zero``, non-zero but ``below_normal`` (below
+        ``2**-14``, where float16 loses precision and then flushes to zero),
+        ``in_range`` (normal float16 values), ``above_max`` (finite, ``2**16`` or
+        more) and ``nonfinite`` (inf/NaN).
+    """
+    normal = tags.exponent_bin(tags.FLOAT16_MIN_NORMAL_EXPONENT)
+    overflow = tags.exponent_bin(tags.FLOAT16_MAX_EXPONENT + 1)
+    total = float(counts.sum())
+    parts = (
+        counts[0],
+        counts[1:normal].sum(),
+        counts[normal:overflow].sum(),
+        counts[overflow:-1].sum(),
+        counts[-1],
+    )
+    shares = (float(value) / total if total else 0.0 for value in parts)
+    return ExponentShares(int(step), int(total), *shares)
+
+
+def _finite(value: Any) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+# ------------------------------------------------------------------ forecast
+def forecast_zero_crossing(
+    steps: np.ndarray, values: np.ndarray, min_points: int = FORECAST_MIN_POINTS
+) -> tuple[float, float, int] | None:
+    """Where a steadily falling series would reach 0, by least squares on its latest half.
+
+    The fit takes the latest half of the finite points, at least ``min_points``,
+    and fits ``value = slope * step + intercept``. The series falls steadily when
+    the slope is negative and the line explains at least :data:`FORECAST_MIN_R2`
+    of the points' variance.
+
+    Args:
+        steps: the steps, increasing.
+        values: one value per step (non-finite ones are left out).
+        min_points: the fewest points to fit, >= 2.
+
+    Returns:
+        ``(zero_step, slope, points)``: the step at which the line reaches 0
+        (after the last step fitted), its slope and how many points were fitted;
+        None when there are too few points, the series is not falling steadily, or
+        the line is at or below 0 already.
+    """
+    steps = np.asarray(steps, dtype=np.float64)
+    values = np.asarray(values, dtype=np.float64)
+    finite = np.isfinite(values)
+    steps, values = steps[finite], values[finite]
+    if values.size < max(min_points, 2):
+        return None
+    count = max(min_points, math.ceil(values.size / 2))
+    x, y = steps[-count:], values[-count:]
+    dx, dy = x - x.mean(), y - y.mean()
+    spread = float((dx * dx).sum())
+    if spread == 0.0:
+        return None
+    slope = float((dx * dy).sum()) / spread
+    intercept = float(y.mean()) - slope * float(x.mean())
+    total = float((dy * dy).sum())
+    residual = float(((y - (slope * x + intercept)) ** 2).sum())
+    if slope >= 0 or total == 0.0 or 1.0 - residual / total < FORECAST_MIN_R2:
+        return None
+    zero = -intercept / slope
+    if zero <= x[-1]:
+        return None
+    return zero, slope, int(count)
+
+
+def _forecasts(log: KmixLog) -> tuple[Forecast, ...]:
+    """Forecasts for gradient headroom and each layer's activation headroom.
+
+    Only for series whose latest value is still at or above ``HEADROOM_WARN_BITS``
+    (below it, the headroom findings warn already).
+    """
+    series = [("gradients", log.scalars.get(tags.OVERFLOW_HEADROOM_BITS))]
+    series += [
+        (f"activations of {tag[len(tags.ACTIVATION_HEADROOM_BITS) :]}", values)
+        for tag, values in sorted(log.scalars.items())
+        if tag.startswith(tags.ACTIVATION_HEADROOM_BITS)
+    ]
+    found = []
+    for name, values in series:
+        if values is None:
+            continue
+        finite = values.values[np.isfinite(values.values)]
+        if finite.size == 0 or finite[-1] < HEADROOM_WARN_BITS:
+            continue
+        fit = forecast_zero_crossing(values.steps, values.values)
+        if fit is not None:
+            zero, slope, points = fit
+            last = np.nonzero(np.isfinite(values.values))[0][-1]
+            found.append(
+                Forecast(
+                    series=name,
+                    zero_step=int(round(zero)),
+                    bits_per_step=slope,
+                    last_step=int(values.steps[last]),
+                    last_bits=float(values.values[last]),
+                    points=points,
+                )
+            )
+    return tuple(found)

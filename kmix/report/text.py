@@ -1,0 +1,206 @@
+"""A :class:`~kmix.report.summary.Summary` as terminal text, or as strict JSON."""
+
+from __future__ import annotations
+
+import json
+
+from kmix import tags
+from kmix.report._words import format_scale, plural
+from kmix.report.findings import RUN_END_WORDS
+from kmix.report.summary import Summary, Trend
+from kmix.report.whatif import FORMATS
+
+_HEALTH_NAMES = {
+    "overflow_headroom_bits": "overflow headroom (bits)",
+    "underflow_fraction": "underflow fraction",
+    "grad_norm": "gradient norm",
+}
+_SPLIT_NAMES = {
+    "zero_fraction": "  of which exact zeros",
+    "subnormal_fraction": "  of which subnormal",
+}
+_PERCENT = {"underflow_fraction", "zero_fraction", "subnormal_fraction"}
+
+
+def _number(value: float | None, percent: bool = False) -> str:
+    if value is None:
+        return "n/a"
+    return f"{100 * value:.2f}%" if percent else f"{value:.4g}"
+
+
+def _trend_line(name: str, trend: Trend | None, percent: bool) -> str:
+    if trend is None:
+        return f"  {name:<26} not logged"
+    return (
+        f"  {name:<26} {_number(trend.first, percent)} -> {_number(trend.last, percent)}"
+        f", {_number(trend.min, percent)}..{_number(trend.max, percent)}"
+        f", {trend.direction} ({plural(trend.points, 'point')}"
+        + (f", {trend.nonfinite_points} non-finite" if trend.nonfinite_points else "")
+        + ")"
+    )
+
+
+def _event_line(event: tags.ScaleEvent) -> str:
+    line = (
+        f"  step {event.step:>7}  {event.kind:<17} "
+        f"{format_scale(event.old_scale)} -> {format_scale(event.new_scale)}"
+    )
+    if event.variable:
+        line += (
+            f"  first non-finite: {event.variable} "
+            f"({plural(event.nonfinite_variables, 'variable')})"
+        )
+    if event.loss_finite is None:
+        line += "  loss finite: unknown"
+    elif not event.loss_finite:
+        line += "  loss non-finite"
+    if event.origin is not None:
+        origin = event.origin
+        line += (
+            f"  forward overflow starts in {origin.layer} ({origin.layer_class}), inputs "
+            + ("finite" if origin.inputs_finite else "non-finite")
+            + ("" if origin.max_abs_input is None else f", max |input| {origin.max_abs_input:.4g}")
+        )
+    return line
+
+
+def _run_end_line(summary: Summary) -> str:
+    end = summary.run_end
+    if end is None:
+        return "run ended       not recorded"
+    text = f"run ended       {RUN_END_WORDS.get(end.reason, end.reason)} at step {end.step}"
+    return text + (f": {end.message}" if end.message and end.reason != "completed" else "")
+
+
+def _histogram_hint(summary: Summary) -> str:
+    record = summary.policy_record
+    if record is not None and record.histogram_freq and record.loss_scaling != "kmix":
+        return (
+            f"no gradient exponent histograms: histogram_freq={record.histogram_freq} is set, "
+            "but histograms need kmix.LossScaleOptimizer (loss scaling here: "
+            f"{record.loss_scaling})"
+        )
+    if record is not None and record.histogram_freq:
+        return (
+            f"no gradient exponent histograms yet (histogram_freq={record.histogram_freq}: "
+            "the run has not reached that step)"
+        )
+    return "no gradient exponent histograms (set histogram_freq on MixedPrecisionMonitor)"
+
+
+def _shares(shares: object) -> str:
+    return "/".join(
+        _number(getattr(shares, key), True) for key in ("underflow", "subnormal", "overflow")
+    )
+
+
+def _whatif_lines(summary: Summary) -> list[str]:
+    gradients = summary.precision_whatif.get("gradients")
+    if gradients is None:
+        return []
+    lines = [
+        f"precision what-if (gradients at step {gradients.step}; share that would "
+        "underflow/be subnormal/overflow; FP8 scaled per tensor to its max)"
+    ]
+    rows = {"all variables": gradients.overall} | gradients.by_variable
+    width = max(map(len, rows))
+    for name, by_format in rows.items():
+        lines.append(
+            f"  {name:<{width}}  "
+            + "  ".join(f"{fmt} {_shares(by_format[fmt])}" for fmt in FORMATS)
+        )
+    return lines
+
+
+def format_summary(summary: Summary) -> str:
+    """Formats a summary as text for a terminal.
+
+    Args:
+        summary: what :func:`kmix.report.summarize` returned.
+
+    Returns:
+        Several lines, without a trailing newline.
+    """
+    scale, recent = summary.loss_scale, summary.recent_skip_rate
+    lines = [
+        f"kmix report: {summary.logdir}",
+        f"steps seen      {summary.steps_seen}",
+        "loss scale      "
+        + ", ".join(
+            f"{key} {format_scale(getattr(scale, key))}"
+            for key in ("initial", "final", "min", "max")
+        ),
+        f"skipped steps   {summary.skipped_steps} of {summary.steps_seen} "
+        f"({_number(summary.skip_rate, True)})"
+        + ("" if recent is None else f"; latest window {_number(recent, True)}"),
+        _run_end_line(summary),
+    ]
+    if summary.policy:
+        lines.append(f"policy          {summary.policy.splitlines()[0]}")
+    elif summary.policy_record is not None:
+        record = summary.policy_record
+        lines.append(
+            f"policy          model `{record.model_name}` policy `{record.model_policy}`; "
+            f"loss scaling: {record.loss_scaling}"
+        )
+    lines.append(f"scale events    {len(summary.events)}")
+    lines += [_event_line(event) for event in summary.events]
+    if summary.events_lost:
+        lines.append(f"events lost     {summary.events_lost} (see the notes)")
+    lines.append("gradient health (finite points: first -> last, min..max, trend)")
+    for key, name in _HEALTH_NAMES.items():
+        lines.append(_trend_line(name, summary.trends.get(key), key in _PERCENT))
+        if key == "underflow_fraction":
+            lines += [
+                _trend_line(split, summary.underflow_split.get(part), True)
+                for part, split in _SPLIT_NAMES.items()
+                if summary.underflow_split.get(part) is not None
+            ]
+    if any(trend is None for trend in summary.trends.values()):
+        why = [n.text for n in summary.notes if tags.parse_events_lost(n.text) is None]
+        if why:
+            lines.append(f"  not logged because: {why[-1]}")
+    for title, by_variable in (
+        ("underflow by variable (latest, zeros included)", summary.underflow_by_variable),
+        ("subnormal by variable (latest)", summary.subnormal_by_variable),
+    ):
+        if by_variable:
+            lines.append(title)
+            width = max(map(len, by_variable))
+            for variable, fraction in by_variable.items():
+                lines.append(f"  {variable:<{width}}  {_number(fraction, True)}")
+    if summary.activation_headroom:
+        lines.append("activation headroom by layer (bits)")
+        width = max(map(len, summary.activation_headroom))
+        for layer, trend in summary.activation_headroom.items():
+            lines.append(_trend_line(f"{layer:<{width}}", trend, False))
+    if summary.gradient_exponents:
+        lines.append("gradient exponents (latest histogram, share of elements)")
+        width = max(map(len, summary.gradient_exponents))
+        for variable, shares in summary.gradient_exponents.items():
+            lines.append(
+                f"  {variable:<{width}}  step {shares.step}: "
+                + ", ".join(
+                    f"{key.replace('_', ' ')} {_number(getattr(shares, key), True)}"
+                    for key in ("zero", "below_normal", "in_range", "above_max", "nonfinite")
+                )
+            )
+    else:
+        lines.append(_histogram_hint(summary))
+    lines += _whatif_lines(summary)
+    lines.append("findings")
+    marks = {"warning": "!", "info": "-"}
+    lines += [f"  {marks[f.severity]} {f.message}" for f in summary.findings]
+    return "\n".join(lines)
+
+
+def to_json(summary: Summary) -> str:
+    """Formats a summary as strict JSON (no NaN or Infinity): :meth:`Summary.to_dict`.
+
+    Args:
+        summary: the summary.
+
+    Returns:
+        The JSON text.
+    """
+    return json.dumps(summary.to_dict(), indent=2, allow_nan=False)
