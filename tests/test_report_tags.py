@@ -1,0 +1,139 @@
+"""kmix.tags: every format written to TensorBoard reads back, also lines of kmix 0.1.0."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+from kmix import tags
+from kmix.tags import EventsLost, ForwardOrigin, PolicyRecord, RunEnd, ScaleEvent
+
+ORIGIN = ForwardOrigin("block_3/ffn_out", "Dense", True, 812.0)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        ScaleEvent(0, 1, "backoff", 2.0**16, 2.0**15, "dense_2/kernel", 3, True),
+        ScaleEvent(0, 2, "skip_absorbed", 8.0, 8.0, "w", 1, False),
+        ScaleEvent(0, 3, "growth", 0.5, 1.0, None, 0, True),
+        ScaleEvent(0, 4, "backoff", 4.0, 2.0, "a/b", 2, None),
+        ScaleEvent(0, 5, "forward_overflow", 8.0, 8.0, None, 0, False, ORIGIN),
+        ScaleEvent(0, 6, "forward_overflow", 8.0, 8.0, "v", 1, None, ORIGIN),
+        ScaleEvent(
+            0,
+            7,
+            "forward_overflow",
+            8.0,
+            8.0,
+            None,
+            0,
+            False,
+            ForwardOrigin("x", "Conv2D", False, None),
+        ),
+        ScaleEvent(
+            0, 8, "overflow_at_floor", 1.0, 1.0, "w", 1, True, ForwardOrigin("l", "L", True, 1.5e-3)
+        ),
+        ScaleEvent(0, 9, "backoff", math.inf, 2.0**24, "w", 1, True),
+    ],
+)
+def test_event_lines_round_trip(event):
+    line = tags.format_event(event)
+    assert tags.parse_event(line) == event
+    assert tags.parse_events_lost(line) is None
+
+
+def test_event_line_wording():
+    event = ScaleEvent(9, 5, "forward_overflow", 8.0, 8.0, "w", 1, None, ORIGIN)
+    assert tags.format_event(event) == (
+        "**forward_overflow** at step 5: loss scale 8 → 8; first non-finite gradient `w` "
+        "(1 variable); whether the loss was finite is unknown; forward overflow starts in "
+        "`block_3/ffn_out` (Dense): inputs finite, max |input| 812"
+    )
+
+
+def test_lines_written_by_kmix_0_1_0_read_back():
+    lines = {  # exactly as kmix 0.1.0 wrote them
+        "**backoff** at step 12: loss scale 32768 → 16384; first non-finite gradient "
+        "`conv/kernel` (2 variables)": ScaleEvent(
+            0, 12, "backoff", 32768.0, 16384.0, "conv/kernel", 2, True
+        ),
+        "**skip_absorbed** at step 3: loss scale 8 → 8; first non-finite gradient `w` "
+        "(1 variable); the loss itself was non-finite": ScaleEvent(
+            0, 3, "skip_absorbed", 8.0, 8.0, "w", 1, False
+        ),
+        "**growth** at step 50: loss scale 1 → 2": ScaleEvent(
+            0, 50, "growth", 1.0, 2.0, None, 0, True
+        ),
+    }
+    for line, event in lines.items():
+        assert tags.parse_event(line) == event
+
+
+def test_the_0_1_0_lost_note_is_a_note_not_an_event():
+    line = (  # the monitor's prose of kmix 0.1.0
+        "**3 scale events lost** between steps 100 and 200: more happened between two reads "
+        "than the optimizer's event ring holds (event_capacity=64). Lower `update_freq` or "
+        "raise `event_capacity` of kmix.LossScaleOptimizer."
+    )
+    assert tags.parse_event(line) is None
+    assert tags.parse_events_lost(line) == EventsLost(3, 100, 200, 64)
+    assert tags.format_events_lost(EventsLost(3, 100, 200, 64)) == line
+
+
+@pytest.mark.parametrize("lost", [EventsLost(1, 0, 5), EventsLost(7, 10, 20, 16)])
+def test_events_lost_round_trip(lost):
+    line = tags.format_events_lost(lost)
+    assert tags.parse_events_lost(line) == lost
+    assert tags.parse_event(line) is None
+    assert ("1 scale event lost" in line) == (lost.count == 1)
+
+
+def test_policy_record_round_trip_and_json():
+    record = PolicyRecord(
+        "mixed_float16", "cnn", "mixed_float16", "float16", "float32", "kmix", 1.0, 2.0**24, 100, 25
+    )
+    text = tags.format_policy_record(record)
+    assert json.loads(text) == dataclasses.asdict(record)
+    assert tags.parse_policy_record(text) == record
+    stock = dataclasses.replace(record, loss_scaling="keras", min_scale=None, max_scale=None)
+    assert tags.parse_policy_record(tags.format_policy_record(stock)) == stock
+
+
+def test_run_end_round_trip():
+    for reason in tags.RUN_END_REASONS:
+        end = RunEnd(41, reason, "" if reason == "completed" else f"why: {reason}")
+        assert tags.parse_run_end(tags.format_run_end(end)) == end
+
+
+@pytest.mark.parametrize("text", ["", "not json", "[1, 2]", '{"step": 1}', "Global dtype policy"])
+def test_records_that_are_not_records_parse_to_none(text):
+    assert tags.parse_run_end(text) is None
+    assert tags.parse_policy_record(text) is None
+
+
+def test_forward_overflow_is_code_5_and_a_skip():
+    assert tags.EVENT_KINDS[:4] == ("growth", "backoff", "skip_absorbed", "overflow_at_floor")
+    assert tags.EVENT_KINDS.index("forward_overflow") + 1 == 5
+    assert tags.SKIP_KINDS == {"backoff", "skip_absorbed", "overflow_at_floor", "forward_overflow"}
+
+
+def test_exponent_bin_against_numpy():
+    rng = np.random.default_rng(0)
+    values = np.ldexp(rng.uniform(1, 2, 2000), rng.integers(-60, 40, 2000))
+    reference = np.clip(
+        np.floor(np.log2(values)).astype(int) - tags.EXPONENT_MIN + 2, 1, tags.NUM_EXPONENT_BINS - 2
+    )
+    exponents = np.frexp(values)[1] - 1  # exact floor(log2(v))
+    assert [tags.exponent_bin(int(e)) for e in exponents] == reference.tolist()
+    assert tags.exponent_bin(tags.EXPONENT_MIN) == 2
+    assert tags.exponent_bin(tags.EXPONENT_MAX) == tags.NUM_EXPONENT_BINS - 3
+    for index in range(2, tags.NUM_EXPONENT_BINS - 2):
+        assert tags.exponent_bin(tags.bin_exponent(index)) == index
+    assert tags.bin_exponent(0) is None and tags.bin_exponent(tags.NUM_EXPONENT_BINS - 1) is None
+    left = tags.exponent_bucket_edges()[tags.exponent_bin(-24)][0]
+    assert left == -24.0
