@@ -1,0 +1,763 @@
+// The "Mixed Precision" tab of TensorBoard (plugin `kmix`).
+//
+// TensorBoard imports this module in the plugin's frame and calls render(). It
+// loads index.html and style.css, asks the plugin's routes for JSON and draws
+// hand-written SVG. Text from the logs only ever goes into textContent or SVG
+// text nodes, never into HTML.
+
+const SVG_NS = 'http://www.w3.org/2000/svg';
+
+/** Event kinds: marker shape and colour, and the words of the legend. */
+const KINDS = {
+  backoff: {color: '#c62828', shape: 'down', label: 'skipped: backoff'},
+  skip_absorbed: {color: '#ef6c00', shape: 'cross', label: 'skipped: absorbed by hysteresis'},
+  overflow_at_floor: {color: '#212121', shape: 'square', label: 'skipped: overflow at min_scale'},
+  forward_overflow: {color: '#6a1b9a', shape: 'diamond', label: 'skipped: forward overflow'},
+  growth: {color: '#2e7d32', shape: 'up', label: 'growth'},
+};
+const OTHER_KIND = {color: '#757575', shape: 'circle', label: 'other'};
+const MAX_ROWS = 1000;
+let WIDTH = 720; // set from the panel's width before a run is drawn
+
+// ------------------------------------------------------------------ elements
+function el(tag, attrs = {}, children = []) {
+  const node = document.createElement(tag);
+  setAttrs(node, attrs);
+  append(node, children);
+  return node;
+}
+
+function svg(tag, attrs = {}, children = []) {
+  const node = document.createElementNS(SVG_NS, tag);
+  setAttrs(node, attrs);
+  append(node, children);
+  return node;
+}
+
+function setAttrs(node, attrs) {
+  for (const [key, value] of Object.entries(attrs)) {
+    if (value === null || value === undefined || value === false) continue;
+    if (key === 'text') node.textContent = String(value);
+    else node.setAttribute(key, String(value));
+  }
+}
+
+function append(node, children) {
+  for (const child of [].concat(children)) {
+    if (child === null || child === undefined || child === false) continue;
+    node.append(typeof child === 'string' ? document.createTextNode(child) : child);
+  }
+}
+
+// ----------------------------------------------------------------- formatting
+function fmtScale(value) {
+  if (value === null || value === undefined) return 'n/a';
+  if (value > 0) {
+    const power = Math.log2(value);
+    if (Number.isInteger(power)) return `${value} (2^${power})`;
+  }
+  return Number(value.toPrecision(6)).toString();
+}
+
+function fmtPercent(value, digits = 2) {
+  if (value === null || value === undefined) return 'n/a';
+  return `${(100 * value).toFixed(digits)}%`;
+}
+
+function fmtNumber(value) {
+  if (value === null || value === undefined) return 'n/a';
+  return Math.abs(value) >= 1e5 || (value !== 0 && Math.abs(value) < 1e-3)
+    ? value.toExponential(3)
+    : Number(value.toPrecision(4)).toString();
+}
+
+/** The event as one line, as the kmix/events text says it. */
+function eventLine(e) {
+  let text = `${e.kind} at step ${e.step}: loss scale ${fmtScale(e.old_scale)} → ${fmtScale(e.new_scale)}`;
+  if (e.variable) text += `; first non-finite gradient ${e.variable} (${e.nonfinite_variables} variable${e.nonfinite_variables === 1 ? '' : 's'})`;
+  if (e.loss_finite === false) text += '; the loss itself was non-finite';
+  const origin = originText(e.origin);
+  if (origin) text += `; forward overflow starts in ${origin}`;
+  return text;
+}
+
+function originText(origin) {
+  if (!origin) return '';
+  if (typeof origin === 'string') return origin;
+  const cls = origin.layer_class ? ` (${origin.layer_class})` : '';
+  return `${origin.layer}${cls}`;
+}
+
+function lossFiniteText(value) {
+  if (value === true) return 'yes';
+  if (value === false) return 'no';
+  return 'unknown';
+}
+
+// ---------------------------------------------------------------------- scales
+function linear(domain, range) {
+  const [d0, d1] = domain[0] === domain[1] ? [domain[0] - 1, domain[1] + 1] : domain;
+  const f = (v) => range[0] + ((v - d0) / (d1 - d0)) * (range[1] - range[0]);
+  f.domain = [d0, d1];
+  return f;
+}
+
+function niceTicks(lo, hi, count) {
+  if (hi <= lo) return [lo];
+  const raw = (hi - lo) / count;
+  const power = 10 ** Math.floor(Math.log10(raw));
+  const step = [1, 2, 5, 10].map((m) => m * power).find((s) => s >= raw) || raw;
+  const ticks = [];
+  for (let t = Math.ceil(lo / step) * step; t <= hi + 1e-9; t += step) ticks.push(+t.toPrecision(12));
+  return ticks;
+}
+
+// ---------------------------------------------------------------------- markers
+function markerShape(kind, x, y, r = 5) {
+  const style = KINDS[kind] || OTHER_KIND;
+  const fill = style.color;
+  switch (style.shape) {
+    case 'down':
+      return svg('path', {d: `M${x - r},${y - r * 0.8}L${x + r},${y - r * 0.8}L${x},${y + r}Z`, fill});
+    case 'up':
+      return svg('path', {d: `M${x - r},${y + r * 0.8}L${x + r},${y + r * 0.8}L${x},${y - r}Z`, fill});
+    case 'cross':
+      return svg('path', {
+        d: `M${x - r},${y - r}L${x + r},${y + r}M${x - r},${y + r}L${x + r},${y - r}`,
+        stroke: fill, 'stroke-width': 2.5, fill: 'none',
+      });
+    case 'square':
+      return svg('rect', {x: x - r * 0.8, y: y - r * 0.8, width: r * 1.6, height: r * 1.6, fill});
+    case 'diamond':
+      return svg('path', {d: `M${x},${y - r}L${x + r},${y}L${x},${y + r}L${x - r},${y}Z`, fill});
+    default:
+      return svg('circle', {cx: x, cy: y, r: r * 0.8, fill});
+  }
+}
+
+function swatch(kind) {
+  return svg('svg', {viewBox: '-7 -7 14 14', 'aria-hidden': 'true'}, markerShape(kind, 0, 0, 5));
+}
+
+// ---------------------------------------------------------------------- charts
+/** An SVG chart frame: axes, grid and scales, for steps on x. */
+function frame({xDomain, yDomain, height, yTicks, yLabel, xLabel = 'step'}) {
+  const m = {left: 58, right: 14, top: 10, bottom: 34};
+  const root = svg('svg', {viewBox: `0 0 ${WIDTH} ${height}`, role: 'img'});
+  const x = linear(xDomain, [m.left, WIDTH - m.right]);
+  const y = linear(yDomain, [height - m.bottom, m.top]);
+  const grid = svg('g', {class: 'grid'});
+  const axis = svg('g', {class: 'axis'});
+  for (const t of niceTicks(x.domain[0], x.domain[1], 6)) {
+    grid.append(svg('line', {x1: x(t), x2: x(t), y1: m.top, y2: height - m.bottom}));
+    axis.append(svg('text', {x: x(t), y: height - m.bottom + 14, 'text-anchor': 'middle', text: t.toLocaleString('en-US')}));
+  }
+  for (const {value, label} of yTicks(y.domain)) {
+    grid.append(svg('line', {x1: m.left, x2: WIDTH - m.right, y1: y(value), y2: y(value)}));
+    axis.append(svg('text', {x: m.left - 6, y: y(value) + 4, 'text-anchor': 'end', text: label}));
+  }
+  axis.append(svg('path', {d: `M${m.left},${m.top}V${height - m.bottom}H${WIDTH - m.right}`}));
+  axis.append(svg('text', {x: (m.left + WIDTH - m.right) / 2, y: height - 4, 'text-anchor': 'middle', class: 'muted', text: xLabel}));
+  axis.append(svg('text', {
+    x: 12, y: (m.top + height - m.bottom) / 2, 'text-anchor': 'middle', class: 'muted',
+    transform: `rotate(-90 12 ${(m.top + height - m.bottom) / 2})`, text: yLabel,
+  }));
+  root.append(grid, axis);
+  const highlight = svg('line', {class: 'highlight', y1: m.top, y2: height - m.bottom, visibility: 'hidden'});
+  return {root, x, y, m, height, highlight};
+}
+
+function stepRange(run) {
+  let lo = Infinity;
+  let hi = -Infinity;
+  for (const s of Object.values(run.series)) {
+    if (!s || !s.steps.length) continue;
+    lo = Math.min(lo, s.steps[0]);
+    hi = Math.max(hi, s.steps[s.steps.length - 1]);
+  }
+  for (const e of run.summary.events) {
+    lo = Math.min(lo, e.step);
+    hi = Math.max(hi, e.step);
+  }
+  return Number.isFinite(lo) ? [Math.min(lo, hi), hi] : [0, 1];
+}
+
+/** Loss scale on a log2 axis, a step line, with a marker per event. */
+function lossScaleChart(run, view) {
+  const series = run.series.loss_scale;
+  const events = run.summary.events;
+  const logs = [];
+  if (series) series.values.forEach((v) => v > 0 && logs.push(Math.log2(v)));
+  events.forEach((e) => [e.old_scale, e.new_scale].forEach((v) => v > 0 && logs.push(Math.log2(v))));
+  if (!logs.length) return el('p', {class: 'hint', text: 'No loss scale was logged for this run.'});
+  const lo = Math.floor(Math.min(...logs)) - 0.5;
+  const hi = Math.ceil(Math.max(...logs)) + 0.5;
+  const f = frame({
+    xDomain: stepRange(run), yDomain: [lo, hi], height: 260, yLabel: 'loss scale (log2)',
+    yTicks: ([a, b]) => {
+      const every = Math.max(1, Math.ceil((b - a) / 8));
+      const ticks = [];
+      for (let k = Math.ceil(a); k <= b; k += every) ticks.push({value: k, label: `2^${k}`});
+      return ticks;
+    },
+  });
+  if (series && series.steps.length) {
+    let d = '';
+    series.steps.forEach((step, i) => {
+      const v = series.values[i];
+      if (!(v > 0)) return;
+      const px = f.x(step).toFixed(1);
+      const py = f.y(Math.log2(v)).toFixed(1);
+      d += d ? `H${px}V${py}` : `M${px},${py}`;
+    });
+    const last = series.steps[series.steps.length - 1];
+    if (d && last < f.x.domain[1]) d += `H${f.x(f.x.domain[1]).toFixed(1)}`;
+    f.root.append(svg('path', {d, class: 'series loss-scale-line', stroke: '#1565c0'}));
+  }
+  f.root.append(f.highlight);
+  const markers = svg('g', {class: 'markers'});
+  for (const e of events) {
+    if (!(e.old_scale > 0)) continue;
+    const mark = markerShape(e.kind, f.x(e.step), f.y(Math.log2(e.old_scale)));
+    mark.classList.add('marker');
+    mark.dataset.step = e.step;
+    mark.dataset.kind = e.kind;
+    mark.append(svg('title', {text: eventLine(e)}));
+    mark.addEventListener('mouseenter', (ev) => showTooltip(eventLine(e), ev));
+    mark.addEventListener('mousemove', (ev) => moveTooltip(ev));
+    mark.addEventListener('mouseleave', hideTooltip);
+    mark.addEventListener('click', () => view.select(e));
+    markers.append(mark);
+  }
+  f.root.append(markers);
+  view.onSelect((e) => {
+    placeHighlight(f, e && e.step);
+    for (const mark of markers.children) {
+      mark.classList.toggle('selected', !!e && Number(mark.dataset.step) === e.step && mark.dataset.kind === e.kind);
+    }
+  });
+  return f.root;
+}
+
+function placeHighlight(f, step) {
+  if (step === null || step === undefined) {
+    f.highlight.setAttribute('visibility', 'hidden');
+    return;
+  }
+  const px = f.x(step);
+  f.highlight.setAttribute('x1', px);
+  f.highlight.setAttribute('x2', px);
+  f.highlight.setAttribute('visibility', 'visible');
+}
+
+/** Lines over steps with horizontal reference lines; null values are gaps. */
+function lineChart(run, view, {lines, refs, yLabel}) {
+  const values = lines.flatMap((l) => l.series.values.filter((v) => v !== null));
+  refs.forEach((r) => values.push(r.value));
+  const lo = Math.min(...values);
+  const hi = Math.max(...values);
+  const pad = (hi - lo) * 0.08 || 1;
+  const f = frame({
+    xDomain: stepRange(run), yDomain: [lo - pad, hi + pad], height: 200, yLabel,
+    yTicks: ([a, b]) => niceTicks(a, b, 5).map((t) => ({value: t, label: fmtNumber(t)})),
+  });
+  refs.forEach((r, i) => {
+    f.root.append(svg('line', {
+      x1: f.m.left, x2: WIDTH - f.m.right, y1: f.y(r.value), y2: f.y(r.value),
+      stroke: r.color, 'stroke-dasharray': r.dash || null, 'stroke-width': 1.2,
+    }));
+    const [px, anchor] = i % 2 ? [f.m.left + 4, 'start'] : [WIDTH - f.m.right - 4, 'end'];
+    f.root.append(svg('text', {x: px, y: f.y(r.value) - 4, 'text-anchor': anchor, class: 'band-label', fill: r.color, text: r.label}));
+  });
+  for (const line of lines) {
+    let d = '';
+    let open = false;
+    line.series.steps.forEach((step, i) => {
+      const v = line.series.values[i];
+      if (v === null) {
+        open = false;
+        f.root.append(svg('line', {
+          x1: f.x(step), x2: f.x(step), y1: f.height - f.m.bottom, y2: f.height - f.m.bottom - 8,
+          stroke: '#c62828', 'stroke-width': 2, class: 'nonfinite-tick',
+        }, svg('title', {text: `step ${step}: ${line.label} not finite (overflow)`})));
+        return;
+      }
+      d += `${open ? 'L' : 'M'}${f.x(step).toFixed(1)},${f.y(v).toFixed(1)}`;
+      open = true;
+    });
+    f.root.append(svg('path', {d, class: 'series', stroke: line.color}, svg('title', {text: line.label})));
+  }
+  f.root.append(f.highlight);
+  view.onSelect((e) => placeHighlight(f, e && e.step));
+  const legend = el('div', {class: 'legend'}, lines.map((l) => el('span', {}, [
+    svg('svg', {viewBox: '0 0 12 12'}, svg('line', {x1: 0, x2: 12, y1: 6, y2: 6, stroke: l.color, 'stroke-width': 3})),
+    l.label,
+  ])));
+  return el('div', {}, [f.root, legend]);
+}
+
+// --------------------------------------------------------------------- heatmaps
+function viridis(t) {
+  const stops = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
+  const x = Math.min(Math.max(t, 0), 1) * (stops.length - 1);
+  const i = Math.min(Math.floor(x), stops.length - 2);
+  const u = x - i;
+  const c = stops[i].map((a, k) => Math.round(a + u * (stops[i + 1][k] - a)));
+  return `rgb(${c[0]},${c[1]},${c[2]})`;
+}
+
+/** Variables x exponent bins at one step, with float16's range drawn as bands. */
+function exponentHeatmap(map, f16, selectedVariable) {
+  const first = f16.exponent_min - 2;
+  const last = first + f16.bins;
+  const rowH = 14;
+  const labelW = 190;
+  const top = 30;
+  const height = top + map.variables.length * rowH + 40;
+  const root = svg('svg', {viewBox: `0 0 ${WIDTH} ${height}`, role: 'img', class: 'exponent-heatmap'});
+  const x = linear([first, last], [labelW, WIDTH - 10]);
+  const cellW = x(first + 1) - x(first);
+  const bottom = top + map.variables.length * rowH;
+  const bands = [
+    {from: first + 1, to: f16.min_subnormal_exponent, color: '#ffcdd2', label: 'flushed to 0 (< 2^-24)'},
+    {from: f16.min_subnormal_exponent, to: f16.min_normal_exponent, color: '#ffe0b2', label: 'subnormal'},
+    {from: f16.max_exponent + 1, to: last - 1, color: '#ffcdd2', label: '> 65504'},
+  ];
+  for (const b of bands) {
+    root.append(svg('rect', {x: x(b.from), y: top, width: x(b.to) - x(b.from), height: bottom - top, fill: b.color, class: 'band'}));
+    root.append(svg('text', {x: (x(b.from) + x(b.to)) / 2, y: top - 6, 'text-anchor': 'middle', class: 'band-label muted', text: b.label}));
+  }
+  map.variables.forEach((name, row) => {
+    const y = top + row * rowH;
+    const label = name.length > 30 ? `…${name.slice(-29)}` : name;
+    root.append(svg('text', {x: labelW - 6, y: y + rowH - 3, 'text-anchor': 'end', 'data-variable': name, text: label}, svg('title', {text: name})));
+    map.shares[row].forEach((share, i) => {
+      if (!(share > 0)) return;
+      const t = (Math.log10(share) + 6) / 6;
+      root.append(svg('rect', {
+        x: x(first + i) + 0.5, y: y + 0.5, width: cellW - 1, height: rowH - 1, fill: viridis(t),
+      }, svg('title', {text: `${name}: ${binLabel(i, first, f16)}: ${fmtPercent(share, 3)} of ${map.elements[row]} elements`})));
+    });
+  });
+  for (const [e, label] of [
+    [f16.min_subnormal_exponent, 'float16 min subnormal 2^-24'],
+    [f16.min_normal_exponent, 'min normal 2^-14'],
+    [f16.max_exponent + 1, 'max 65504'],
+  ]) {
+    root.append(svg('line', {x1: x(e), x2: x(e), y1: top - 2, y2: bottom + 4, stroke: '#c62828', 'stroke-width': 1.2, 'stroke-dasharray': '3 2'},
+      svg('title', {text: label})));
+  }
+  const ticks = [[first, 'zero'], [last - 1, 'inf/NaN']];
+  for (let e = -40; e <= 16; e += 4) ticks.push([e, String(e)]);
+  for (const [e, label] of ticks) {
+    root.append(svg('text', {x: x(e + 0.5), y: bottom + 14, 'text-anchor': 'middle', class: 'band-label muted', text: label}));
+  }
+  root.append(svg('text', {x: (labelW + WIDTH) / 2, y: bottom + 30, 'text-anchor': 'middle', class: 'muted', text: 'log2 |scaled gradient| (bin of each power of two)'}));
+  const row = map.variables.indexOf(selectedVariable);
+  if (row >= 0) {
+    root.append(svg('rect', {class: 'row-outline', x: 2, y: top + row * rowH, width: WIDTH - 8, height: rowH}));
+  }
+  return root;
+}
+
+function binLabel(i, first, f16) {
+  if (i === 0) return 'exactly zero';
+  if (i === f16.bins - 1) return 'inf or NaN';
+  if (i === 1) return `below 2^${f16.exponent_min}`;
+  if (i === f16.bins - 2) return `2^${f16.exponent_max + 1} or more`;
+  return `[2^${first + i}, 2^${first + i + 1})`;
+}
+
+/** Names x steps, coloured by headroom bits (red: overflow, green: room). */
+function headroomGrid(grid, title) {
+  const rowH = 14;
+  const labelW = 190;
+  const top = 22;
+  const height = top + grid.names.length * rowH + 26;
+  const root = svg('svg', {viewBox: `0 0 ${WIDTH} ${height}`, role: 'img', class: 'headroom-grid'});
+  root.append(svg('text', {x: labelW, y: 14, class: 'muted', text: title}));
+  const n = grid.steps.length;
+  const cellW = (WIDTH - 10 - labelW) / Math.max(n, 1);
+  grid.names.forEach((name, row) => {
+    const y = top + row * rowH;
+    const label = name.length > 30 ? `…${name.slice(-29)}` : name;
+    root.append(svg('text', {x: labelW - 6, y: y + rowH - 3, 'text-anchor': 'end', text: label}, svg('title', {text: name})));
+    grid.bits[row].forEach((bits, i) => {
+      if (bits === null) return;
+      const color = bits === 'nonfinite' ? '#7f0000' : bits < 0 ? '#c62828' : bits < 1 ? '#ef6c00' : bits < 4 ? '#fdd835' : viridis(Math.min(bits / 24, 1) * 0.6 + 0.4);
+      const words = bits === 'nonfinite' ? 'inf/NaN' : `${bits} bits`;
+      root.append(svg('rect', {x: labelW + i * cellW, y: y + 0.5, width: Math.max(cellW - 0.5, 0.5), height: rowH - 1, fill: color},
+        svg('title', {text: `${name} at step ${grid.steps[i]}: ${words}`})));
+    });
+  });
+  const bottom = top + grid.names.length * rowH;
+  if (n) {
+    root.append(svg('text', {x: labelW, y: bottom + 14, class: 'band-label muted', text: `step ${grid.steps[0]}`}));
+    root.append(svg('text', {x: WIDTH - 10, y: bottom + 14, 'text-anchor': 'end', class: 'band-label muted', text: `step ${grid.steps[n - 1]}`}));
+    root.append(svg('text', {x: (labelW + WIDTH) / 2, y: bottom + 14, 'text-anchor': 'middle', class: 'band-label muted',
+      text: 'dark red: inf/NaN · red: < 0 bits · orange: < 1 · yellow: < 4 · green: more · blank: all zero'}));
+  }
+  return root;
+}
+
+// ---------------------------------------------------------------------- tables
+function eventsTable(run, view) {
+  const events = run.summary.events;
+  const wrap = el('div');
+  if (!events.length) {
+    wrap.append(el('p', {class: 'hint', text: 'No scale events: no skipped step and no change of scale.'}));
+    return {wrap, filters: null};
+  }
+  const counts = {};
+  events.forEach((e) => (counts[e.kind] = (counts[e.kind] || 0) + 1));
+  const shown = new Set(Object.keys(counts));
+  const filters = el('div', {class: 'filters'});
+  for (const kind of Object.keys(counts)) {
+    const box = el('input', {type: 'checkbox', checked: 'checked', 'data-kind': kind});
+    box.addEventListener('change', () => {
+      if (box.checked) shown.add(kind);
+      else shown.delete(kind);
+      fill();
+    });
+    filters.append(el('label', {class: 'kind'}, [box, swatch(kind), `${kind} (${counts[kind]})`]));
+  }
+  const hasOrigin = events.some((e) => e.origin);
+  const head = ['step', 'kind', 'old → new scale', 'first non-finite variable', 'forward origin layer', 'loss finite'];
+  const table = el('table', {class: 'events'}, [
+    el('thead', {}, el('tr', {}, head.map((h, i) => el('th', {class: i === 0 ? 'num' : null, text: h})))),
+  ]);
+  const body = el('tbody');
+  table.append(body);
+  const note = el('p', {class: 'hint'});
+  function fill() {
+    const rows = events.filter((e) => shown.has(e.kind));
+    body.replaceChildren();
+    for (const e of rows.slice(0, MAX_ROWS)) {
+      const tr = el('tr', {'data-step': e.step, 'data-kind': e.kind}, [
+        el('td', {class: 'num step', text: e.step}),
+        el('td', {}, el('span', {class: 'kind'}, [swatch(e.kind), e.kind])),
+        el('td', {class: 'scale', text: `${fmtScale(e.old_scale)} → ${fmtScale(e.new_scale)}`}),
+        el('td', {class: 'variable', text: e.variable || ''}),
+        el('td', {class: 'origin', text: originText(e.origin) || (hasOrigin ? '' : '—')}),
+        el('td', {class: e.loss_finite === false ? 'bad loss' : 'loss', text: lossFiniteText(e.loss_finite)}),
+      ]);
+      tr.addEventListener('click', () => view.select(view.selected === e ? null : e));
+      tr.event = e;
+      body.append(tr);
+    }
+    note.textContent = rows.length > MAX_ROWS ? `Showing the first ${MAX_ROWS} of ${rows.length} events; filter by kind to see others.` : `${rows.length} of ${events.length} events shown.`;
+    markRows();
+  }
+  function markRows() {
+    for (const tr of body.children) tr.classList.toggle('selected', tr.event === view.selected);
+  }
+  view.onSelect(markRows);
+  fill();
+  wrap.append(el('div', {class: 'table-wrap'}, table), note);
+  return {wrap, filters};
+}
+
+function whatIfTables(summary) {
+  if (!('precision_whatif' in summary)) {
+    return el('p', {class: 'hint', text: 'This version of kmix report has no precision what-if.'});
+  }
+  const whatif = summary.precision_whatif;
+  const groups = whatif ? Object.entries(whatif).filter(([, g]) => g) : [];
+  if (!groups.length) {
+    return el('p', {class: 'hint', text: 'No exponent histograms in this run: set histogram_freq on MixedPrecisionMonitor to record them.'});
+  }
+  const out = el('div');
+  for (const [group, data] of groups) {
+    const formats = Object.keys(data.overall);
+    const parts = ['underflow', 'subnormal', 'overflow'];
+    const head1 = el('tr', {}, [el('th', {text: `${group} (step ${data.step})`, rowspan: 2})].concat(
+      formats.map((f) => el('th', {text: f, colspan: parts.length, class: 'num'}))));
+    const head2 = el('tr', {}, formats.flatMap(() => parts.map((p) => el('th', {class: 'num', text: p}))));
+    const rows = [['all', data.overall]].concat(Object.entries(data.by_variable || {}));
+    const body = el('tbody', {}, rows.map(([name, byFormat]) => el('tr', {'data-variable': name}, [
+      el('td', {text: name === 'all' ? 'all values' : name}),
+    ].concat(formats.flatMap((f) => parts.map((p) => {
+      const v = byFormat[f] ? byFormat[f][p] : null;
+      const cls = v === null ? 'num' : p !== 'subnormal' && v > 0.01 ? 'num bad' : v > 0.01 ? 'num warn' : 'num';
+      return el('td', {class: cls, text: fmtPercent(v)});
+    }))))));
+    out.append(el('div', {class: 'table-wrap'}, el('table', {class: 'whatif-table'}, [el('thead', {}, [head1, head2]), body])));
+  }
+  return out;
+}
+
+function summaryPanel(run) {
+  const s = run.summary;
+  const scale = s.loss_scale || {};
+  const counts = Object.entries(s.event_counts || {}).map(([k, n]) => `${k} ${n}`).join(', ') || 'none';
+  const facts = [
+    ['steps seen', String(s.steps_seen)],
+    ['skipped steps', `${s.skipped_steps} (${fmtPercent(s.skip_rate)})`],
+    ['latest skip rate', fmtPercent(s.recent_skip_rate)],
+    ['loss scale', `initial ${fmtScale(scale.initial)}, final ${fmtScale(scale.final)}, min ${fmtScale(scale.min)}, max ${fmtScale(scale.max)}`],
+    ['compute dtype', s.compute_dtype || 'unknown'],
+    ['events', counts],
+  ];
+  const dl = el('dl', {class: 'facts'}, facts.flatMap(([k, v]) => [el('dt', {text: k}), el('dd', {text: v})]));
+  const findings = el('ul', {class: 'findings'}, (s.findings || []).map((f) =>
+    el('li', {class: f.severity, 'data-rule': f.rule}, inline(f.message))));
+  return el('div', {}, [dl, findings]);
+}
+
+// ------------------------------------------------------------ markdown, safely
+/** `code`, **bold** and *italic* spans of one line as nodes; everything else is text. */
+function inline(text) {
+  const nodes = [];
+  const re = /`([^`]+)`|\*\*([^*]+)\*\*|\*([^*]+)\*/g;
+  let at = 0;
+  for (let m = re.exec(text); m; m = re.exec(text)) {
+    if (m.index > at) nodes.push(text.slice(at, m.index));
+    if (m[1] !== undefined) nodes.push(el('code', {text: m[1]}));
+    else if (m[2] !== undefined) nodes.push(el('strong', {text: m[2]}));
+    else nodes.push(el('em', {text: m[3]}));
+    at = m.index + m[0].length;
+  }
+  if (at < text.length) nodes.push(text.slice(at));
+  return nodes;
+}
+
+function cells(line) {
+  return line.trim().replace(/^\|/, '').replace(/\|$/, '').split('|').map((c) => c.trim());
+}
+
+/** Paragraphs and pipe tables of the kmix/policy markdown, built as elements. */
+function markdown(text) {
+  const out = el('div');
+  const lines = text.split('\n');
+  for (let i = 0; i < lines.length; i++) {
+    const line = lines[i];
+    if (!line.trim()) continue;
+    if (!line.trim().startsWith('|')) {
+      const item = /^\s*[-*] /.test(line);
+      out.append(el('p', {class: item ? 'item' : null}, inline(item ? `• ${line.trim().slice(2)}` : line)));
+      continue;
+    }
+    const block = [];
+    while (i < lines.length && lines[i].trim().startsWith('|')) block.push(lines[i++]);
+    i--;
+    const rows = block.filter((l) => !/^\s*\|?[\s:|-]+\|?\s*$/.test(l)).map(cells);
+    const [head, ...rest] = rows;
+    out.append(el('div', {class: 'table-wrap'}, el('table', {class: 'md'}, [
+      el('thead', {}, el('tr', {}, head.map((c) => el('th', {}, inline(c))))),
+      el('tbody', {}, rest.map((r) => el('tr', {}, r.map((c) => el('td', {}, inline(c)))))),
+    ])));
+  }
+  return out;
+}
+
+// --------------------------------------------------------------------- tooltip
+function showTooltip(text, ev) {
+  const tip = document.getElementById('tooltip');
+  tip.textContent = text;
+  tip.hidden = false;
+  moveTooltip(ev);
+}
+
+function moveTooltip(ev) {
+  const tip = document.getElementById('tooltip');
+  const x = Math.min(ev.clientX + 12, window.innerWidth - tip.offsetWidth - 8);
+  tip.style.left = `${Math.max(x, 4)}px`;
+  tip.style.top = `${ev.clientY + 14}px`;
+}
+
+function hideTooltip() {
+  document.getElementById('tooltip').hidden = true;
+}
+
+// ------------------------------------------------------------------------ data
+async function getJSON(url) {
+  const response = await fetch(url);
+  let body = null;
+  try {
+    body = await response.json();
+  } catch (error) {
+    throw new Error(`${url}: HTTP ${response.status}, not JSON`);
+  }
+  if (!response.ok) throw new Error(body && body.error ? body.error : `${url}: HTTP ${response.status}`);
+  return body;
+}
+
+/** Selection shared by a run's panels: the chosen event. */
+function selection() {
+  const listeners = [];
+  const view = {
+    selected: null,
+    onSelect(fn) {
+      listeners.push(fn);
+    },
+    select(e) {
+      view.selected = e;
+      listeners.forEach((fn) => fn(e));
+    },
+  };
+  return view;
+}
+
+// ---------------------------------------------------------------------- a run
+function nearest(steps, step) {
+  let best = steps[steps.length - 1];
+  for (const s of steps) if (Math.abs(s - step) < Math.abs(best - step)) best = s;
+  return best;
+}
+
+function exponentPanel(run, view, select, slot) {
+  const data = run.exponents;
+  let current = data.heatmap;
+  let variable = null;
+  const draw = () => slot.replaceChildren(exponentHeatmap(current, run.float16, variable));
+  select.replaceChildren(...data.steps.map((s) => el('option', {value: s, text: s})));
+  select.value = String(current.step);
+  const load = async (step) => {
+    if (step === current.step) return draw();
+    try {
+      current = await getJSON(`./exponents?${new URLSearchParams({run: run.run, step: String(step)})}`);
+      select.value = String(step);
+      draw();
+    } catch (error) {
+      slot.replaceChildren(el('p', {class: 'error', text: error.message}));
+    }
+  };
+  select.addEventListener('change', () => load(Number(select.value)));
+  view.onSelect((e) => {
+    variable = e ? e.variable : null;
+    if (e) load(nearest(data.steps, e.step));
+    else draw();
+  });
+  draw();
+}
+
+function fillRun(section, run) {
+  const q = (sel) => section.querySelector(sel);
+  WIDTH = Math.max(480, Math.round(q('.panel').clientWidth - 26));
+  if (run.empty) {
+    q('.run-body').hidden = true;
+    const box = q('.run-empty');
+    box.hidden = false;
+    box.append(el('p', {class: 'empty-message', text: run.message}));
+    return;
+  }
+  const view = selection();
+  const check = run.events_check;
+  if (check && check.message) {
+    const banner = q('.banner');
+    banner.hidden = false;
+    banner.append(...inline(check.message));
+  }
+  q('.loss-scale').append(lossScaleChart(run, view));
+  const kinds = new Set(run.summary.events.map((e) => e.kind));
+  q('.legend').append(...Object.keys(KINDS).filter((k) => kinds.has(k)).map((k) => el('span', {}, [swatch(k), KINDS[k].label])));
+  const table = eventsTable(run, view);
+  if (table.filters) q('.filters').replaceWith(table.filters);
+  q('.events').append(table.wrap);
+  if (run.exponents) {
+    exponentPanel(run, view, q('.hist-step'), q('.exponents'));
+  } else {
+    q('.step-pick').hidden = true;
+    q('.exponents').append(el('p', {class: 'hint', text: 'No gradient exponent histograms: set histogram_freq on MixedPrecisionMonitor to record them.'}));
+  }
+  const lines = [];
+  if (run.series.overflow_headroom_bits) lines.push({series: run.series.overflow_headroom_bits, label: 'gradient headroom (bits)', color: '#1565c0'});
+  if (run.series.min_activation_headroom_bits) lines.push({series: run.series.min_activation_headroom_bits, label: 'activation headroom, min over layers (bits)', color: '#6a1b9a'});
+  if (lines.length) {
+    q('.headroom').append(lineChart(run, view, {
+      lines, yLabel: 'headroom (bits)',
+      refs: [{value: 0, label: 'float16 max (65504)', color: '#c62828'}, {value: 1, label: '1 bit', color: '#ef6c00', dash: '4 3'}],
+    }));
+  } else {
+    q('.headroom').append(el('p', {class: 'hint', text: 'No headroom was logged for this run.'}));
+  }
+  if (run.headroom_by_variable) q('.headroom-grid').append(headroomGrid(run.headroom_by_variable, 'gradient headroom per variable (whole bits) over histogram steps'));
+  if (run.activation_headroom) q('.activation-grid').append(headroomGrid(run.activation_headroom, 'activation headroom per layer (bits) over steps'));
+  q('.whatif').append(whatIfTables(run.summary));
+  q('.summary').append(summaryPanel(run));
+  const policy = run.summary.policy;
+  q('.policy').append(policy ? markdown(policy) : el('p', {class: 'hint', text: 'No policy was recorded.'}));
+}
+
+// --------------------------------------------------------------------- the page
+async function loadPage() {
+  document.head.append(el('link', {rel: 'stylesheet', href: './static/style.css'}));
+  const html = await fetch('./static/index.html').then((r) => r.text());
+  const page = new DOMParser().parseFromString(html, 'text/html');
+  document.body.replaceChildren(...page.body.childNodes);
+}
+
+function showEmpty(listing) {
+  const box = document.getElementById('empty');
+  box.hidden = false;
+  const others = listing.other_runs.length ? ` (runs without it: ${listing.other_runs.join(', ')})` : '';
+  box.replaceChildren(
+    el('p', {}, el('strong', {text: `No run has kmix data${others}.`})),
+    el('p', {}, inline('Record it with `kmix.callbacks.MixedPrecisionMonitor(log_dir)` in `model.fit`, or try `kmix demo`, then start `tensorboard --logdir` on that directory and press Reload.')),
+  );
+}
+
+async function showRuns(names) {
+  const grid = document.getElementById('runs');
+  const template = document.getElementById('run-template');
+  const status = document.getElementById('status');
+  status.textContent = 'Loading…';
+  const started = performance.now();
+  const sections = names.map((name) => {
+    const section = template.content.firstElementChild.cloneNode(true);
+    section.dataset.run = name;
+    section.querySelector('.run-name').textContent = name;
+    return section;
+  });
+  grid.replaceChildren(...sections);
+  await Promise.all(sections.map(async (section, i) => {
+    try {
+      fillRun(section, await getJSON(`./run?${new URLSearchParams({run: names[i]})}`));
+      section.dataset.state = 'ready';
+    } catch (error) {
+      section.querySelector('.run-body').replaceChildren(el('p', {class: 'error', text: error.message}));
+      section.dataset.state = 'error';
+    }
+  }));
+  status.textContent = names.length ? `Drawn in ${Math.round(performance.now() - started)} ms` : 'Pick a run.';
+  document.body.dataset.state = 'ready';
+}
+
+async function start() {
+  document.body.dataset.state = 'loading';
+  let listing;
+  try {
+    listing = await getJSON('./runs');
+  } catch (error) {
+    document.getElementById('empty').hidden = false;
+    document.getElementById('empty').replaceChildren(el('p', {class: 'error', text: error.message}));
+    document.body.dataset.state = 'ready';
+    return;
+  }
+  const picker = document.getElementById('run-picker');
+  picker.replaceChildren();
+  document.getElementById('empty').hidden = true;
+  if (!listing.runs.length) {
+    showEmpty(listing);
+    document.getElementById('runs').replaceChildren();
+    document.body.dataset.state = 'ready';
+    return;
+  }
+  const all = listing.runs.concat(listing.other_runs);
+  const boxes = all.map((name, i) => {
+    const box = el('input', {type: 'checkbox', value: name, checked: i === 0 ? 'checked' : null});
+    const label = el('label', {class: i < listing.runs.length ? null : 'no-data'}, [box, ` ${name}`]);
+    if (i >= listing.runs.length) label.title = 'no kmix data';
+    picker.append(label);
+    return box;
+  });
+  const chosen = () => boxes.filter((b) => b.checked).map((b) => b.value);
+  boxes.forEach((b) => b.addEventListener('change', () => showRuns(chosen())));
+  await showRuns(chosen());
+}
+
+export async function render() {
+  await loadPage();
+  document.getElementById('reload').addEventListener('click', start);
+  await start();
+}

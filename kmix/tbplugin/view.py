@@ -1,0 +1,329 @@
+"""Shapes one run's kmix data into the JSON the tab draws, downsampled for the browser.
+
+Everything numeric comes from :mod:`kmix.report` (summary, findings, events,
+precision what-if) so the tab and ``kmix report`` say the same; this module only
+cuts long series down to a few points per pixel and lays histograms out as rows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from kmix import report, tags
+from kmix.tbplugin.reader import TEXT_SAMPLES_DEFAULT, RunPoints
+
+DEFAULT_POINTS = 1000
+MIN_POINTS = 10
+MAX_POINTS = 5000
+"""Bounds of the ``points`` query parameter: points per series sent to the browser."""
+
+MAX_HEADROOM_STEPS = 200
+"""Columns of the headroom-per-variable heatmap (histogram steps, evenly picked)."""
+
+SERIES_TAGS = {
+    "loss_scale": tags.LOSS_SCALE,
+    "skipped_steps": tags.SKIPPED_STEPS,
+    "skip_rate": tags.SKIP_RATE,
+    "grad_norm": tags.GRAD_NORM,
+    "overflow_headroom_bits": tags.OVERFLOW_HEADROOM_BITS,
+    "underflow_fraction": tags.UNDERFLOW_FRACTION,
+    "min_activation_headroom_bits": tags.MIN_ACTIVATION_HEADROOM_BITS,
+}
+"""Key in the payload -> scalar tag of the series drawn over steps."""
+
+ACTIVATION_HEADROOM = tags.ACTIVATION_HEADROOM_BITS
+"""Per-layer forward headroom scalars (+ layer path), drawn as layers x steps."""
+
+
+def to_log(points: RunPoints) -> report.KmixLog:
+    """Builds the report's :class:`~kmix.report.KmixLog` from provider points.
+
+    Args:
+        points: what :func:`kmix.tbplugin.reader.read_run` returned.
+
+    Returns:
+        The log, exactly as ``kmix report`` would build it from the same points.
+    """
+    return report.build_log(points.run, points.scalars, points.tensors)
+
+
+def summary_dict(log: report.KmixLog) -> dict[str, Any]:
+    """The report's summary of a log as the dict ``kmix report --json`` prints.
+
+    Args:
+        log: the run's log.
+
+    Returns:
+        The summary dict.
+    """
+    summary = report.summarize(log)
+    return summary.to_dict() if hasattr(summary, "to_dict") else summary
+
+
+def json_safe(value: Any) -> Any:
+    """Replaces non-finite floats (also inside containers) by None, numpy by Python.
+
+    Args:
+        value: a JSON-like value.
+
+    Returns:
+        A value ``json.dumps(..., allow_nan=False)`` accepts.
+    """
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return json_safe(value.tolist())
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def downsample(steps: np.ndarray, values: np.ndarray, limit: int) -> np.ndarray:
+    """Picks at most about ``limit`` indices that keep a series' shape, spikes included.
+
+    The series is cut into ``limit // 3`` runs of consecutive points; each keeps its
+    smallest and largest finite value and its first non-finite one, so a single
+    overflow among 100,000 points still shows. The first and last points are kept.
+
+    Args:
+        steps: the steps, increasing.
+        values: one value per step.
+        limit: the most points wanted, >= 3.
+
+    Returns:
+        Sorted indices into ``steps``.
+    """
+    n = len(steps)
+    if n <= limit:
+        return np.arange(n)
+    buckets = max(limit // 3, 1)
+    edges = np.linspace(0, n, buckets + 1).astype(np.int64)
+    finite = np.isfinite(values)
+    keep = {0, n - 1}
+    for start, stop in zip(edges[:-1], edges[1:], strict=True):
+        if stop <= start:
+            continue
+        chunk, ok = values[start:stop], finite[start:stop]
+        if ok.any():
+            masked_low = np.where(ok, chunk, np.inf)
+            masked_high = np.where(ok, chunk, -np.inf)
+            keep.add(start + int(np.argmin(masked_low)))
+            keep.add(start + int(np.argmax(masked_high)))
+        if not ok.all():
+            keep.add(start + int(np.argmin(ok)))
+    return np.array(sorted(keep), dtype=np.int64)
+
+
+def step_changes(values: np.ndarray) -> np.ndarray:
+    """Indices where a step-shaped series changes value, with its first and last point.
+
+    Args:
+        values: the series' values.
+
+    Returns:
+        Sorted indices; drawing a step line through them alone gives the same picture.
+    """
+    if values.size == 0:
+        return np.arange(0)
+    changed = np.flatnonzero(values[1:] != values[:-1]) + 1
+    return np.unique(np.concatenate([[0], changed, [values.size - 1]]))
+
+
+def _series(series: report.Series | None, limit: int, steplike: bool) -> dict[str, Any] | None:
+    if series is None:
+        return None
+    index = np.arange(series.steps.size)
+    if steplike:
+        index = step_changes(series.values)
+    picked = downsample(series.steps[index], series.values[index], limit)
+    index = index[picked]
+    return {
+        "steps": series.steps[index].tolist(),
+        "values": json_safe(series.values[index].tolist()),
+        "points": int(series.steps.size),
+    }
+
+
+def headroom_bits(counts: np.ndarray) -> float | None:
+    """Whole bits between the largest value of a histogram and float16's maximum.
+
+    ``FLOAT16_MAX_EXPONENT - e`` for the highest non-empty power of two ``e``: the
+    largest value could double that many times before passing 65504 (within one
+    bit, as bins are powers of two). Negative past the maximum; ``-inf`` if there
+    are inf/NaN values.
+
+    Args:
+        counts: one count per exponent bin.
+
+    Returns:
+        The headroom, or None for a histogram of zeros only.
+    """
+    if counts[-1] > 0:
+        return -math.inf
+    nonzero = np.flatnonzero(counts[1:-1] > 0)
+    if nonzero.size == 0:
+        return None
+    top = 1 + int(nonzero[-1])
+    exponent = top - 2 + tags.EXPONENT_MIN
+    return float(tags.FLOAT16_MAX_EXPONENT - exponent)
+
+
+def heatmap(rows: dict[str, list[tuple[int, np.ndarray]]], step: int) -> dict[str, Any]:
+    """Shares of elements per exponent bin for every variable at one histogram step.
+
+    Args:
+        rows: variable -> ``[(step, counts)]``.
+        step: the histogram step.
+
+    Returns:
+        ``{"step", "variables", "shares": [[share per bin]], "elements": [count]}``
+        for the variables with a histogram at that step.
+    """
+    names, shares, elements = [], [], []
+    for name, points in rows.items():
+        counts = dict(points).get(step)
+        if counts is None:
+            continue
+        total = float(counts.sum())
+        names.append(name)
+        elements.append(int(total))
+        shares.append([round(c / total, 6) if total else 0.0 for c in counts.tolist()])
+    return {"step": step, "variables": names, "shares": shares, "elements": elements}
+
+
+def histogram_steps(rows: dict[str, list[tuple[int, np.ndarray]]]) -> list[int]:
+    """Every step at which some variable of a group has a histogram, in order."""
+    return sorted({step for points in rows.values() for step, _ in points})
+
+
+def _headroom_grid(rows: dict[str, list[tuple[int, np.ndarray]]]) -> dict[str, Any]:
+    steps = histogram_steps(rows)
+    if len(steps) > MAX_HEADROOM_STEPS:
+        picked = np.unique(np.linspace(0, len(steps) - 1, MAX_HEADROOM_STEPS).round().astype(int))
+        steps = [steps[i] for i in picked]
+    names = sorted(rows)
+    grid = []
+    for name in names:
+        by_step = dict(rows[name])
+        grid.append([_bits(by_step.get(step)) for step in steps])
+    return {"steps": steps, "names": names, "bits": grid}
+
+
+def _bits(counts: np.ndarray | None) -> float | str | None:
+    if counts is None:
+        return None
+    bits = headroom_bits(counts)
+    return "nonfinite" if bits == -math.inf else bits
+
+
+def _activation_grid(log: report.KmixLog, limit: int) -> dict[str, Any] | None:
+    layers = sorted(t for t in log.scalars if t.startswith(ACTIVATION_HEADROOM))
+    if not layers:
+        return None
+    steps = sorted({int(s) for t in layers for s in log.scalars[t].steps})
+    if len(steps) > limit:
+        picked = np.unique(np.linspace(0, len(steps) - 1, limit).round().astype(int))
+        steps = [steps[i] for i in picked]
+    grid = []
+    for tag in layers:
+        series = log.scalars[tag]
+        by_step = dict(zip(series.steps.tolist(), series.values.tolist(), strict=True))
+        grid.append([by_step.get(step) for step in steps])
+    names = [t[len(ACTIVATION_HEADROOM) :] for t in layers]
+    return {"steps": steps, "names": names, "bits": json_safe(grid)}
+
+
+def events_check(summary: dict[str, Any]) -> dict[str, Any]:
+    """Whether every skipped step has its event line, and what to do if not.
+
+    TensorBoard keeps :data:`TEXT_SAMPLES_DEFAULT` points per text tag unless it is
+    started with ``--samples_per_plugin=text=0``; the skipped-step counter tells
+    how many skip events there were.
+
+    Args:
+        summary: the report's summary dict.
+
+    Returns:
+        ``{"complete": bool, "shown": int, "skipped_steps": int, "message": str|None}``.
+    """
+    shown = sum(e["kind"] in tags.SKIP_KINDS for e in summary["events"])
+    skipped = int(summary["skipped_steps"] or 0)
+    lost = int(summary.get("events_lost") or 0)
+    complete = shown + lost >= skipped
+    message = None
+    if lost:
+        message = (
+            f"{lost} scale events were lost before they were written: the optimizer's "
+            "event ring filled up between two reads. Lower `update_freq` or raise "
+            "`event_capacity` of kmix.LossScaleOptimizer."
+        )
+    if not complete:
+        message = (
+            f"TensorBoard kept {len(summary['events'])} event lines, {shown} of them for "
+            f"the {skipped} skipped steps: it samples text summaries to "
+            f"{TEXT_SAMPLES_DEFAULT} per tag. Restart it with "
+            "--samples_per_plugin=text=0 to see every event, or run `kmix report LOGDIR`."
+        )
+    return {"complete": complete, "shown": shown, "skipped_steps": skipped, "message": message}
+
+
+def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any]:
+    """Everything the tab draws for one run, at most about ``limit`` points per series.
+
+    Args:
+        points: the run's raw points.
+        limit: points per series, in ``[MIN_POINTS, MAX_POINTS]``.
+
+    Returns:
+        A JSON-ready dict: ``run``, ``empty``, and for a run with kmix data
+        ``summary`` (the report's), ``events_check``, ``series``, ``exponents``
+        (histogram ``steps`` and the gradient ``heatmap`` at the latest, or None),
+        ``headroom_by_variable``, ``activation_headroom`` and ``float16``.
+    """
+    if points.empty:
+        return {
+            "run": points.run,
+            "empty": True,
+            "message": (
+                f"Run {points.run} has no kmix data: no kmix/ tags. Train with "
+                "kmix.callbacks.MixedPrecisionMonitor(log_dir) to record them."
+            ),
+        }
+    log = to_log(points)
+    summary = summary_dict(log)
+    exponents = None
+    if log.histograms:
+        steps = histogram_steps(log.histograms)
+        exponents = {"steps": steps, "heatmap": heatmap(log.histograms, steps[-1])}
+    payload = {
+        "run": points.run,
+        "empty": False,
+        "summary": summary,
+        "events_check": events_check(summary),
+        "series": {
+            key: _series(
+                log.scalars.get(tag), limit, steplike=key in ("loss_scale", "skipped_steps")
+            )
+            for key, tag in SERIES_TAGS.items()
+        },
+        "exponents": exponents,
+        "headroom_by_variable": _headroom_grid(log.histograms) if log.histograms else None,
+        "activation_headroom": _activation_grid(log, MAX_HEADROOM_STEPS),
+        "float16": {
+            "min_subnormal_exponent": tags.FLOAT16_MIN_SUBNORMAL_EXPONENT,
+            "min_normal_exponent": tags.FLOAT16_MIN_NORMAL_EXPONENT,
+            "max_exponent": tags.FLOAT16_MAX_EXPONENT,
+            "max": 65504.0,
+            "exponent_min": tags.EXPONENT_MIN,
+            "exponent_max": tags.EXPONENT_MAX,
+            "bins": tags.NUM_EXPONENT_BINS,
+        },
+    }
+    return json_safe(payload)
