@@ -3,17 +3,27 @@
 Heavy modules (TensorFlow, Keras, matplotlib) are imported inside the subcommands,
 so ``kmix --help`` and ``kmix report`` start without TensorFlow.
 
-Exit status: 0 on success, 2 for bad input (arguments, a log dir without kmix data),
-1 when training fails.
+Exit status: 0 on success, 2 for bad input (arguments, a log dir without kmix data, a
+log dir the demo may not write to), 1 when training fails.
+
+TensorFlow's start-up log lines ("Could not find cuda drivers", "failed call to
+cuInit", oneDNN notes) are not what the user asked for: the commands that import
+TensorFlow drop those known lines from stderr and pass every other line through
+(:func:`quiet_tensorflow_startup`). ``TF_CPP_MIN_LOG_LEVEL=0 kmix ...`` shows them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import importlib.metadata
 import os
+import re
 import sys
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from kmix import __version__
 from kmix.policy import POLICY_NAMES
@@ -38,11 +48,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return BAD_INPUT
+    quiet = args.imports_tensorflow and os.environ.get("TF_CPP_MIN_LOG_LEVEL") != "0"
     try:
-        return args.run(args)
-    except BrokenPipeError:  # e.g. `kmix report LOGDIR | head`: stop quietly
+        with quiet_tensorflow_startup() if quiet else contextlib.nullcontext():
+            status = args.run(args)
+            sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return status
+    except BrokenPipeError:  # `kmix report LOGDIR --json | head`: the reader has enough
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=POLICY_NAMES,
         help="dtype policy for the mixed-precision run (%(default)s)",
     )
-    demo.set_defaults(run=_run_demo)
+    demo.add_argument(
+        "--overwrite",
+        action="store_true",
+        help=(
+            "replace a previous kmix demo run in the log dir (only the files the demo "
+            "wrote are removed); without it the log dir must be new or empty"
+        ),
+    )
+    demo.set_defaults(run=_run_demo, imports_tensorflow=True)
 
     report = commands.add_parser(
         "report",
@@ -97,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", metavar="DIR", help="where to write the PNGs (LOGDIR/report)")
     report.add_argument("--json", action="store_true", help="print the summary as JSON")
     report.add_argument("--no-plots", action="store_true", help="do not write PNGs")
-    report.set_defaults(run=_run_report)
+    report.set_defaults(run=_run_report, imports_tensorflow=False)
 
     doctor = commands.add_parser(
         "doctor",
@@ -108,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
             "for combinations known not to work."
         ),
     )
-    doctor.set_defaults(run=_run_doctor)
+    doctor.set_defaults(run=_run_doctor, imports_tensorflow=True)
     return parser
 
 
@@ -129,13 +151,112 @@ def _error(command: str, message: str) -> int:
 
 # ------------------------------------------------------------------------ demo
 def _run_demo(args: argparse.Namespace) -> int:
-    if os.path.exists(args.logdir) and not os.path.isdir(args.logdir):
-        return _error(
-            "demo", f"--logdir {args.logdir} is a file: expected a directory (created if missing)"
-        )
-    from kmix import demo
+    from kmix import demo  # light: TensorFlow is imported when training starts
 
-    return demo.main(logdir=args.logdir, epochs=args.epochs, policy=args.policy)
+    try:  # before TensorFlow starts, so that a bad --logdir is a quick one-line error
+        demo.prepare_logdir(args.logdir, overwrite=args.overwrite)
+    except demo.LogdirError as error:
+        return _error("demo", str(error))
+    except OSError as error:
+        return _error("demo", _cannot_write(args.logdir, error))
+    return demo.main(
+        logdir=args.logdir, epochs=args.epochs, policy=args.policy, overwrite=args.overwrite
+    )
+
+
+def _cannot_write(logdir: str, error: OSError) -> str:
+    where = f" ({error.filename})" if error.filename and error.filename != logdir else ""
+    return (
+        f"cannot write to --logdir {logdir}: {error.strerror or error}{where}; "
+        "choose a directory you can write to, e.g. --logdir runs/demo"
+    )
+
+
+# ------------------------------------------------------ TensorFlow's start-up log
+STARTUP_NOISE = (
+    "All log messages before absl::InitializeLog() is called are written to STDERR",
+    "oneDNN custom operations are on",
+    "Could not find cuda drivers on your machine",
+    "failed call to cuInit",
+    "This TensorFlow binary is optimized to use available CPU instructions",
+    "To enable the following instructions:",
+    "oneDNN supports DT_HALF only on platforms with AVX-512",
+    "Unable to register cuDNN factory",
+    "Unable to register cuFFT factory",
+    "Unable to register cuBLAS factory",
+    "computation placer already registered",
+    "TF-TRT Warning: Could not find TensorRT",
+    "successful NUMA node read from SysFS had negative value",
+)
+"""Phrases of the lines TensorFlow logs at start-up that say nothing about the command."""
+
+_LOG_PREFIX = re.compile(r"^(WARNING: |[IWE]\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] |To enable )")
+
+
+def is_startup_noise(line: str) -> bool:
+    """Whether a stderr line is one of TensorFlow's known start-up log lines.
+
+    Only lines in TensorFlow's (absl's) log format, or the line that continues its
+    CPU-instructions note, that contain a phrase of :data:`STARTUP_NOISE` are noise;
+    every other line (a traceback, a warning, a real error) is not.
+
+    Args:
+        line: one line of stderr, with or without its newline.
+
+    Returns:
+        True if the line should not be shown.
+    """
+    return bool(_LOG_PREFIX.match(line)) and any(phrase in line for phrase in STARTUP_NOISE)
+
+
+@contextlib.contextmanager
+def quiet_tensorflow_startup() -> Iterator[None]:
+    """Drops TensorFlow's start-up log lines from this process's stderr, keeps the rest.
+
+    TensorFlow's C++ side writes them to file descriptor 2 before its log levels
+    apply, so ``TF_CPP_MIN_LOG_LEVEL`` cannot hide them all. Inside the block, file
+    descriptor 2 is a pipe read by a thread that forwards each line to the real stderr
+    unless :func:`is_startup_noise` says it is start-up noise. ``TF_CPP_MIN_LOG_LEVEL``
+    is set to 2 (no info or warning lines) unless the user set it.
+
+    Yields:
+        Nothing; stderr is restored when the block ends.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.stderr.flush()
+    try:
+        real = os.dup(2)
+    except OSError:  # no stderr at all: nothing to keep quiet
+        yield
+        return
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+    def forward() -> None:
+        with open(read_end, "rb", closefd=True) as pipe:
+            for line in pipe:
+                try:
+                    keep = not is_startup_noise(line.decode("utf-8", "replace"))
+                except Exception:  # never lose a line to a bug here
+                    keep = True
+                if keep:
+                    _write_all(real, line)
+
+    thread = threading.Thread(target=forward, name="kmix-stderr", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(real, 2)  # closes the pipe's last write end: the thread reads to the end
+        thread.join(timeout=10)
+        os.close(real)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 # ---------------------------------------------------------------------- report
@@ -191,13 +312,158 @@ def package_versions(names: Sequence[str] = PACKAGES) -> dict[str, str | None]:
     return versions
 
 
+@dataclasses.dataclass(frozen=True)
+class VersionFacts:
+    """What the rules of :func:`version_warnings` look at.
+
+    Attributes:
+        versions: ``{package: version or None}``, as from :func:`package_versions`.
+        tensorflow: TensorFlow's version as ``packaging.version.Version``, or None when it
+            is not installed or cannot be parsed; likewise ``keras`` and ``tensorboard``.
+        keras_pin: the ``keras`` requirement TensorFlow declares (without a marker), or None.
+        legacy_keras: whether ``TF_USE_LEGACY_KERAS`` is set, making ``tf.keras`` Keras 2.
+        backend: the Keras backend in use or chosen by ``KERAS_BACKEND``, or None.
+    """
+
+    versions: Mapping[str, str | None]
+    tensorflow: Any
+    keras: Any
+    tensorboard: Any
+    keras_pin: Any
+    legacy_keras: bool
+    backend: str | None
+
+    def missing(self, name: str) -> bool:
+        """Whether the package ``name`` is not installed."""
+        return self.versions.get(name) is None
+
+
+def _older(version: Any, release: tuple[int, ...]) -> bool:
+    return version is not None and version.release < release
+
+
+VERSION_RULES: tuple[tuple[Callable[[VersionFacts], bool], Callable[[VersionFacts], str]], ...] = (
+    (
+        lambda f: f.missing("tensorflow"),
+        lambda f: (
+            "TensorFlow is not installed: kmix.LossScaleOptimizer needs the TensorFlow "
+            "backend (pip install 'tensorflow>=2.16')"
+        ),
+    ),
+    (
+        lambda f: _older(f.tensorflow, (2, 16)),
+        lambda f: (
+            f"TensorFlow {f.tensorflow} is older than 2.16 and uses Keras 2 (tf.keras); "
+            "kmix needs TensorFlow >= 2.16 with Keras 3 (pip install -U 'tensorflow>=2.16')"
+        ),
+    ),
+    (
+        lambda f: f.missing("keras"),
+        lambda f: "Keras is not installed: kmix needs Keras 3 (pip install 'keras>=3.8')",
+    ),
+    (
+        lambda f: _older(f.keras, (3,)),
+        lambda f: f"Keras {f.keras} is Keras 2; kmix needs Keras 3 (pip install -U 'keras>=3.8')",
+    ),
+    (
+        lambda f: not _older(f.keras, (3,)) and _older(f.keras, (3, 8)),
+        lambda f: f"Keras {f.keras} is older than 3.8, which kmix needs (pip install -U keras)",
+    ),
+    (
+        lambda f: (
+            f.keras is not None
+            and f.keras_pin is not None
+            and not f.keras_pin.contains(f.keras, prereleases=True)
+        ),
+        lambda f: (
+            f"TensorFlow {f.tensorflow} expects keras{f.keras_pin} but Keras {f.keras} "
+            f"is installed (pip install 'keras{f.keras_pin}')"
+        ),
+    ),
+    (
+        lambda f: f.legacy_keras,
+        lambda f: (
+            "TF_USE_LEGACY_KERAS is set, so tf.keras is Keras 2"
+            + (f" (tf-keras {f.versions['tf-keras']})" if f.versions.get("tf-keras") else "")
+            + ": models built with tf.keras do not work with kmix; use `import keras` "
+            "(Keras 3) or unset TF_USE_LEGACY_KERAS"
+        ),
+    ),
+    (
+        lambda f: f.backend not in (None, "", "tensorflow"),
+        lambda f: (
+            f"the Keras backend is {f.backend!r}: kmix.LossScaleOptimizer and the "
+            "callbacks need 'tensorflow' (set KERAS_BACKEND=tensorflow)"
+        ),
+    ),
+    (
+        lambda f: f.missing("tensorboard"),
+        lambda f: (
+            "TensorBoard is not installed: MixedPrecisionMonitor and kmix report need it "
+            "(pip install tensorboard)"
+        ),
+    ),
+    (
+        lambda f: f.tensorflow is not None and _older(f.tensorboard, (2,)),
+        lambda f: f"TensorBoard {f.tensorboard} is too old for TensorFlow {f.tensorflow}",
+    ),
+)
+"""``(when, says)`` pairs: the package combinations known not to work, in the order shown."""
+
+
+def version_facts(
+    versions: Mapping[str, str | None],
+    environ: Mapping[str, str],
+    tensorflow_requires: Sequence[str] = (),
+    backend: str | None = None,
+) -> VersionFacts:
+    """Parses versions, TensorFlow's Keras pin and the environment for the rules.
+
+    Args:
+        versions: ``{package: version or None}``, as from :func:`package_versions`.
+        environ: environment variables (``TF_USE_LEGACY_KERAS``, ``KERAS_BACKEND``).
+        tensorflow_requires: TensorFlow's requirement strings, as from
+            ``importlib.metadata.requires("tensorflow")``.
+        backend: the active Keras backend, if known.
+
+    Returns:
+        A :class:`VersionFacts`; what cannot be parsed is None.
+    """
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.version import InvalidVersion, Version
+
+    def parsed(name: str) -> Version | None:
+        try:
+            return Version(versions[name]) if versions.get(name) else None
+        except InvalidVersion:
+            return None
+
+    pin = None
+    for text in tensorflow_requires:
+        try:
+            requirement = Requirement(text)
+        except InvalidRequirement:
+            continue
+        if requirement.name == "keras" and requirement.marker is None:
+            pin = requirement.specifier
+    return VersionFacts(
+        versions=versions,
+        tensorflow=parsed("tensorflow"),
+        keras=parsed("keras"),
+        tensorboard=parsed("tensorboard"),
+        keras_pin=pin,
+        legacy_keras=environ.get("TF_USE_LEGACY_KERAS", "").strip().lower() in ("1", "true", "yes"),
+        backend=backend or environ.get("KERAS_BACKEND"),
+    )
+
+
 def version_warnings(
     versions: Mapping[str, str | None],
     environ: Mapping[str, str],
     tensorflow_requires: Sequence[str] = (),
     backend: str | None = None,
 ) -> list[str]:
-    """Finds package combinations known not to work with kmix.
+    """Finds package combinations known not to work with kmix (:data:`VERSION_RULES`).
 
     Args:
         versions: ``{package: version or None}``, as from :func:`package_versions`.
@@ -209,68 +475,8 @@ def version_warnings(
     Returns:
         One sentence per problem, saying what to do; empty when all is well.
     """
-    from packaging.requirements import InvalidRequirement, Requirement
-    from packaging.version import InvalidVersion, Version
-
-    def parsed(name: str) -> Version | None:
-        try:
-            return Version(versions[name]) if versions.get(name) else None
-        except InvalidVersion:
-            return None
-
-    warnings = []
-    tf, keras, tensorboard = parsed("tensorflow"), parsed("keras"), parsed("tensorboard")
-    if versions.get("tensorflow") is None:
-        warnings.append(
-            "TensorFlow is not installed: kmix.LossScaleOptimizer needs the TensorFlow "
-            "backend (pip install 'tensorflow>=2.16')"
-        )
-    elif tf is not None and tf < Version("2.16"):
-        warnings.append(
-            f"TensorFlow {tf} is older than 2.16 and uses Keras 2 (tf.keras); kmix needs "
-            "TensorFlow >= 2.16 with Keras 3 (pip install -U 'tensorflow>=2.16')"
-        )
-    if versions.get("keras") is None:
-        warnings.append("Keras is not installed: kmix needs Keras 3 (pip install 'keras>=3.8')")
-    elif keras is not None and keras < Version("3"):
-        warnings.append(
-            f"Keras {keras} is Keras 2; kmix needs Keras 3 (pip install -U 'keras>=3.8')"
-        )
-    elif keras is not None and keras < Version("3.8"):
-        warnings.append(f"Keras {keras} is older than 3.8, which kmix needs (pip install -U keras)")
-    for text in tensorflow_requires:
-        try:
-            requirement = Requirement(text)
-        except InvalidRequirement:
-            continue
-        if requirement.name == "keras" and requirement.marker is None and keras is not None:
-            if not requirement.specifier.contains(keras, prereleases=True):
-                warnings.append(
-                    f"TensorFlow {tf} expects keras{requirement.specifier} but Keras {keras} "
-                    f"is installed (pip install 'keras{requirement.specifier}')"
-                )
-    if environ.get("TF_USE_LEGACY_KERAS", "").strip().lower() in ("1", "true", "yes"):
-        tf_keras = versions.get("tf-keras")
-        warnings.append(
-            "TF_USE_LEGACY_KERAS is set, so tf.keras is Keras 2"
-            + (f" (tf-keras {tf_keras})" if tf_keras else "")
-            + ": models built with tf.keras do not work with kmix; use `import keras` "
-            "(Keras 3) or unset TF_USE_LEGACY_KERAS"
-        )
-    chosen = backend or environ.get("KERAS_BACKEND")
-    if chosen and chosen != "tensorflow":
-        warnings.append(
-            f"the Keras backend is {chosen!r}: kmix.LossScaleOptimizer and the callbacks "
-            "need 'tensorflow' (set KERAS_BACKEND=tensorflow)"
-        )
-    if versions.get("tensorboard") is None:
-        warnings.append(
-            "TensorBoard is not installed: MixedPrecisionMonitor and kmix report need it "
-            "(pip install tensorboard)"
-        )
-    elif tf is not None and tensorboard is not None and tensorboard.major < 2:
-        warnings.append(f"TensorBoard {tensorboard} is too old for TensorFlow {tf}")
-    return warnings
+    facts = version_facts(versions, environ, tensorflow_requires, backend)
+    return [says(facts) for when, says in VERSION_RULES if when(facts)]
 
 
 def _run_doctor(args: argparse.Namespace) -> int:

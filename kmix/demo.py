@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import importlib.resources
+import json
 import os
 import time
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -120,16 +120,44 @@ def build_model() -> Any:
     return keras.Model(inputs, outputs, name="digits_cnn")
 
 
+class Trained(NamedTuple):
+    """One model the demo trained.
+
+    Attributes:
+        model: the trained ``keras.Model``.
+        policy: its dtype policy and why it was chosen, as ``str(PolicyChoice)``.
+        accuracy: its test accuracy.
+    """
+
+    model: Any
+    policy: str
+    accuracy: float
+
+
 def _train(
     policy: str,
     data: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
+    *,
     epochs: int,
     seed: int,
     callbacks: list[Any],
     scaled: bool,
     verbose: int,
-) -> tuple[Any, str, float]:
-    """Builds, compiles and trains one model; returns it, the policy text and test accuracy."""
+) -> Trained:
+    """Builds, compiles, trains and evaluates one model.
+
+    Args:
+        policy: the dtype policy to build it under.
+        data: ``((x_train, y_train), (x_test, y_test))``, as from :func:`split`.
+        epochs: epochs to train.
+        seed: the random seed set before building.
+        callbacks: callbacks for ``fit``.
+        scaled: wrap the optimizer in :class:`kmix.LossScaleOptimizer`.
+        verbose: Keras's verbosity for ``fit``.
+
+    Returns:
+        The model, its policy text and its test accuracy.
+    """
     import keras
 
     import kmix
@@ -159,28 +187,167 @@ def _train(
             verbose=verbose,
         )
         _, accuracy = model.evaluate(x_test, y_test, batch_size=256, verbose=0)
-    return model, str(choice), float(accuracy)
+    return Trained(model=model, policy=str(choice), accuracy=float(accuracy))
 
 
-def clear_previous_run(logdir: str) -> int:
-    """Removes the event files a previous demo wrote into ``logdir``.
+MARKER = "kmix-demo.json"
+"""The file that marks a directory as a kmix demo run and lists the files the demo wrote."""
 
-    TensorBoard would otherwise draw both runs on top of each other.
+
+class LogdirError(ValueError):
+    """The demo may not write to the log dir given; the message says why and what to do."""
+
+
+def files_under(logdir: str) -> list[str]:
+    """Lists the files under ``logdir``, as sorted paths relative to it.
+
+    Args:
+        logdir: a directory; a missing one has no files.
+
+    Returns:
+        Relative paths of every file (symbolic links included, not followed).
+    """
+    found = []
+    for folder, _, names in os.walk(logdir):
+        found += [os.path.relpath(os.path.join(folder, name), logdir) for name in names]
+    return sorted(found)
+
+
+def read_marker(logdir: str) -> list[str] | None:
+    """Reads the files a previous demo run recorded in ``logdir/kmix-demo.json``.
+
+    Args:
+        logdir: the log dir.
+
+    Returns:
+        The recorded relative paths, or None when there is no readable marker (the
+        directory is not a kmix demo run).
+    """
+    try:
+        with open(os.path.join(logdir, MARKER), encoding="utf-8") as file:
+            marker = json.load(file)
+    except (OSError, ValueError):
+        return None
+    files = marker.get("files") if isinstance(marker, dict) else None
+    if not isinstance(files, list) or not all(isinstance(name, str) for name in files):
+        return None
+    return files
+
+
+def files_to_replace(
+    logdir: str, present: list[str], recorded: list[str] | None, overwrite: bool
+) -> list[str]:
+    """Decides which files preparing ``logdir`` for a new demo run removes.
+
+    The demo writes only to a new or empty directory, or replaces a previous demo
+    run of its own when asked to; it never removes a file it did not write.
+
+    Args:
+        logdir: the log dir, as given (for the messages).
+        present: the files now under it, as from :func:`files_under`.
+        recorded: the files a previous demo recorded, as from :func:`read_marker`.
+        overwrite: whether a previous demo run may be replaced.
+
+    Returns:
+        The files to remove (relative paths): those of the previous demo run.
+
+    Raises:
+        LogdirError: the directory holds files the demo did not write, or a previous
+            demo run and ``overwrite`` is False.
+    """
+    others = [name for name in present if name != MARKER]
+    if not others:
+        return []
+    if recorded is None:
+        raise LogdirError(
+            f"--logdir {logdir} is not empty and is not a kmix demo run (it holds "
+            f"{_count(len(others), 'file')}, e.g. {others[0]}): kmix demo writes only to a "
+            "new or empty directory; choose another --logdir, e.g. runs/demo"
+        )
+    foreign = sorted(set(others) - set(recorded))
+    if foreign:
+        raise LogdirError(
+            f"--logdir {logdir} holds a kmix demo run and {_count(len(foreign), 'file')} "
+            f"the demo did not write (e.g. {foreign[0]}), which it will not remove: move "
+            f"{'it' if len(foreign) == 1 else 'them'} away or choose another --logdir"
+        )
+    if not overwrite:
+        raise LogdirError(
+            f"--logdir {logdir} holds a previous kmix demo run: add --overwrite to replace "
+            "it (only the files the demo wrote are removed), or choose another --logdir"
+        )
+    return others
+
+
+def prepare_logdir(logdir: str, *, overwrite: bool = False) -> int:
+    """Makes ``logdir`` ready for a demo run and marks it as one.
+
+    Creates the directory if missing; removes a previous demo run's files only with
+    ``overwrite`` (TensorBoard would otherwise draw both runs on top of each other);
+    then writes the marker file :data:`MARKER`.
 
     Args:
         logdir: the demo's log dir.
+        overwrite: replace a previous kmix demo run there.
 
     Returns:
-        How many files were removed.
-    """
-    from kmix import tags
+        How many files of a previous demo run were removed.
 
-    old = []
-    for sub in (tags.TRAIN_DIR, "validation"):
-        old += glob.glob(os.path.join(logdir, sub, "events.out.tfevents.*"))
-    for path in old:
-        os.remove(path)
+    Raises:
+        LogdirError: ``logdir`` is ``""`` or a file, or holds files the demo may not
+            replace (see :func:`files_to_replace`).
+        OSError: the directory cannot be created or written.
+    """
+    if not logdir:
+        raise LogdirError(
+            "--logdir '' is empty: give the directory to write the run to, e.g. --logdir runs/demo"
+        )
+    if os.path.exists(logdir) and not os.path.isdir(logdir):
+        raise LogdirError(f"--logdir {logdir} is a file: expected a directory (created if missing)")
+    old = files_to_replace(logdir, files_under(logdir), read_marker(logdir), overwrite)
+    for name in old:
+        os.remove(os.path.join(logdir, name))
+    for folder in _folders_inside(old):  # deepest first; logdir itself stays
+        with contextlib.suppress(OSError):  # a folder that still holds something stays
+            os.rmdir(os.path.join(logdir, folder))
+    os.makedirs(logdir, exist_ok=True)
+    record_run(logdir, files=[])
     return len(old)
+
+
+def record_run(logdir: str, files: list[str] | None = None) -> None:
+    """Writes the marker file: ``logdir`` is a kmix demo run made of these files.
+
+    Args:
+        logdir: the demo's log dir.
+        files: the files the demo wrote; None lists every file now under ``logdir``
+            (the demo started in an empty directory, so they are all its own).
+    """
+    from kmix import __version__
+
+    names = files_under(logdir) if files is None else files
+    marker = {
+        "kmix_demo": __version__,
+        "files": [name for name in names if name != MARKER],
+    }
+    with open(os.path.join(logdir, MARKER), "w", encoding="utf-8") as file:
+        json.dump(marker, file, indent=1)
+        file.write("\n")
+
+
+def _folders_inside(names: list[str]) -> list[str]:
+    """The folders that hold ``names`` (relative paths), deepest first, ``""`` excluded."""
+    folders = set()
+    for name in names:
+        folder = os.path.dirname(name)
+        while folder:
+            folders.add(folder)
+            folder = os.path.dirname(folder)
+    return sorted(folders, key=lambda folder: (-folder.count(os.sep), folder))
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
 
 
 def run(
@@ -192,35 +359,68 @@ def run(
     compare_float32: bool = True,
     seed: int = 0,
     verbose: int = 1,
+    overwrite: bool = False,
 ) -> DemoResult:
     """Trains the demo in mixed precision (logged), then in float32, and reports.
 
-    The global dtype policy is the same afterwards as before.
+    The global dtype policy is the same afterwards as before. The log dir must be new,
+    empty, or (with ``overwrite``) a previous demo run, whose files alone are removed;
+    the demo marks its run with the file :data:`MARKER`, listing what it wrote.
 
     Args:
-        logdir: TensorBoard log dir; event files of a previous demo there are removed.
+        logdir: TensorBoard log dir, created if missing.
         epochs: epochs per run, >= 1.
         policy: the dtype policy of the logged run (any name ``kmix.use`` accepts).
         train_limit: train on only the first this many training images.
         compare_float32: also train the same model in float32.
         seed: random seed of both runs.
         verbose: Keras's verbosity for the logged run: 1 shows a progress bar.
+        overwrite: replace a previous kmix demo run in ``logdir``.
 
     Returns:
         A :class:`DemoResult`.
 
     Raises:
         ValueError: ``epochs`` < 1 or ``policy`` is not a known policy name.
+        LogdirError: ``logdir`` holds files the demo may not replace (a
+            ``ValueError``; see :func:`prepare_logdir`).
+        OSError: ``logdir`` cannot be created or written.
     """
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"Invalid `epochs` for kmix demo: epochs={epochs!r}. Use an integer >= 1.")
+    start = time.perf_counter()
+    prepare_logdir(logdir, overwrite=overwrite)
+    try:
+        result = _train_and_report(
+            logdir,
+            epochs,
+            policy,
+            train_limit=train_limit,
+            compare_float32=compare_float32,
+            seed=seed,
+            verbose=verbose,
+        )
+    finally:  # also when training fails or is interrupted: the run is the demo's own
+        record_run(logdir)
+    return dataclasses.replace(result, seconds=time.perf_counter() - start)
+
+
+def _train_and_report(
+    logdir: str,
+    epochs: int,
+    policy: str,
+    *,
+    train_limit: int | None,
+    compare_float32: bool,
+    seed: int,
+    verbose: int,
+) -> DemoResult:
+    """The body of :func:`run`, once the log dir is ready; its ``seconds`` are 0."""
     import keras
 
     from kmix import report
     from kmix.callbacks import LossScaleGuard, MixedPrecisionMonitor
 
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-        raise ValueError(f"Invalid `epochs` for kmix demo: epochs={epochs!r}. Use an integer >= 1.")
-    start = time.perf_counter()
-    clear_previous_run(logdir)
     data = split(*load_digits(), train_limit=train_limit)
     guard = LossScaleGuard(check_freq=UPDATE_FREQ)
     callbacks = [
@@ -230,10 +430,14 @@ def run(
         guard,
         keras.callbacks.TensorBoard(logdir),
     ]
-    _, choice, mixed_accuracy = _train(policy, data, epochs, seed, callbacks, True, verbose)
+    mixed = _train(
+        policy, data, epochs=epochs, seed=seed, callbacks=callbacks, scaled=True, verbose=verbose
+    )
     float32_accuracy = None
     if compare_float32:
-        float32_accuracy = _train("float32", data, epochs, seed, [], False, 0)[2]
+        float32_accuracy = _train(
+            "float32", data, epochs=epochs, seed=seed, callbacks=[], scaled=False, verbose=0
+        ).accuracy
     log = report.read_log(logdir)
     summary = report.summarize(log)
     try:
@@ -242,36 +446,43 @@ def run(
         plots = []
     return DemoResult(
         logdir=logdir,
-        policy=choice,
-        mixed_accuracy=mixed_accuracy,
+        policy=mixed.policy,
+        mixed_accuracy=mixed.accuracy,
         float32_accuracy=float32_accuracy,
         guard_diagnosis=guard.diagnosis,
         summary=summary,
         plots=plots,
-        seconds=time.perf_counter() - start,
+        seconds=0.0,
     )
 
 
-def main(logdir: str, epochs: int = 10, policy: str = "mixed_float16") -> int:
+def main(
+    logdir: str, epochs: int = 10, policy: str = "mixed_float16", *, overwrite: bool = False
+) -> int:
     """Runs the demo and prints accuracies, the report and how to open TensorBoard.
 
     Args:
         logdir: TensorBoard log dir.
         epochs: epochs per run, >= 1.
         policy: the dtype policy of the logged run.
+        overwrite: replace a previous kmix demo run in ``logdir``.
 
     Returns:
         The exit status: 0, or 1 when LossScaleGuard stopped training.
+
+    Raises:
+        LogdirError: ``logdir`` holds files the demo may not replace.
+        OSError: ``logdir`` cannot be created or written.
     """
     from kmix import report
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     print(
-        f"kmix demo: {epochs} epoch(s) on the 8x8 digits, policy {policy}. The loss scale "
+        f"kmix demo: {_count(epochs, 'epoch')} on the 8x8 digits, policy {policy}. The loss scale "
         "starts at 2^24, too high for float16 on purpose: the first float16 steps overflow "
         f"and back off. Logs in {logdir}"
     )
-    result = run(logdir, epochs, policy)
+    result = run(logdir, epochs, policy, overwrite=overwrite)
     print()
     print(f"policy: {result.policy}")
     print(f"test accuracy, {policy} with kmix: {result.mixed_accuracy:.4f}")

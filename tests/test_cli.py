@@ -17,15 +17,39 @@ from test_report import assert_png, write_run
 from kmix import cli, demo, report, tags
 
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+USER_ENV = {name: value for name, value in os.environ.items() if name != "TF_CPP_MIN_LOG_LEVEL"}
+"""The environment of a user who has not set TF_CPP_MIN_LOG_LEVEL."""
+
+# Lines TensorFlow 2.21 writes to stderr at start-up on a machine without a GPU.
+STARTUP_LINES = (
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+    "I0000 00:00:1796046500.902047    4362 port.cc:153] oneDNN custom operations are on. "
+    "You may see slightly different numerical results due to floating-point round-off errors "
+    "from different computation orders. To turn them off, set the environment variable "
+    "`TF_ENABLE_ONEDNN_OPTS=0`.\n"
+    "I0000 00:00:1796046500.902298    4362 cudart_stub.cc:31] Could not find cuda drivers on "
+    "your machine, GPU will not be used.\n"
+    "I0000 00:00:1796046521.717030    6569 cpu_feature_guard.cc:227] This TensorFlow binary is "
+    "optimized to use available CPU instructions in performance-critical operations.\n"
+    "To enable the following instructions: AVX2 AVX512F FMA, in other operations, rebuild "
+    "TensorFlow with the appropriate compiler flags.\n"
+    "E0000 00:00:1796046503.413596    4362 cuda_platform.cc:52] failed call to cuInit: "
+    "INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)\n"
+    "E0000 00:00:1796046505.266419    4362 util.cc:131] oneDNN supports DT_HALF only on "
+    "platforms with AVX-512. Falling back to the default Eigen-based implementation if present.\n"
+)
 
 
-def kmix(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def kmix(
+    *args: str, timeout: float = 120, env: dict | None = None, cwd: str | None = None
+) -> subprocess.CompletedProcess:
     """Runs ``python -m kmix.cli ARGS`` and returns the finished process."""
     return subprocess.run(
         [sys.executable, "-m", "kmix.cli", *args],
         capture_output=True,
         text=True,
-        env=ENV,
+        env=ENV if env is None else env,
+        cwd=cwd,
         timeout=timeout,
         check=False,
     )
@@ -192,6 +216,19 @@ def test_report_bad_log_dir(tmp_path, make, says):
     assert "expected" in line and "MixedPrecisionMonitor" in line
 
 
+def test_report_into_a_closed_pipe_exits_0(run_dir):
+    # `kmix report LOGDIR --json | head`: the reader closes the pipe before kmix writes.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kmix.cli", "report", run_dir, "--json", "--no-plots"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+    )
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert (process.wait(timeout=120), stderr) == (0, "")
+
+
 def test_report_out_is_a_file(run_dir, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -225,6 +262,154 @@ def test_demo_logdir_is_a_file(tmp_path):
     )
 
 
+def keras_tensorboard_run(logdir: Path) -> list[str]:
+    """A log dir as the Keras TensorBoard callback leaves it; returns its files."""
+    for sub in (tags.TRAIN_DIR, "validation"):
+        (logdir / sub).mkdir(parents=True)
+        (logdir / sub / "events.out.tfevents.1.host.v2").write_bytes(b"keras events")
+    return demo.files_under(str(logdir))
+
+
+def test_demo_refuses_a_log_dir_it_did_not_write(tmp_path):
+    logdir = tmp_path / "keras_run"
+    files = keras_tensorboard_run(logdir)
+    for extra in ([], ["--overwrite"]):
+        line = one_line_error(kmix("demo", "--logdir", str(logdir), *extra))
+        assert line == (
+            f"kmix demo: --logdir {logdir} is not empty and is not a kmix demo run (it holds "
+            "2 files, e.g. train/events.out.tfevents.1.host.v2): kmix demo writes only to a "
+            "new or empty directory; choose another --logdir, e.g. runs/demo"
+        )
+        assert demo.files_under(str(logdir)) == files
+        assert (logdir / files[0]).read_bytes() == b"keras events"
+
+
+def test_demo_empty_logdir_deletes_nothing_in_the_working_directory(tmp_path):
+    files = keras_tensorboard_run(tmp_path)
+    line = one_line_error(kmix("demo", "--logdir", "", cwd=str(tmp_path)))
+    assert line == (
+        "kmix demo: --logdir '' is empty: give the directory to write the run to, "
+        "e.g. --logdir runs/demo"
+    )
+    assert demo.files_under(str(tmp_path)) == files
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda tmp: str(tmp / "file" / "run"), "Not a directory"),
+        (lambda tmp: "/proc/kmix-nowhere/run", "No such file or directory (/proc/kmix-nowhere)"),
+    ],
+    ids=["through-a-file", "not-creatable"],
+)
+def test_demo_log_dir_it_cannot_write(tmp_path, make, says):
+    (tmp_path / "file").write_text("x")
+    logdir = make(tmp_path)
+    line = one_line_error(kmix("demo", "--logdir", logdir))
+    assert line == (
+        f"kmix demo: cannot write to --logdir {logdir}: {says}; choose a directory you can "
+        "write to, e.g. --logdir runs/demo"
+    )
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_demo_log_dir_under_a_read_only_directory(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        line = one_line_error(kmix("demo", "--logdir", str(locked / "run")))
+    finally:
+        locked.chmod(0o755)
+    assert line.startswith(f"kmix demo: cannot write to --logdir {locked / 'run'}: Permission")
+
+
+def test_files_to_replace():
+    keras_files = ["train/events.out.tfevents.1.host.v2"]
+    ours = ["report/health.png", "train/events.out.tfevents.2.host.v2"]
+    assert demo.files_to_replace("d", [], None, overwrite=False) == []
+    assert demo.files_to_replace("d", [demo.MARKER], [], overwrite=False) == []
+    assert demo.files_to_replace("d", [demo.MARKER, *ours], ours, overwrite=True) == ours
+    with pytest.raises(demo.LogdirError, match="is not a kmix demo run"):
+        demo.files_to_replace("d", keras_files, None, overwrite=True)
+    with pytest.raises(demo.LogdirError) as error:
+        demo.files_to_replace("d", [demo.MARKER, *ours], ours, overwrite=False)
+    assert str(error.value) == (
+        "--logdir d holds a previous kmix demo run: add --overwrite to replace it (only the "
+        "files the demo wrote are removed), or choose another --logdir"
+    )
+    with pytest.raises(demo.LogdirError) as error:
+        demo.files_to_replace("d", [demo.MARKER, *keras_files, *ours], ours, overwrite=True)
+    assert str(error.value) == (
+        "--logdir d holds a kmix demo run and 1 file the demo did not write (e.g. "
+        "train/events.out.tfevents.1.host.v2), which it will not remove: move it away or "
+        "choose another --logdir"
+    )
+
+
+def test_overwrite_removes_only_what_the_demo_wrote(tmp_path):
+    logdir = tmp_path / "demo"
+    assert demo.prepare_logdir(str(logdir)) == 0
+    assert demo.files_under(str(logdir)) == [demo.MARKER]
+    assert demo.prepare_logdir(str(logdir)) == 0  # nothing written yet: nothing to replace
+    for name in ("train/events.out.tfevents.1.a.v2", "report/health.png", "report/x/y.png"):
+        (logdir / name).parent.mkdir(parents=True, exist_ok=True)
+        (logdir / name).write_bytes(b"demo")
+    demo.record_run(str(logdir))
+    assert demo.read_marker(str(logdir)) == [
+        "report/health.png",
+        "report/x/y.png",
+        "train/events.out.tfevents.1.a.v2",
+    ]
+    with pytest.raises(demo.LogdirError, match="add --overwrite"):
+        demo.prepare_logdir(str(logdir))
+    assert demo.prepare_logdir(str(logdir), overwrite=True) == 3
+    # The demo's folders went with its files; the marker says the run is empty.
+    assert sorted(p.name for p in logdir.iterdir()) == [demo.MARKER]
+    assert demo.read_marker(str(logdir)) == []
+    assert cli.build_parser().parse_args(["demo", "--overwrite"]).overwrite is True
+    assert cli.build_parser().parse_args(["demo"]).overwrite is False
+
+
+# ------------------------------------------------- TensorFlow's start-up lines
+def test_startup_noise_is_recognised_line_by_line():
+    noise = STARTUP_LINES.splitlines()
+    assert [cli.is_startup_noise(line) for line in noise] == [True] * len(noise)
+    for line in (
+        "Traceback (most recent call last):",
+        "E0000 00:00:1796046503.413596    4362 op_kernel.cc:1857] OP_REQUIRES failed: OOM",
+        "WARNING: the loss is NaN",
+        "UserWarning: failed call to cuInit mentioned in my own message",
+    ):
+        assert not cli.is_startup_noise(line), line
+
+
+def test_quiet_startup_keeps_every_other_line():
+    result = python(
+        f"""
+        import os, sys
+        from kmix import cli
+        with cli.quiet_tensorflow_startup():
+            os.write(2, {STARTUP_LINES.encode()!r})
+            print("my warning", file=sys.stderr)
+            os.write(2, b"E0000 00:00:1.5    1 op_kernel.cc:1857] OP_REQUIRES failed\\n")
+            print("stdout is untouched")
+        print("after", file=sys.stderr)
+        raise SystemExit(os.environ["TF_CPP_MIN_LOG_LEVEL"])
+        """
+    )
+    assert result.stdout == "stdout is untouched\n"
+    assert result.stderr == (
+        "my warning\nE0000 00:00:1.5    1 op_kernel.cc:1857] OP_REQUIRES failed\nafter\n2\n"
+    )
+
+
+def test_doctor_prints_no_tensorflow_startup_lines():
+    result = kmix("doctor", env=USER_ENV)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert "versions\n" in result.stdout
+
+
 # -------------------------------------------------------------------- doctor
 def test_doctor(tmp_path):
     result = kmix("doctor")
@@ -256,11 +441,33 @@ def test_version_warnings_good_combination():
         ({"tf-keras": "2.21.0"}, {"TF_USE_LEGACY_KERAS": "1"}, "TF_USE_LEGACY_KERAS is set"),
         ({}, {"KERAS_BACKEND": "jax"}, "the Keras backend is 'jax'"),
         ({"tensorboard": None}, {}, "TensorBoard is not installed"),
+        ({"tensorboard": "1.15.0"}, {}, "TensorBoard 1.15.0 is too old for TensorFlow 2.21.0"),
     ],
 )
 def test_version_warnings_known_bad(changes, environ, says):
     found = cli.version_warnings(GOOD | changes, environ, ["keras>=3.12.0"])
     assert any(says in warning for warning in found), found
+
+
+def test_version_warnings_one_per_rule_in_table_order():
+    versions = {"tensorflow": "2.15.1", "keras": "3.3.3", "tensorboard": None, "tf-keras": "2.15"}
+    found = cli.version_warnings(
+        versions, {"TF_USE_LEGACY_KERAS": "true", "KERAS_BACKEND": "jax"}, ["keras>=3.12"]
+    )
+    assert found == [
+        "TensorFlow 2.15.1 is older than 2.16 and uses Keras 2 (tf.keras); kmix needs "
+        "TensorFlow >= 2.16 with Keras 3 (pip install -U 'tensorflow>=2.16')",
+        "Keras 3.3.3 is older than 3.8, which kmix needs (pip install -U keras)",
+        "TensorFlow 2.15.1 expects keras>=3.12 but Keras 3.3.3 is installed "
+        "(pip install 'keras>=3.12')",
+        "TF_USE_LEGACY_KERAS is set, so tf.keras is Keras 2 (tf-keras 2.15): models built "
+        "with tf.keras do not work with kmix; use `import keras` (Keras 3) or unset "
+        "TF_USE_LEGACY_KERAS",
+        "the Keras backend is 'jax': kmix.LossScaleOptimizer and the callbacks need "
+        "'tensorflow' (set KERAS_BACKEND=tensorflow)",
+        "TensorBoard is not installed: MixedPrecisionMonitor and kmix report need it "
+        "(pip install tensorboard)",
+    ]
 
 
 # ---------------------------------------------------------------------- demo
@@ -274,15 +481,6 @@ def test_shipped_digits():
     assert x_train.shape == (1497, 8, 8, 1) and x_test.shape == (300, 8, 8, 1)
     assert x_train.dtype == np.float32 and x_train.max() == 1.0
     assert set(y_test.tolist()) == set(range(10))
-
-
-def test_clear_previous_run(tmp_path):
-    for sub in (tags.TRAIN_DIR, "validation"):
-        (tmp_path / sub).mkdir()
-        (tmp_path / sub / "events.out.tfevents.1.host").write_bytes(b"")
-    (tmp_path / "notes.txt").write_text("kept")
-    assert demo.clear_previous_run(str(tmp_path)) == 2
-    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["notes.txt"]
 
 
 def test_demo_run_small(tmp_path):
@@ -310,9 +508,11 @@ def test_demo_run_small(tmp_path):
 
 def test_demo_command_one_epoch(tmp_path):
     logdir = str(tmp_path / "demo")
-    result = kmix("demo", "--epochs", "1", "--logdir", logdir, timeout=240)
+    result = kmix("demo", "--epochs", "1", "--logdir", logdir, timeout=240, env=USER_ENV)
     assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stderr == ""  # no TensorFlow start-up lines
     out = result.stdout
+    assert out.startswith("kmix demo: 1 epoch on the 8x8 digits, policy mixed_float16.")
     assert "47/47" in out  # the progress bar: 1,497 images in batches of 32
     assert "test accuracy, mixed_float16 with kmix: " in out
     assert "test accuracy, same model in float32: " in out
@@ -322,3 +522,10 @@ def test_demo_command_one_epoch(tmp_path):
         assert_png(os.path.join(logdir, "report", name))
     # The logs it wrote are what `kmix report` reads.
     assert kmix("report", logdir, "--no-plots").returncode == 0
+    # Its run is marked and lists every file it wrote; a second run must be asked for.
+    assert demo.read_marker(logdir) == [
+        name for name in demo.files_under(logdir) if name != demo.MARKER
+    ]
+    assert len(demo.read_marker(logdir)) == 6  # 3 plots, 2 train and 1 validation event files
+    line = one_line_error(kmix("demo", "--logdir", logdir))
+    assert line.startswith(f"kmix demo: --logdir {logdir} holds a previous kmix demo run")
