@@ -184,10 +184,10 @@ def heatmap(rows: dict[str, list[tuple[int, np.ndarray]]], step: int) -> dict[st
 
     Returns:
         ``{"step", "variables", "shares": [[share per bin]], "elements": [count]}``
-        for the variables with a histogram at that step.
+        for the variables with a histogram at that step, sorted by name.
     """
     names, shares, elements = [], [], []
-    for name, points in rows.items():
+    for name, points in sorted(rows.items()):
         counts = dict(points).get(step)
         if counts is None:
             continue

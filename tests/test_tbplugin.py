@@ -1,0 +1,443 @@
+"""The TensorBoard plugin's HTTP routes, served by TensorBoard's own WSGI app.
+
+Runs are written with ``tf.summary`` in kmix's tag formats and read through
+TensorBoard's multiplexer data provider with its default sampling, as
+``tensorboard --logdir`` would. A fake provider stands in for a 100,000-step run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from importlib import metadata as importlib_metadata
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorboard.backend import application
+from tensorboard.backend.event_processing import data_ingester, plugin_event_multiplexer
+from tensorboard.backend.event_processing import data_provider as mux_provider
+from tensorboard.data import provider as tb_provider
+from tensorboard.plugins import base_plugin
+from tensorboard.plugins.histogram import metadata as histogram_metadata
+from werkzeug import test as werkzeug_test
+from werkzeug import wrappers
+
+from kmix import report, tags
+from kmix.tbplugin import plugin as kmix_plugin
+from kmix.tbplugin import view
+
+EVENTS = [  # (step, kind, old, new, variable, count, loss_finite)
+    (3, "backoff", 1024.0, 512.0, "dense/kernel", 1, True),
+    (7, "backoff", 512.0, 256.0, "dense/bias", 2, True),
+    (9, "forward_overflow", 256.0, 256.0, None, 0, False),
+    (16, "growth", 256.0, 512.0, None, 0, True),
+]
+HISTOGRAM_STEPS = (4, 8, 12)
+
+
+def _event(step, kind, old, new, variable, count, loss_finite):
+    return tags.ScaleEvent(0, step, kind, old, new, variable, count, loss_finite, None)
+
+
+def _histogram(exponents: dict[int, int], nonfinite: int = 0) -> np.ndarray:
+    edges = np.asarray(tags.exponent_bucket_edges(), np.float64)
+    counts = np.zeros(tags.NUM_EXPONENT_BINS)
+    for exponent, count in exponents.items():
+        counts[tags.exponent_bin(exponent)] = count
+    counts[-1] = nonfinite
+    return np.column_stack([edges, counts])
+
+
+def write_kmix_run(path: str) -> None:
+    """A 20-step run: scale, skips, headroom, four events, histograms, policy."""
+    writer = tf.summary.create_file_writer(path)
+    with writer.as_default():
+        scale, skipped = 1024.0, 0
+        by_step = {e[0]: e for e in EVENTS}
+        for step in range(1, 21):
+            event = by_step.get(step)
+            if event is not None:
+                scale = event[3]
+                skipped += event[1] != "growth"
+                tf.summary.text(tags.EVENTS, tags.format_event(_event(*event)), step=step)
+            tf.summary.scalar(tags.LOSS_SCALE, scale, step=step)
+            tf.summary.scalar(tags.SKIPPED_STEPS, skipped, step=step)
+            headroom = -1.0 if step in (3, 7) else 4.0 + step % 3
+            tf.summary.scalar(tags.OVERFLOW_HEADROOM_BITS, headroom, step=step)
+        for step in HISTOGRAM_STEPS:
+            for variable, hist in (
+                ("dense/kernel", _histogram({-30: 5, -10: 90, 3: 5}, nonfinite=step == 4)),
+                ("dense/bias", _histogram({-12: 10})),
+            ):
+                tf.summary.write(
+                    tags.GRAD_EXPONENT + variable,
+                    hist,
+                    step=step,
+                    metadata=histogram_metadata.create_summary_metadata(variable, ""),
+                )
+        table = "| layer | compute |\n|---|---|\n| dense | float16 |"
+        policy = (
+            f"Global dtype policy `mixed_float16`; model `m` policy `mixed_float16`.\n\n{table}"
+        )
+        tf.summary.text(tags.POLICY, policy, step=0)
+    writer.close()
+
+
+def write_plain_run(path: str) -> None:
+    """A run without kmix data."""
+    writer = tf.summary.create_file_writer(path)
+    with writer.as_default():
+        for step in range(3):
+            tf.summary.scalar("loss", 1.0 / (step + 1), step=step)
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tb")
+    write_kmix_run(str(root / "exp" / "train"))
+    write_plain_run(str(root / "plain" / "train"))
+    return root
+
+
+def serve(provider) -> werkzeug_test.Client:
+    """A client of TensorBoard's WSGI app with only the kmix plugin, over ``provider``."""
+    context = base_plugin.TBContext(logdir=None, data_provider=provider)
+    app = application.TensorBoardWSGI([kmix_plugin.KmixPlugin(context)], data_provider=provider)
+    return werkzeug_test.Client(app, wrappers.Response)
+
+
+def default_provider(logdir) -> mux_provider.MultiplexerDataProvider:
+    """TensorBoard's Python data provider with its default sampling."""
+    multiplexer = plugin_event_multiplexer.EventMultiplexer(
+        size_guidance=data_ingester.DEFAULT_SIZE_GUIDANCE,
+        tensor_size_guidance=data_ingester.DEFAULT_TENSOR_SIZE_GUIDANCE,
+    )
+    multiplexer.AddRunsFromDirectory(str(logdir))
+    multiplexer.Reload()
+    return mux_provider.MultiplexerDataProvider(multiplexer, str(logdir))
+
+
+@pytest.fixture(scope="module")
+def client(logdir):
+    return serve(default_provider(logdir))
+
+
+def get_json(client, url, status=200):
+    response = client.get(url)
+    assert response.status_code == status, response.get_data(as_text=True)
+    assert response.headers["Content-Type"].startswith("application/json")
+    return json.loads(response.get_data(as_text=True))
+
+
+URL = "/data/plugin/kmix"
+
+
+# ----------------------------------------------------------------- routes
+def test_runs_route_splits_runs_with_and_without_kmix_data(client):
+    assert get_json(client, f"{URL}/runs") == {
+        "runs": ["exp/train"],
+        "other_runs": ["plain/train"],
+    }
+
+
+def test_run_route_shape_events_series_and_heatmap(client):
+    data = get_json(client, f"{URL}/run?run=exp/train")
+    assert data["run"] == "exp/train" and data["empty"] is False
+    summary = data["summary"]
+    events = [
+        (e["step"], e["kind"], e["old_scale"], e["new_scale"], e["variable"])
+        for e in summary["events"]
+    ]
+    assert events == [(s, k, o, n, v) for s, k, o, n, v, _, _ in EVENTS]
+    assert [e["loss_finite"] for e in summary["events"]] == [True, True, False, True]
+    assert data["events_check"] == {
+        "complete": True,
+        "shown": 3,
+        "skipped_steps": 3,
+        "message": None,
+    }
+    scale = data["series"]["loss_scale"]
+    # a step line only needs the points where the scale changes (and the ends)
+    assert scale["steps"] == [1, 3, 7, 16, 20] and scale["points"] == 20
+    assert scale["values"] == [1024.0, 512.0, 256.0, 512.0, 512.0]
+    assert data["series"]["overflow_headroom_bits"]["steps"] == list(range(1, 21))
+    assert data["series"]["min_activation_headroom_bits"] is None
+    exponents = data["exponents"]
+    assert exponents["steps"] == list(HISTOGRAM_STEPS)
+    heat = exponents["heatmap"]
+    assert heat["step"] == 12 and heat["variables"] == ["dense/bias", "dense/kernel"]
+    kernel = heat["shares"][1]
+    assert len(kernel) == tags.NUM_EXPONENT_BINS
+    assert kernel[tags.exponent_bin(-10)] == pytest.approx(0.9)
+    assert sum(kernel) == pytest.approx(1.0)
+    grid = data["headroom_by_variable"]
+    assert grid["steps"] == list(HISTOGRAM_STEPS)
+    assert grid["names"] == ["dense/bias", "dense/kernel"]
+    assert grid["bits"][1] == ["nonfinite", 12.0, 12.0]  # 15 - 3: the top exponent is 3
+    assert grid["bits"][0] == [27.0, 27.0, 27.0]
+    assert data["float16"]["min_normal_exponent"] == -14
+    assert "| layer | compute |" in summary["policy"]
+
+
+def test_run_summary_is_kmix_reports(client, logdir):
+    """One source of truth: the tab's summary is ``kmix report --json``'s, but the path."""
+    data = get_json(client, f"{URL}/run?run=exp/train")
+    expected = json.loads(report.to_json(report.summarize(report.read_log(str(logdir / "exp")))))
+    got = dict(data["summary"])
+    assert got.pop("logdir") == "exp/train"
+    expected.pop("logdir")
+    assert got == expected
+    assert got["precision_whatif"]["gradients"]["step"] == 12
+
+
+def test_exponents_route_gives_the_heatmap_at_a_histogram_step(client):
+    heat = get_json(client, f"{URL}/exponents?run=exp/train&step=4")
+    assert heat["step"] == 4 and heat["variables"] == ["dense/bias", "dense/kernel"]
+    assert heat["elements"] == [10, 101]
+    assert heat["shares"][1][-1] == pytest.approx(1 / 101)  # the inf/NaN bin
+    assert get_json(client, f"{URL}/exponents?run=exp/train")["step"] == 12
+
+
+def test_run_without_kmix_data_gives_the_empty_state(client):
+    data = get_json(client, f"{URL}/run?run=plain/train")
+    assert data["empty"] is True
+    assert "no kmix data" in data["message"] and "MixedPrecisionMonitor" in data["message"]
+
+
+def test_no_run_with_kmix_data(tmp_path):
+    write_plain_run(str(tmp_path / "plain"))
+    provider = default_provider(tmp_path)
+    client = serve(provider)
+    assert get_json(client, f"{URL}/runs") == {"runs": [], "other_runs": ["plain"]}
+    context = base_plugin.TBContext(logdir=None, data_provider=provider)
+    assert kmix_plugin.KmixPlugin(context).is_active() is False
+
+
+def test_plugin_is_active_and_registered(logdir):
+    context = base_plugin.TBContext(logdir=None, data_provider=default_provider(logdir))
+    plugin = kmix_plugin.KmixPlugin(context)
+    assert plugin.is_active() is True
+    meta = plugin.frontend_metadata()
+    assert meta.es_module_path == "/static/index.js" and meta.tab_name == "Mixed Precision"
+    points = importlib_metadata.entry_points(group="tensorboard_plugins")
+    assert {p.name: p.value for p in points}["kmix"] == "kmix.tbplugin.plugin:KmixPlugin"
+
+
+def test_the_plugin_does_not_import_tensorflow():
+    code = (
+        "import sys, kmix.tbplugin.plugin as p; "
+        "assert 'tensorflow' not in sys.modules and 'keras' not in sys.modules, 'imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ------------------------------------------------------------ bad requests
+BAD_RUN_QUERIES = [
+    ("run=nope", "unknown run 'nope'"),
+    ("run=../../etc/passwd", "unknown run"),
+    ("run=/etc/passwd", "unknown run"),
+    ("run=exp%2F..%2F..%2Fsetup.cfg", "unknown run"),
+    ("", "missing query parameter 'run'"),
+    ("run=exp/train&run=plain/train", "given 2 times"),
+    ("run=" + "x" * 5000, "at most 1000"),
+    ("run=exp/train&points=abc", "not a non-negative integer"),
+    ("run=exp/train&points=-5", "not a non-negative integer"),
+    ("run=exp/train&points=1e3", "not a non-negative integer"),
+    ("run=exp/train&points=" + "9" * 40, "not a non-negative integer"),
+    ("run=exp/train&points=100000000", "out of range"),
+    ("run=exp/train&points=2", "out of range"),
+]
+BAD_EXPONENT_QUERIES = [
+    ("run=exp/train&step=5", "no gradient exponent histogram at step 5"),
+    ("run=exp/train&step=x", "not a non-negative integer"),
+    ("run=exp/train&step=99999999999999", "not a non-negative integer"),
+    ("run=plain/train", "has no gradient exponent histograms"),
+    ("run=nope&step=4", "unknown run"),
+]
+
+
+def test_bad_requests_answer_400_with_a_message(client):
+    """Query values are only names to look up or bounded integers, never paths."""
+    for route, queries in (("run", BAD_RUN_QUERIES), ("exponents", BAD_EXPONENT_QUERIES)):
+        for query, words in queries:
+            data = get_json(client, f"{URL}/{route}?{query}", status=400)
+            assert words in data["error"], (route, query, data)
+
+
+def test_static_files_come_from_a_fixed_list(client):
+    for name, kind in (
+        ("index.js", "text/javascript"),
+        ("style.css", "text/css"),
+        ("index.html", "text/html"),
+    ):
+        response = client.get(f"{URL}/static/{name}")
+        assert response.status_code == 200 and response.headers["Content-Type"].startswith(kind)
+    assert "export async function render" in client.get(f"{URL}/static/index.js").get_data(
+        as_text=True
+    )
+    for path in (
+        "plugin.py",
+        "../plugin.py",
+        "..%2fplugin.py",
+        "%2e%2e%2f%2e%2e%2fsetup.cfg",
+        "../../../../setup.cfg",
+        "/etc/passwd",
+        "%2Fetc%2Fpasswd",
+        "static/index.js/..",
+        "index.js%00.py",
+        "INDEX.JS",
+        "",
+    ):
+        response = client.get(f"{URL}/static/{path}")
+        assert response.status_code == 404, path
+
+
+def test_no_request_writes_anything(logdir):
+    package = os.path.dirname(kmix_plugin.__file__)
+
+    def snapshot():
+        found = {}
+        for root in (str(logdir), package):
+            for folder, _, files in os.walk(root):
+                for name in files:
+                    if "__pycache__" not in folder:
+                        stat = os.stat(os.path.join(folder, name))
+                        found[os.path.join(folder, name)] = (stat.st_size, stat.st_mtime_ns)
+        return found
+
+    before = snapshot()
+    client = serve(default_provider(logdir))
+    for url in (
+        "/runs",
+        "/run?run=exp/train",
+        "/run?run=plain/train",
+        "/run?run=../x",
+        "/exponents?run=exp/train&step=8",
+        "/static/index.js",
+        "/static/../../x",
+    ):
+        client.get(URL + url)
+    assert snapshot() == before
+
+
+# --------------------------------------------------- long runs, downsampled
+def test_downsample_keeps_ends_and_every_spike():
+    steps = np.arange(1, 100_001)
+    values = np.full(steps.size, 5.0)
+    values[[12_345, 77_777]] = [-3.0, 40.0]
+    values[50_000] = np.nan
+    index = view.downsample(steps, values, 300)
+    assert index.size <= 303 and index[0] == 0 and index[-1] == steps.size - 1
+    assert {12_345, 77_777, 50_000} <= set(index.tolist())
+    assert view.downsample(steps[:10], values[:10], 300).tolist() == list(range(10))
+
+
+def test_step_changes_keep_a_step_line_exact():
+    values = np.array([4.0, 4.0, 2.0, 2.0, 2.0, 4.0, 4.0])
+    assert view.step_changes(values).tolist() == [0, 2, 5, 6]
+
+
+class LongRunProvider(tb_provider.DataProvider):
+    """A 100,000-step run held in memory: one point per step, a scale event every 500."""
+
+    STEPS = 100_000
+
+    SERIES = dict(
+        max_step=STEPS, max_wall_time=0.0, plugin_content=b"", description="", display_name=""
+    )
+
+    def __init__(self):
+        steps = np.arange(1, self.STEPS + 1)
+        self.scale = 2.0 ** (10 + (steps // 500) % 6)
+        self.headroom = 3.0 + np.sin(steps / 50.0)
+        self.headroom[54_321] = -2.0
+        self.events = [
+            (int(s), self.scale[s - 2], self.scale[s - 1])
+            for s in steps[1:]
+            if self.scale[s - 1] != self.scale[s - 2]
+        ]
+
+    def experiment_metadata(self, ctx=None, *, experiment_id):
+        return tb_provider.ExperimentMetadata()
+
+    def list_plugins(self, ctx=None, *, experiment_id):
+        return ["scalars", "text"]
+
+    def list_runs(self, ctx=None, *, experiment_id):
+        return [tb_provider.Run(run_id="long", run_name="long", start_time=0.0)]
+
+    def list_scalars(self, ctx=None, *, experiment_id, plugin_name, run_tag_filter=None):
+        series = tb_provider.ScalarTimeSeries(**self.SERIES)
+        return {"long": {tags.LOSS_SCALE: series, tags.OVERFLOW_HEADROOM_BITS: series}}
+
+    def read_scalars(
+        self, ctx=None, *, experiment_id, plugin_name, downsample=None, run_tag_filter=None
+    ):
+        def points(values):
+            return [tb_provider.ScalarDatum(i + 1, 0.0, v) for i, v in enumerate(values.tolist())]
+
+        return {
+            "long": {
+                tags.LOSS_SCALE: points(self.scale),
+                tags.OVERFLOW_HEADROOM_BITS: points(self.headroom),
+            }
+        }
+
+    def read_last_scalars(self, ctx=None, *, experiment_id, plugin_name, run_tag_filter=None):
+        return {}
+
+    def list_tensors(self, ctx=None, *, experiment_id, plugin_name, run_tag_filter=None):
+        if plugin_name != "text":
+            return {}
+        return {"long": {tags.EVENTS: tb_provider.TensorTimeSeries(**self.SERIES)}}
+
+    def read_tensors(
+        self, ctx=None, *, experiment_id, plugin_name, downsample=None, run_tag_filter=None
+    ):
+        if plugin_name != "text":
+            return {}
+        data = []
+        for step, old, new in self.events:
+            kind = "growth" if new > old else "backoff"
+            variable = None if kind == "growth" else "w"
+            line = tags.format_event(
+                _event(step, kind, old, new, variable, int(bool(variable)), True)
+            )
+            data.append(tb_provider.TensorDatum(step, 0.0, np.array(line.encode())))
+        return {"long": {tags.EVENTS: data}}
+
+    def list_blob_sequences(self, ctx=None, *, experiment_id, plugin_name, run_tag_filter=None):
+        return {}
+
+    def read_blob_sequences(
+        self, ctx=None, *, experiment_id, plugin_name, downsample=None, run_tag_filter=None
+    ):
+        return {}
+
+    def read_blob(self, ctx=None, *, blob_key):
+        raise KeyError(blob_key)
+
+
+def test_a_100000_step_run_is_served_downsampled_in_under_2_seconds():
+    provider = LongRunProvider()
+    client = serve(provider)
+    start = time.perf_counter()
+    response = client.get(f"{URL}/run?run=long")
+    elapsed = time.perf_counter() - start
+    assert response.status_code == 200
+    data = json.loads(response.get_data(as_text=True))
+    assert elapsed < 2.0, f"{elapsed:.2f} s"
+    assert len(response.get_data()) < 200_000
+    scale = data["series"]["loss_scale"]
+    assert (
+        scale["points"] == LongRunProvider.STEPS and len(scale["steps"]) <= view.DEFAULT_POINTS + 3
+    )
+    headroom = data["series"]["overflow_headroom_bits"]
+    assert len(headroom["steps"]) <= view.DEFAULT_POINTS + 3
+    assert min(headroom["values"]) == -2.0  # the one overflow survives downsampling
+    assert len(data["summary"]["events"]) == len(provider.events)  # events are never sampled
