@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _PUBLIC = {
     "LossScaleOptimizer": "kmix.optimizer",
-    "ScaleEvent": "kmix.optimizer",
+    "ScaleEvent": "kmix.tags",
     "callbacks": "kmix.callbacks",
 }
 
@@ -44,7 +44,8 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from kmix import callbacks  # noqa: F401
-    from kmix.optimizer import LossScaleOptimizer, ScaleEvent  # noqa: F401
+    from kmix.optimizer import LossScaleOptimizer  # noqa: F401
+    from kmix.tags import ScaleEvent  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

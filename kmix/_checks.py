@@ -50,13 +50,16 @@ def check_real(
     Raises:
         ValueError: otherwise, naming the argument and the value.
     """
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, int | float | np.number)
-        and math.isfinite(value)
-        and (low < value if open_low else low <= value)
-        and (value < high if open_high else value <= high)
-    )
+    try:
+        ok = (
+            not isinstance(value, bool)
+            and isinstance(value, int | float | np.number)
+            and math.isfinite(value)
+            and (low < value if open_low else low <= value)
+            and (value < high if open_high else value <= high)
+        )
+    except OverflowError:  # an int too large for a float, e.g. 10**400
+        ok = False
     if not ok:
         interval = f"{'(' if open_low else '['}{low:.9g}, {high:.9g}{')' if open_high else ']'}"
         raise invalid(owner, name, value, valid or f"a finite number in {interval}")

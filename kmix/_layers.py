@@ -58,3 +58,24 @@ def variable_compute_dtypes(model: Any) -> dict[int, str]:
         for variable in layer.trainable_weights:
             dtypes[id(variable)] = layer.compute_dtype
     return dtypes
+
+
+def forward_state_variables(model: Any) -> list[Any]:
+    """Float variables the model's layers declare non-trainable: state their call updates.
+
+    BatchNormalization's moving mean and variance are the usual ones. A frozen
+    layer's kernel (non-trainable because its layer is frozen) is not included:
+    Keras keeps it among the layer's trainable variables, merely switched off.
+
+    Args:
+        model: a model (its layers may not be built yet: they then hold none).
+
+    Returns:
+        The variables, each once, in walk order.
+    """
+    found: dict[int, Any] = {}
+    for layer in [model, *(layer for _, layer in walk_layers(model))]:
+        for variable in getattr(layer, "_non_trainable_variables", []):
+            if "float" in str(variable.dtype):
+                found.setdefault(id(variable), variable)
+    return list(found.values())

@@ -33,17 +33,30 @@ class GradientHealth(NamedTuple):
         headroom_bits: ``log2(FLOAT16_MAX / max_abs_scaled)``, capped at
             ``MAX_HEADROOM_BITS``; negative means finite values beyond float16.
         underflow_fraction: share of scaled elements that are zero or below
-            ``FLOAT16_SMALLEST_NORMAL`` in absolute value.
+            ``FLOAT16_SMALLEST_NORMAL`` in absolute value (``zero_fraction +
+            subnormal_fraction``).
+        zero_fraction: share of scaled elements that are exactly zero (inactive
+            units, masked positions: no loss scale changes them).
+        subnormal_fraction: share of scaled elements that are non-zero and below
+            ``FLOAT16_SMALLEST_NORMAL``: what float16 rounds coarsely or flushes.
         nonfinite_elements: count of inf/NaN scaled elements (float32).
+        float16_elements: how many elements the range statistics counted (those of
+            float16 variables); 0 means ``max_abs_scaled``, ``headroom_bits`` and the
+            fractions were not measured.
         underflow_per_variable: float32 vector, ``underflow_fraction`` per gradient.
+        subnormal_per_variable: float32 vector, ``subnormal_fraction`` per gradient.
     """
 
     grad_norm: Any
     max_abs_scaled: Any
     headroom_bits: Any
     underflow_fraction: Any
+    zero_fraction: Any
+    subnormal_fraction: Any
     nonfinite_elements: Any
+    float16_elements: Any
     underflow_per_variable: Any
+    subnormal_per_variable: Any
 
 
 def dense_values(grad: Any) -> Any:
@@ -104,11 +117,12 @@ def gradient_health(
     """
     scale = ops.cast(scale, "float32")
     zero = ops.zeros((), "float32")
-    sum_sq, max_abs, underflow, nonfinite, size = zero, zero, zero, zero, zero
-    per_variable = []
+    sum_sq, max_abs, zeros, subnormal, nonfinite, size = (zero,) * 6
+    per_variable, subnormal_per_variable = [], []
     for i, grad in enumerate(scaled_grads):
         if grad is None:
             per_variable.append(zero)
+            subnormal_per_variable.append(zero)
             continue
         in_float16 = 1.0 if float16_mask is None else float16_mask[i]
         values = row_values(grad)
@@ -117,22 +131,32 @@ def gradient_health(
         n = ops.cast(ops.size(values), "float32")
         # NaN compares False, so only finite tiny values and zeros count here.
         tiny = ops.sum(ops.cast(ops.abs(values) < FLOAT16_SMALLEST_NORMAL, "float32"))
+        exact_zero = ops.sum(ops.cast(ops.equal(values, 0.0), "float32"))
         sum_sq += ops.sum(ops.square(magnitude / scale))
         max_abs = ops.maximum(max_abs, ops.max(magnitude, initial=0.0) * in_float16)
-        underflow += tiny * in_float16
+        zeros += exact_zero * in_float16
+        subnormal += (tiny - exact_zero) * in_float16
         nonfinite += n - ops.sum(ops.cast(finite, "float32"))
         size += n * in_float16
         per_variable.append(tiny / ops.maximum(n, 1.0))
+        subnormal_per_variable.append((tiny - exact_zero) / ops.maximum(n, 1.0))
     headroom = math.log2(FLOAT16_MAX) - ops.log2(ops.maximum(max_abs, FLOAT16_SMALLEST_SUBNORMAL))
+    counted = ops.maximum(size, 1.0)
+
+    def vector(values: list) -> Any:
+        return ops.stack(values) if values else ops.zeros((0,), "float32")
+
     return GradientHealth(
         grad_norm=ops.sqrt(sum_sq),
         max_abs_scaled=max_abs,
         headroom_bits=headroom,
-        underflow_fraction=underflow / ops.maximum(size, 1.0),
+        underflow_fraction=(zeros + subnormal) / counted,
+        zero_fraction=zeros / counted,
+        subnormal_fraction=subnormal / counted,
         nonfinite_elements=nonfinite,
-        underflow_per_variable=(
-            ops.stack(per_variable) if per_variable else ops.zeros((0,), "float32")
-        ),
+        float16_elements=size,
+        underflow_per_variable=vector(per_variable),
+        subnormal_per_variable=vector(subnormal_per_variable),
     )
 
 
@@ -160,7 +184,10 @@ def exponent_histogram(grad: Any) -> Any:
     magnitude = ops.abs(values)
     finite = ops.isfinite(values)
     safe = ops.where(ops.logical_and(finite, magnitude > 0), magnitude, 1.0)
-    exponent_bin = ops.clip(exact_exponent(safe) - EXPONENT_MIN + 2, 1, NUM_EXPONENT_BINS - 2)
+    # kmix.tags.exponent_bin, with tensors: the offset and the clipping are the same.
+    exponent_bin = ops.clip(
+        exact_exponent(safe) + tags.EXPONENT_BIN_OFFSET, 1, NUM_EXPONENT_BINS - 2
+    )
     bins = ops.where(
         finite,
         ops.where(magnitude > 0, exponent_bin, 0.0),

@@ -1,70 +1,160 @@
-"""kmix.LossScaleOptimizer: Keras's loss-scale optimizer, made safe and observable."""
+"""kmix.LossScaleOptimizer: Keras's loss-scale optimizer, made safe and observable.
+
+This module is glue only: arguments -> a validated :class:`OptimizerConfig`,
+``build`` -> one variable per field of the step record (:mod:`kmix.record`),
+``apply`` -> read the variables, run the pure update, assign; plus what Keras and
+``tf.distribute`` need. The rules live in :mod:`kmix.scaling` (the scale),
+:mod:`kmix.record` (counters and events) and :mod:`kmix.health` (statistics).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import warnings
-from dataclasses import dataclass
+import weakref
 from typing import Any
 
 import keras
 import numpy as np
 from keras import ops
 
-from kmix import health, scaling
+from kmix import health, record, scaling
 from kmix._checks import check_int, check_real, invalid
 from kmix._cluster import worker_count
+from kmix._layers import forward_state_variables, variable_compute_dtypes
+from kmix.record import HEALTH_FIELDS, INT64_MAX, RecordedEvent, Snapshot  # noqa: F401
+from kmix.tags import ScaleEvent
 
-INT64_MAX = 2**63 - 1
+__all__ = ["LossScaleOptimizer", "OptimizerConfig", "ScaleEvent", "Snapshot"]
+
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)
-_EVENT_FIELDS = 5  # step, kind, first non-finite variable, non-finite variables, loss finite
+_OWNER = "kmix.LossScaleOptimizer"
 
 
-@dataclass(frozen=True)
-class ScaleEvent:
-    """One loss-scale event, as recorded in-graph at the step it happened.
+def _invalid(name: str, value: Any, valid: str) -> ValueError:
+    return invalid(_OWNER, name, value, valid)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """kmix's own arguments of :class:`LossScaleOptimizer`, validated on creation.
 
     Attributes:
-        index: 1-based sequence number of the event since training began.
-        step: attempted optimizer step, skipped steps included, counted from 1.
-        kind: ``"growth"``, ``"backoff"``, ``"skip_absorbed"`` (a skipped step the
-            hysteresis tolerated) or ``"overflow_at_floor"`` (skipped at ``min_scale``).
-        old_scale: loss scale before the step.
-        new_scale: loss scale after the step.
-        variable: path of the first variable whose gradient was non-finite, if any.
-        nonfinite_variables: how many variables had a non-finite gradient.
-        loss_finite: whether the unscaled loss itself was finite (False means the
-            forward pass made the NaN/Inf, which no loss scale can fix).
+        rule: the scale rule's constants (:class:`kmix.scaling.ScaleConfig`).
+        initial_scale: the starting scale, in ``[min_scale, max_scale]``.
+        health_every: steps between gradient health statistics, >= 1.
+        histogram_every: steps between exponent histograms, 0 for never.
+        event_capacity: events the in-graph ring keeps, >= 1.
+
+    Raises:
+        ValueError: an argument is outside its range (the message names it).
     """
 
-    index: int
-    step: int
-    kind: str
-    old_scale: float
-    new_scale: float
-    variable: str | None
-    nonfinite_variables: int
-    loss_finite: bool
+    rule: scaling.ScaleConfig
+    initial_scale: float
+    health_every: int
+    histogram_every: int
+    event_capacity: int
+
+    def __post_init__(self) -> None:
+        rule = self.rule
+        # The scale is a float32 variable: its bounds must be float32 normal numbers.
+        min_scale = check_real(
+            _OWNER,
+            "min_scale",
+            rule.min_scale,
+            FLOAT32_TINY,
+            FLOAT32_MAX,
+            f"a number in [{FLOAT32_TINY:.9g}, {FLOAT32_MAX:.9g}] (the scale is float32)",
+        )
+        max_scale = check_real(
+            _OWNER,
+            "max_scale",
+            rule.max_scale,
+            min_scale,
+            FLOAT32_MAX,
+            f"a number in [min_scale, {FLOAT32_MAX:.9g}] = [{min_scale:.9g}, "
+            f"{FLOAT32_MAX:.9g}] (the scale is float32)",
+        )
+        checked = {
+            "initial_scale": check_real(
+                _OWNER,
+                "initial_scale",
+                self.initial_scale,
+                min_scale,
+                max_scale,
+                f"a finite number in [min_scale, max_scale] = [{min_scale}, {max_scale}]",
+            ),
+            "health_every": check_int(_OWNER, "health_every", self.health_every, 1),
+            "histogram_every": check_int(_OWNER, "histogram_every", self.histogram_every, 0),
+            "event_capacity": check_int(_OWNER, "event_capacity", self.event_capacity, 1),
+            "rule": dataclasses.replace(
+                rule,
+                min_scale=min_scale,
+                max_scale=max_scale,
+                growth_factor=check_real(
+                    _OWNER,
+                    "growth_factor",
+                    rule.growth_factor,
+                    1.0,
+                    math.inf,
+                    "a finite number > 1",
+                    open_low=True,
+                ),
+                backoff_factor=check_real(
+                    _OWNER,
+                    "backoff_factor",
+                    rule.backoff_factor,
+                    0.0,
+                    1.0,
+                    open_low=True,
+                    open_high=True,
+                ),
+                growth_steps=check_int(_OWNER, "dynamic_growth_steps", rule.growth_steps, 1),
+                hysteresis=check_int(_OWNER, "hysteresis", rule.hysteresis, 1),
+                backoff_on_forward_overflow=_check_bool(
+                    "backoff_on_forward_overflow", rule.backoff_on_forward_overflow
+                ),
+            ),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool | np.bool_):
+        raise _invalid(name, value, "True or False")
+    return bool(value)
 
 
 class _Settings:
-    """Run-time settings read in-graph (what to compute, and where).
+    """Run-time settings read in-graph: what to compute, and for whom.
 
     They steer the step but are not training state: kept out of the optimizer's
-    tracked variables, they are never saved, so a checkpoint cannot carry a
-    monitor's settings into a later run. Plain Python values until ``create``.
+    tracked variables, they are never saved. Callbacks *request* statistics every
+    N steps and release their request at train end; the value in force is the
+    greatest common divisor of the open requests (0 = never for histograms), or the
+    optimizer's own setting when there is none, so several monitors compose, each
+    gets its steps, and the last release restores the optimizer's setting.
     """
 
-    def __init__(self, **values: Any) -> None:
-        self.values = values
+    def __init__(self, **base: Any) -> None:
+        self.base = dict(base)
+        self.requests: dict[int, dict[str, int]] = {}
         self.variables: dict[str, Any] = {}
 
-    def create(self, **extra: Any) -> None:
-        self.values.update(extra)
-        for name, value in self.values.items():
-            value = np.asarray(value)
+    def value(self, name: str) -> Any:
+        if name == "float16_mask":
+            return self.base[name]
+        requested = [r[name] for r in self.requests.values()]
+        return math.gcd(*requested) if requested else self.base[name]
+
+    def create(self) -> None:
+        for name in self.base:
+            value = np.asarray(self.value(name))
             self.variables[name] = keras.Variable(
                 value,
                 dtype="int64" if value.dtype.kind in "iu" else "float32",
@@ -73,30 +163,21 @@ class _Settings:
                 name=name,
             )
 
-    def get(self, name: str) -> Any:
-        variable = self.variables.get(name)
-        return self.values[name] if variable is None else ops.convert_to_numpy(variable)
+    def _sync(self) -> None:
+        for name, variable in self.variables.items():
+            variable.assign(self.value(name))
 
-    def set(self, name: str, value: Any) -> None:
-        self.values[name] = value
-        if name in self.variables:
-            self.variables[name].assign(value)
+    def set_base(self, name: str, value: Any) -> None:
+        self.base[name] = value
+        self._sync()
 
+    def request(self, owner: Any, **values: int) -> None:
+        self.requests[id(owner)] = values
+        self._sync()
 
-def _saturating_add(counter: Any, amount: Any) -> Any:
-    amount = ops.cast(amount, "int64")
-    return ops.where(counter > INT64_MAX - amount, INT64_MAX, counter + amount)
-
-
-_OWNER = "kmix.LossScaleOptimizer"
-
-
-def _invalid(name: str, value: Any, valid: str) -> ValueError:
-    return invalid(_OWNER, name, value, valid)
-
-
-def _check_int(name: str, value: Any, low: int) -> int:
-    return check_int(_OWNER, name, value, low)
+    def release(self, owner: Any) -> None:
+        self.requests.pop(id(owner), None)
+        self._sync()
 
 
 def _resolve_inner(inner_optimizer: Any) -> keras.optimizers.Optimizer:
@@ -120,9 +201,7 @@ def _resolve_inner(inner_optimizer: Any) -> keras.optimizers.Optimizer:
         )
     if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
         raise _invalid(
-            "inner_optimizer",
-            inner_optimizer,
-            "a keras.optimizers.Optimizer or its name",
+            "inner_optimizer", inner_optimizer, "a keras.optimizers.Optimizer or its name"
         )
     return inner_optimizer
 
@@ -133,14 +212,16 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     It subclasses ``keras.mixed_precision.LossScaleOptimizer``, so ``model.compile``
     does not wrap it again. On every step it checks the scaled gradients of every
-    replica; if all are finite it unscales them and applies the inner optimizer,
-    otherwise it skips the step (weights and inner state untouched). The scale
-    follows :func:`kmix.scaling.update_scale`. Counters, gradient health
-    statistics and a ring of recent scale events are kept in optimizer variables,
-    computed in-graph, for :mod:`kmix.callbacks` to read. Under a ``tf.distribute``
-    strategy the skip decision, counters and events are agreed across replicas;
-    the gradient health statistics describe the first local replica's gradients
-    (before Keras all-reduces them, so their norm is that replica's share).
+    replica and the unscaled loss; if all are finite it unscales the gradients and
+    applies the inner optimizer, otherwise it skips the step (weights, inner state
+    and the forward pass's non-trainable state untouched). The scale follows
+    :func:`kmix.scaling.update_scale`: gradient overflows back it off; a non-finite
+    loss (a forward overflow) keeps it, since no scale can fix the forward pass.
+    Counters, gradient health and a ring of recent events are kept in optimizer
+    variables (:mod:`kmix.record`), computed in-graph, for :mod:`kmix.callbacks` to
+    read. Under a ``tf.distribute`` strategy the skip decision, counters and events
+    are agreed across replicas; the gradient health statistics describe the first
+    local replica's gradients (before Keras all-reduces them).
 
     Example:
         >>> opt = kmix.LossScaleOptimizer(keras.optimizers.Adam(1e-3))  # doctest: +SKIP
@@ -157,12 +238,15 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         min_scale: lowest scale, > 0.
         max_scale: highest scale, >= ``min_scale``.
         health_every: compute gradient health statistics every this many steps
-            (about 5% of a step's time on a CPU when done every step, see bench/).
-            ``kmix.callbacks.MixedPrecisionMonitor`` sets it to its ``update_freq``.
-            The non-finite check, counters and events run on every step regardless.
+            (and at every skipped step). ``kmix.callbacks.MixedPrecisionMonitor``
+            requests its ``update_freq``. The non-finite check, counters and events
+            run on every step regardless.
         histogram_every: compute per-variable exponent histograms every this many
             steps; 0 switches them off.
         event_capacity: how many recent scale events the in-graph ring keeps.
+        backoff_on_forward_overflow: False (default) skips a step whose unscaled
+            loss is non-finite without lowering the scale; True treats it like a
+            gradient overflow, as stock Keras does.
         name: optimizer name.
         **kwargs: accepted for Keras compatibility (see Keras's class).
 
@@ -184,6 +268,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         health_every: int = 100,
         histogram_every: int = 0,
         event_capacity: int = 128,
+        backoff_on_forward_overflow: bool = False,
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -193,70 +278,48 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 f"Keras backend is {keras.backend.backend()!r}. Set "
                 "KERAS_BACKEND=tensorflow before importing keras."
             )
-        inf = math.inf
-        # The scale is a float32 variable: its bounds must be float32 normal numbers.
-        min_scale = check_real(
-            _OWNER,
-            "min_scale",
-            min_scale,
-            FLOAT32_TINY,
-            FLOAT32_MAX,
-            f"a number in [{FLOAT32_TINY:.9g}, {FLOAT32_MAX:.9g}] (the scale is float32)",
+        config = OptimizerConfig(
+            rule=scaling.ScaleConfig(
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_steps=dynamic_growth_steps,
+                hysteresis=hysteresis,
+                min_scale=min_scale,
+                max_scale=max_scale,
+                backoff_on_forward_overflow=backoff_on_forward_overflow,
+            ),
+            initial_scale=initial_scale,
+            health_every=health_every,
+            histogram_every=histogram_every,
+            event_capacity=event_capacity,
         )
-        max_scale = check_real(
-            _OWNER,
-            "max_scale",
-            max_scale,
-            min_scale,
-            FLOAT32_MAX,
-            f"a number in [min_scale, {FLOAT32_MAX:.9g}] = [{min_scale:.9g}, "
-            f"{FLOAT32_MAX:.9g}] (the scale is float32)",
-        )
-        initial_scale = check_real(
-            _OWNER,
-            "initial_scale",
-            initial_scale,
-            min_scale,
-            max_scale,
-            f"a finite number in [min_scale, max_scale] = [{min_scale}, {max_scale}]",
-        )
-        growth_factor = check_real(
-            _OWNER, "growth_factor", growth_factor, 1.0, inf, "a finite number > 1", open_low=True
-        )
-        backoff_factor = check_real(
-            _OWNER, "backoff_factor", backoff_factor, 0.0, 1.0, open_low=True, open_high=True
-        )
-        rule = scaling.ScaleConfig(
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_steps=_check_int("dynamic_growth_steps", dynamic_growth_steps, 1),
-            hysteresis=_check_int("hysteresis", hysteresis, 1),
-            min_scale=min_scale,
-            max_scale=max_scale,
-        )
-        health_every = _check_int("health_every", health_every, 1)
-        histogram_every = _check_int("histogram_every", histogram_every, 0)
-        event_capacity = _check_int("event_capacity", event_capacity, 1)
         super().__init__(
             _resolve_inner(inner_optimizer),
-            initial_scale=initial_scale,
-            dynamic_growth_steps=rule.growth_steps,
+            initial_scale=config.initial_scale,
+            dynamic_growth_steps=config.rule.growth_steps,
             name=name,
             **kwargs,
         )
-        self._scale_config = rule
-        self._health_every = health_every  # the arguments, as get_config reports them
-        self._histogram_every = histogram_every
-        self._settings = _Settings(health_every=health_every, histogram_every=histogram_every)
-        self.event_capacity = event_capacity
-        self._loss_flag = threading.local()
+        self.config = config
+        self._settings = _Settings(
+            health_every=self.config.health_every,
+            histogram_every=self.config.histogram_every,
+            float16_mask=None,
+        )
+        self._trace = threading.local()  # what scale_loss and the model left for apply
+        self._model_ref: Any = None
         _warn_if_fit_cannot_run_here()
+
+    @property
+    def event_capacity(self) -> int:
+        """How many recent events the in-graph ring keeps."""
+        return self.config.event_capacity
 
     # ------------------------------------------------------------------ state
     def build(self, var_list: list[Any]) -> None:
-        """Creates the scale, counter, health and event variables, then the inner ones."""
+        """Creates one variable per field of the step record, then the inner optimizer's."""
 
-        def state(name: str, dtype: str, value: float = 0, shape: tuple = ()) -> Any:
+        def state(name: str, dtype: str, value: Any = 0, shape: tuple = ()) -> Any:
             return self.add_variable(
                 shape=shape,
                 dtype=dtype,
@@ -265,29 +328,28 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 name=name,
             )
 
-        n = len(var_list)
+        n, capacity = len(var_list), self.config.event_capacity
+        counters = record.initial_counters(self.config.rule.hysteresis)
         self.dynamic_scale = state("dynamic_scale", "float32", self.initial_scale)
-        self.good_steps_var = state("good_steps", "int64")
-        self.hysteresis_left = state("hysteresis_left", "int64", self._scale_config.hysteresis)
-        self.attempted_steps_var = state("attempted_steps", "int64")
-        self.skipped_steps_var = state("skipped_steps", "int64")
-        self.consecutive_skips = state("consecutive_skips", "int64")
-        self.last_overflow_step_var = state("last_overflow_step", "int64")
-        self.loss_finite = state("loss_finite", "int64", 1)
-        self.consecutive_nonfinite_loss = state("consecutive_nonfinite_loss", "int64")
-        self.health_step = state("health_step", "int64")
-        self.health_stats = state("health_stats", "float32", 0, (len(_HEALTH_FIELDS),))
+        self.counters = self.add_variable(
+            shape=(len(counters),),
+            dtype="int64",
+            initializer=lambda shape, dtype: ops.convert_to_tensor(list(counters), dtype),
+            aggregation="only_first_replica",
+            name="counters",
+        )
+        self.health = state("health", "float32", np.nan, (len(HEALTH_FIELDS),))
         self.underflow_per_variable = state("underflow_per_variable", "float32", 0, (n,))
-        self.histogram_step = state("histogram_step", "int64")
+        self.subnormal_per_variable = state("subnormal_per_variable", "float32", 0, (n,))
         self.exponent_histograms = state(
             "exponent_histograms", "int32", 0, (n, health.NUM_EXPONENT_BINS)
         )
-        self.event_count_var = state("event_count", "int64")
-        self.event_records = state(
-            "event_records", "int64", 0, (self.event_capacity, _EVENT_FIELDS)
+        self.event_ints = state("event_ints", "int64", 0, (capacity, len(record.EVENT_INT_FIELDS)))
+        self.event_floats = state(
+            "event_floats", "float32", 0, (capacity, len(record.EVENT_FLOAT_FIELDS))
         )
-        self.event_scales = state("event_scales", "float32", 0, (self.event_capacity, 2))
-        self._settings.create(float16_mask=self._float16_mask(var_list))
+        self._settings.base["float16_mask"] = self._float16_mask(var_list)
+        self._settings.create()
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
 
@@ -295,13 +357,20 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     def scale_loss(self, loss: Any) -> Any:
         """Multiplies ``loss`` by the current scale and notes whether it was finite.
 
+        Called more than once in a step, the step's loss counts as non-finite if
+        any of them was.
+
         Args:
             loss: the unscaled loss.
 
         Returns:
             The scaled loss.
         """
-        self._loss_flag.nonfinite = ops.logical_not(ops.all(ops.isfinite(loss)))
+        nonfinite = ops.logical_not(ops.all(ops.isfinite(loss)))
+        previous = getattr(self._trace, "loss_nonfinite", None)
+        if previous is not None and _reachable_from_current_graph(previous):
+            nonfinite = ops.logical_or(previous, nonfinite)
+        self._trace.loss_nonfinite = nonfinite
         return super().scale_loss(loss)
 
     def apply(self, grads: list[Any], trainable_variables: list[Any] | None = None) -> None:
@@ -313,7 +382,8 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 was built with.
 
         Raises:
-            ValueError: called in a cross-replica context.
+            ValueError: called in a cross-replica context, or with variables the
+                optimizer was not built with.
         """
         import tensorflow as tf
 
@@ -332,23 +402,31 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         variables = (
             self._trainable_variables if trainable_variables is None else list(trainable_variables)
         )
+        self._check_variables_are_known(variables)
         # Align gradients with the variables the optimizer tracks, so per-variable
         # state has a fixed layout whatever subset this call updates.
         aligned = [None] * len(self._trainable_variables)
         for grad, variable in zip(grads, variables, strict=True):
             aligned[self._get_variable_index(variable)] = grad
-        bad = ops.concatenate(
-            [health.nonfinite_flags(aligned), ops.reshape(self._pop_loss_flag(), (1,))]
+        loss_code = self._take_loss_state()
+        flags = ops.concatenate(
+            [
+                health.nonfinite_flags(aligned),
+                ops.reshape(ops.cast(loss_code == record.LOSS_NONFINITE, "float32"), (1,)),
+                ops.reshape(ops.cast(loss_code == record.LOSS_UNKNOWN, "float32"), (1,)),
+            ]
         )
-        # Replicas agree: every replica sees the same non-finite flags before any update.
+        # Replicas agree: every replica sees the same flags before any update.
         context = tf.distribute.get_replica_context()
         if context.num_replicas_in_sync > 1:
-            bad = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
-
+            flags = context.all_reduce(tf.distribute.ReduceOp.SUM, flags)
+        forward_state = self._take_forward_state()
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            self._step(aligned, bad, lambda: self._apply_inner(grads, variables))
+            self._step(aligned, flags, forward_state, lambda: self._apply_inner(grads, variables))
         else:
-            context.merge_call(self._merged_step, args=(aligned, bad, grads, variables))
+            context.merge_call(
+                self._merged_step, args=(aligned, flags, forward_state, grads, variables)
+            )
 
     def _apply_inner(self, grads: list, variables: list) -> None:
         """Unscales the gradients and applies the inner optimizer (replica context)."""
@@ -364,7 +442,13 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         )
 
     def _merged_step(
-        self, distribution: Any, aligned: list, bad: Any, grads: list, variables: list
+        self,
+        distribution: Any,
+        aligned: list,
+        flags: Any,
+        forward_state: list,
+        grads: list,
+        variables: list,
     ) -> None:
         """Cross-replica part: one decision for all (the flags are already all-reduced)."""
 
@@ -373,249 +457,298 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
         self._step(
             [first(g) for g in aligned],
-            first(bad),
+            first(flags),
+            [(v, first(old)) for v, old in forward_state],
             lambda: distribution.extended.call_for_each_replica(
                 self._apply_inner, args=(grads, variables)
             ),
         )
 
-    def _step(self, aligned: list, bad: Any, apply_inner: Any) -> None:
+    def _step(self, aligned: list, flags: Any, forward_state: list, apply_inner: Any) -> None:
+        """Read the record, run the pure update, assign; rare work in conditionals."""
         n = len(aligned)
-        var_bad = bad[:n] > 0
-        all_finite = ops.logical_not(ops.any(var_bad))
-        loss_finite = bad[n] <= 0
-        ops.cond(all_finite, apply_inner, _noop)
+        var_bad = flags[:n] > 0
+        grads_finite = ops.logical_not(ops.any(var_bad))
+        loss_state = ops.where(
+            flags[n] > 0,
+            record.LOSS_NONFINITE,
+            ops.where(flags[n + 1] > 0, record.LOSS_UNKNOWN, record.LOSS_FINITE),
+        )
+        loss_finite = ops.logical_not(flags[n] > 0)
+        ops.cond(ops.logical_and(grads_finite, loss_finite), apply_inner, _noop)
 
-        old = scaling.ScaleState(  # snapshots, read before the assignments below
-            ops.copy(self.dynamic_scale),
-            ops.copy(self.good_steps_var),
-            ops.copy(self.hysteresis_left),
-        )
-        new, event = scaling.update_scale(old, all_finite, self._scale_config)
-        self.dynamic_scale.assign(new.scale)
-        self.good_steps_var.assign(new.good_steps)
-        self.hysteresis_left.assign(new.hysteresis_left)
-
-        skipped = ops.logical_not(all_finite)
-        step = _saturating_add(self.attempted_steps_var, 1)
-        self.attempted_steps_var.assign(step)
-        self.skipped_steps_var.assign(_saturating_add(self.skipped_steps_var, skipped))
-        self.consecutive_skips.assign(
-            ops.where(skipped, _saturating_add(self.consecutive_skips, 1), 0)
-        )
-        self.last_overflow_step_var.assign(ops.where(skipped, step, self.last_overflow_step_var))
-        self.loss_finite.assign(ops.cast(loss_finite, "int64"))
-        self.consecutive_nonfinite_loss.assign(
-            ops.where(loss_finite, 0, _saturating_add(self.consecutive_nonfinite_loss, 1))
-        )
-        self._record_event(step, event, old.scale, new.scale, var_bad, loss_finite)
+        old = record.StepRecord(ops.copy(self.dynamic_scale), record.unpack(self.counters))
         settings = self._settings.variables
-        health_due = ops.equal(ops.mod(step, settings["health_every"]), 0)
-        histogram_every = settings["histogram_every"]
-        histogram_due = ops.logical_and(
-            histogram_every > 0, ops.equal(ops.mod(step, ops.maximum(histogram_every, 1)), 0)
+        new, outcome = record.advance(
+            old,
+            grads_finite,
+            loss_state,
+            self.config.rule,
+            settings["health_every"],
+            settings["histogram_every"],
+        )
+        self.dynamic_scale.assign(new.scale)
+        self.counters.assign(record.pack(new.counters))
+        if forward_state:  # the batch never happened: undo what the forward pass assigned
+            ops.cond(outcome.skipped, lambda: _restore(forward_state), _noop)
+
+        def statistics() -> Any:
+            measured = ops.cond(
+                outcome.statistics_due,
+                lambda: self._record_health(outcome, aligned, old.scale),
+                lambda: ops.full((len(HEALTH_FIELDS),), np.nan, "float32"),
+            )
+            ops.cond(outcome.histogram_due, lambda: self._record_histograms(aligned), _noop)
+            return measured
+
+        def unmeasured() -> Any:
+            return ops.full((len(HEALTH_FIELDS),), np.nan, "float32")
+
+        # One cond that captures the gradients: without XLA each costs a switch per gradient.
+        measured = ops.cond(
+            ops.logical_or(outcome.statistics_due, outcome.histogram_due), statistics, unmeasured
         )
 
-        def record_statistics() -> None:
-            ops.cond(health_due, lambda: self._record_health(step, aligned, old.scale), _noop)
-            ops.cond(histogram_due, lambda: self._record_histograms(step, aligned), _noop)
+        def write_event() -> None:
+            ints, floats = record.encode_event(
+                outcome.step,
+                outcome.event,
+                (old.scale, new.scale),
+                var_bad,
+                loss_state,
+                measured,
+            )
+            ring = record.write_event(
+                record.EventRing(self.event_ints, self.event_floats),
+                new.counters.event_count,
+                ints,
+                floats,
+            )
+            self.event_ints.assign(ring.ints)
+            self.event_floats.assign(ring.floats)
 
-        # One cond on the hot path: each cond costs a switch per gradient without XLA.
-        ops.cond(ops.logical_or(health_due, histogram_due), record_statistics, _noop)
+        ops.cond(ops.not_equal(outcome.event, scaling.NONE), write_event, _noop)
 
-    def _record_event(
-        self,
-        step: Any,
-        event: Any,
-        old_scale: Any,
-        new_scale: Any,
-        var_bad: Any,
-        loss_finite: Any,
-    ) -> None:
-        happened = ops.not_equal(event, scaling.NONE)
-        slot = ops.equal(
-            ops.arange(self.event_capacity, dtype="int64"),
-            ops.mod(self.event_count_var, self.event_capacity),
-        )
-        mask = ops.expand_dims(ops.logical_and(slot, happened), 1)
-        any_bad = ops.any(var_bad)
-        record = ops.stack(
-            [
-                step,
-                ops.cast(event, "int64"),
-                ops.where(
-                    any_bad,
-                    ops.cast(ops.argmax(ops.cast(var_bad, "int32")), "int64"),
-                    -1,
-                ),
-                ops.cast(ops.sum(ops.cast(var_bad, "int32")), "int64"),
-                ops.cast(loss_finite, "int64"),
-            ]
-        )
-        self.event_records.assign(ops.where(mask, record[None, :], self.event_records))
-        scales = ops.stack([ops.cast(old_scale, "float32"), ops.cast(new_scale, "float32")])
-        self.event_scales.assign(ops.where(mask, scales[None, :], self.event_scales))
-        self.event_count_var.assign(_saturating_add(self.event_count_var, happened))
-
-    def _record_health(self, step: Any, aligned: list, scale: Any) -> None:
+    def _record_health(self, outcome: record.StepOutcome, aligned: list, scale: Any) -> Any:
         stats = health.gradient_health(aligned, scale, self._settings.variables["float16_mask"])
-        self.health_stats.assign(
-            ops.stack([ops.cast(getattr(stats, f), "float32") for f in _HEALTH_FIELDS])
-        )
-        self.underflow_per_variable.assign(stats.underflow_per_variable)
-        self.health_step.assign(step)
+        vector = ops.stack([ops.cast(getattr(stats, f), "float32") for f in HEALTH_FIELDS])
 
-    def _record_histograms(self, step: Any, aligned: list) -> None:
+        def periodic() -> None:
+            self.health.assign(vector)
+            self.underflow_per_variable.assign(stats.underflow_per_variable)
+            self.subnormal_per_variable.assign(stats.subnormal_per_variable)
+
+        ops.cond(outcome.health_due, periodic, _noop)
+        return vector
+
+    def _record_histograms(self, aligned: list) -> None:
         empty = ops.zeros((health.NUM_EXPONENT_BINS,), "int32")
         self.exponent_histograms.assign(
             ops.stack([empty if g is None else health.exponent_histogram(g) for g in aligned])
         )
-        self.histogram_step.assign(step)
 
-    def _pop_loss_flag(self) -> Any:
-        """The flag ``scale_loss`` left for this train step, if it is usable here."""
-        import tensorflow as tf
+    def _take_loss_state(self) -> Any:
+        """What ``scale_loss`` saw in this step's graph: finite, non-finite or unknown."""
+        nonfinite = getattr(self._trace, "loss_nonfinite", None)
+        self._trace.loss_nonfinite = None
+        if nonfinite is None or not _reachable_from_current_graph(nonfinite):
+            return ops.convert_to_tensor(record.LOSS_UNKNOWN, "int64")
+        return ops.where(nonfinite, record.LOSS_NONFINITE, record.LOSS_FINITE)
 
-        flag = getattr(self._loss_flag, "nonfinite", None)
-        self._loss_flag.nonfinite = None
-        if flag is None or not _reachable_from_current_graph(flag, tf):
-            return ops.zeros((), "float32")
-        return ops.cast(flag, "float32")
+    def _take_forward_state(self) -> list:
+        """The forward-updated variables and their values before this step's forward pass."""
+        state = getattr(self._trace, "forward_state", None) or []
+        self._trace.forward_state = None
+        return [(v, old) for v, old in state if _reachable_from_current_graph(old)]
 
-    # ------------------------------------------------------------- reading
-    @property
-    def loss_scale(self) -> float:
-        """The current loss scale."""
-        return float(self._read("dynamic_scale", self.initial_scale))
-
-    @property
-    def skipped_steps(self) -> int:
-        """Cumulative skipped (non-finite) steps."""
-        return int(self._read("skipped_steps_var", 0))
-
-    @property
-    def attempted_steps(self) -> int:
-        """Optimizer steps attempted so far, skipped ones included."""
-        return int(self._read("attempted_steps_var", 0))
-
-    @property
-    def good_steps(self) -> int:
-        """Consecutive finite steps since the scale last changed or a step was skipped."""
-        return int(self._read("good_steps_var", 0))
-
-    @property
-    def last_overflow_step(self) -> int:
-        """Attempted step of the most recent skipped step; 0 if none yet."""
-        return int(self._read("last_overflow_step_var", 0))
-
-    @property
-    def event_count(self) -> int:
-        """Scale events recorded since training began (the ring keeps the last ones)."""
-        return int(self._read("event_count_var", 0))
-
-    @property
-    def health_every(self) -> int:
-        """Steps between gradient health computations (a run-time setting, not saved)."""
-        return int(self._settings.get("health_every"))
-
-    @health_every.setter
-    def health_every(self, value: int) -> None:
-        self._settings.set("health_every", _check_int("health_every", value, 1))
-
-    @property
-    def histogram_every(self) -> int:
-        """Steps between exponent histograms; 0 means off (a run-time setting, not saved)."""
-        return int(self._settings.get("histogram_every"))
-
-    @histogram_every.setter
-    def histogram_every(self, value: int) -> None:
-        self._settings.set("histogram_every", _check_int("histogram_every", value, 0))
-
-    @property
-    def float16_mask(self) -> np.ndarray:
-        """1.0 per variable counted as float16 by the health statistics (see below)."""
-        return np.asarray(self._settings.get("float16_mask"))
-
-    def _read(self, attribute: str, default: Any) -> Any:
-        """One variable's value, or ``default`` before the optimizer is built."""
-        variable = getattr(self, attribute, None) if self.built else None
-        return default if variable is None else ops.convert_to_numpy(variable)
-
-    def read_state(self) -> dict[str, Any]:
-        """Reads scale, counters and the latest gradient health with two transfers.
-
-        Returns:
-            A dict of Python numbers: ``loss_scale``, ``attempted_steps``,
-            ``skipped_steps``, ``good_steps``, ``consecutive_skips``,
-            ``last_overflow_step``, ``loss_finite``, ``consecutive_nonfinite_loss``,
-            ``event_count``, ``health_step`` and ``histogram_step`` (0 before the
-            first health step or histogram) and
-            the :class:`kmix.health.GradientHealth` scalars. Before the optimizer
-            is built: the initial scale and zeros.
-        """
-        if not self.built:
-            ints = [int(name == "loss_finite") for name in _INT_STATE]
-            floats = [self.initial_scale] + [0.0] * len(_HEALTH_FIELDS)
-        else:
-            # Stack on the device first: one host transfer per dtype, not per value.
-            ints = ops.convert_to_numpy(
-                ops.stack([ops.cast(getattr(self, a), "int64") for a in _INT_STATE.values()])
-            )
-            floats = ops.convert_to_numpy(
-                ops.concatenate([ops.reshape(self.dynamic_scale, (1,)), self.health_stats])
-            )
-        state: dict[str, Any] = {name: int(x) for name, x in zip(_INT_STATE, ints, strict=True)}
-        state["loss_finite"] = bool(state["loss_finite"])
-        state["loss_scale"] = float(floats[0])
-        state.update({f: float(x) for f, x in zip(_HEALTH_FIELDS, floats[1:], strict=True)})
-        return state
-
-    def watch_float16_layers(self, model: keras.Model) -> list[str]:
-        """Tells the health statistics which variables' layers compute in float16.
+    # ------------------------------------------------------------- the model
+    def watch(self, model: keras.Model) -> list[str]:
+        """Learns the model: which variables compute in float16, what its forward pass assigns.
 
         Float16's range (headroom, underflow) matters only where float16 computes;
-        a float32 layer in a mixed model may hold larger gradients harmlessly.
-        ``kmix.callbacks.MixedPrecisionMonitor`` calls this at train begin; until
-        then every variable counts. Works before and after the optimizer is built.
+        the mask is taken whenever the model's variables come to exist (now if they
+        do, else when the optimizer is built at the first step). The model's train
+        step is wrapped so that a skipped step leaves the non-trainable float
+        variables its forward pass assigns (BatchNormalization's moving statistics)
+        as they were. kmix's callbacks call this at train begin; custom loops may call
+        it themselves. Calling it again for the same model does nothing new.
 
         Args:
             model: the model whose trainable variables this optimizer updates.
 
         Returns:
-            The paths of the model's trainable variables counted as float16.
+            The paths of the model's trainable variables counted as float16 now
+            (empty while a lazily built model has no variables yet).
         """
-        compute_dtype = {}
-        for layer in model._flatten_layers(include_self=True, recursive=True):
-            for variable in layer.trainable_weights:  # inner layers come later and win
-                compute_dtype[id(variable)] = layer.compute_dtype
-        float16 = [v for v in model.trainable_weights if compute_dtype[id(v)] == "float16"]
-        self._float16_ids = frozenset(id(v) for v in float16)
+        self._model_ref = weakref.ref(model)
+        self._wrap_train_step(model)
         if self.built:
-            self._settings.set("float16_mask", self._float16_mask(self._trainable_variables))
-        return [v.path for v in float16]
+            self._settings.set_base("float16_mask", self._float16_mask(self._trainable_variables))
+        dtypes = variable_compute_dtypes(model)
+        return [v.path for v in model.trainable_weights if dtypes.get(id(v)) == "float16"]
+
+    watch_float16_layers = watch  # the 0.1.0 name
 
     def _float16_mask(self, variables: list[Any]) -> np.ndarray:
-        """1.0 for variables counted as float16 (all until watch_float16_layers)."""
-        ids = getattr(self, "_float16_ids", None)
-        return np.asarray([ids is None or id(v) in ids for v in variables], "float32")
+        """1.0 for variables whose layer computes in float16 (all, without a model)."""
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is None:
+            return np.ones(len(variables), "float32")
+        dtypes = variable_compute_dtypes(model)
+        return np.asarray([dtypes.get(id(v)) == "float16" for v in variables], "float32")
+
+    def _wrap_train_step(self, model: keras.Model) -> None:
+        if getattr(model, "_kmix_train_step_of", None) is self:
+            return
+        original = type(model).train_step.__get__(model)
+        optimizer = weakref.ref(self)
+
+        def train_step(data: Any) -> Any:
+            opt = optimizer()
+            if opt is not None:
+                # Read before the forward pass assigns them (reads are ordered
+                # before later assignments of the same variable in the graph).
+                opt._trace.forward_state = [
+                    (v, ops.copy(v.value)) for v in forward_state_variables(model)
+                ]
+            return original(data)
+
+        model.train_step = train_step
+        model._kmix_train_step_of = self
+        if getattr(model, "train_function", None) is not None:
+            model.make_train_function(force=True)
+
+    # ------------------------------------------------------------- reading
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale."""
+        return self.read_state().loss_scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Cumulative skipped (non-finite) steps."""
+        return self.read_state().skipped_steps
+
+    @property
+    def attempted_steps(self) -> int:
+        """Optimizer steps attempted so far, skipped ones included."""
+        return self.read_state().attempted_steps
+
+    @property
+    def good_steps(self) -> int:
+        """Consecutive finite steps since the scale last changed or a step was skipped."""
+        return self.read_state().good_steps
+
+    @property
+    def last_overflow_step(self) -> int:
+        """Attempted step of the most recent skipped step; 0 if none yet."""
+        return self.read_state().last_overflow_step
+
+    @property
+    def event_count(self) -> int:
+        """Scale events recorded since training began (the ring keeps the last ones)."""
+        return self.read_state().event_count
+
+    @property
+    def health_every(self) -> int:
+        """Steps between gradient health computations in force (a run-time setting)."""
+        return int(self._settings.value("health_every"))
+
+    @health_every.setter
+    def health_every(self, value: int) -> None:
+        self._settings.set_base("health_every", check_int(_OWNER, "health_every", value, 1))
+
+    @property
+    def histogram_every(self) -> int:
+        """Steps between exponent histograms in force; 0 means off (a run-time setting)."""
+        return int(self._settings.value("histogram_every"))
+
+    @histogram_every.setter
+    def histogram_every(self, value: int) -> None:
+        self._settings.set_base("histogram_every", check_int(_OWNER, "histogram_every", value, 0))
+
+    def request_statistics(self, owner: Any, health_every: int, histogram_every: int) -> None:
+        """Asks for statistics at least every N steps until :meth:`release_statistics`.
+
+        Requests compose: the steps in force are the greatest common divisor of the
+        optimizer's own setting and every open request, so each requester gets its steps.
+
+        Args:
+            owner: who asks (a callback); one request per owner.
+            health_every: health statistics every this many steps, >= 1.
+            histogram_every: histograms every this many steps; 0 asks for none.
+        """
+        self._settings.request(
+            owner,
+            health_every=check_int(_OWNER, "health_every", health_every, 1),
+            histogram_every=check_int(_OWNER, "histogram_every", histogram_every, 0),
+        )
+
+    def release_statistics(self, owner: Any) -> None:
+        """Withdraws ``owner``'s request; the settings go back to what the others need."""
+        self._settings.release(owner)
+
+    @property
+    def float16_mask(self) -> np.ndarray:
+        """1.0 per variable counted as float16 by the health statistics."""
+        mask = self._settings.base["float16_mask"]
+        return np.asarray([] if mask is None else mask, "float32")
+
+    def read_state(self) -> Snapshot:
+        """Reads the whole record with two host transfers.
+
+        Returns:
+            A :class:`kmix.record.Snapshot`. Before the optimizer is built: the
+            initial scale and zeros.
+        """
+        if not self.built:
+            counters = record.initial_counters(self.config.rule.hysteresis)
+            return record.snapshot(self.initial_scale, list(counters), None)
+        floats = ops.convert_to_numpy(
+            ops.concatenate([ops.reshape(self.dynamic_scale, (1,)), self.health])
+        )
+        return record.snapshot(
+            float(floats[0]), ops.convert_to_numpy(self.counters).tolist(), floats[1:]
+        )
 
     def variable_paths(self) -> list[str]:
         """Paths of the tracked trainable variables, in the order of per-variable state."""
         return [v.path for v in self._trainable_variables]
 
-    def underflow_by_variable(self) -> dict[str, float]:
-        """Per-variable underflow fraction at the latest health step, by variable path."""
+    def _by_variable(self, attribute: str) -> dict[str, Any]:
         if not self.built:
             return {}
-        values = ops.convert_to_numpy(self.underflow_per_variable)
-        return dict(zip(self.variable_paths(), map(float, values), strict=True))
+        values = ops.convert_to_numpy(getattr(self, attribute))
+        return dict(zip(self.variable_paths(), values, strict=True))
+
+    def underflow_by_variable(self) -> dict[str, float]:
+        """Per-variable underflow fraction (zeros included) at the latest health step."""
+        return {k: float(v) for k, v in self._by_variable("underflow_per_variable").items()}
+
+    def subnormal_by_variable(self) -> dict[str, float]:
+        """Per-variable share of non-zero values below float16's smallest normal."""
+        return {k: float(v) for k, v in self._by_variable("subnormal_per_variable").items()}
 
     def exponent_histograms_by_variable(self) -> dict[str, np.ndarray]:
-        """Per-variable exponent histograms at ``histogram_step`` (layout in kmix.health)."""
+        """Per-variable exponent histograms at ``histogram_step`` (layout in kmix.tags)."""
+        return self._by_variable("exponent_histograms")
+
+    def recorded_events(self, since: int = 0) -> list[RecordedEvent]:
+        """Like :meth:`scale_events`, each event with the health measured at its step."""
+        if isinstance(since, bool) or not isinstance(since, int | np.integer) or since < 0:
+            raise _invalid("since", since, "an integer >= 0 (the index of the last event seen)")
         if not self.built:
-            return {}
-        counts = ops.convert_to_numpy(self.exponent_histograms)
-        return dict(zip(self.variable_paths(), counts, strict=True))
+            return []
+        count = self.read_state().event_count
+        if count == since:
+            return []
+        return record.decode_events(
+            ops.convert_to_numpy(self.event_ints),
+            ops.convert_to_numpy(self.event_floats),
+            count,
+            int(since),
+            self.variable_paths(),
+        )
 
     def scale_events(self, since: int = 0) -> list[ScaleEvent]:
         """Returns the recorded events with ``index > since`` that the ring still holds.
@@ -627,45 +760,27 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             Events in order. If more than ``event_capacity`` events happened after
             ``since``, the oldest are gone: compare ``event_count - since`` with
             the number returned.
+
+        Raises:
+            ValueError: ``since`` is not an integer >= 0.
         """
-        if not self.built:
-            return []
-        count = self.event_count
-        records = ops.convert_to_numpy(self.event_records)
-        scales = ops.convert_to_numpy(self.event_scales)
-        paths = self.variable_paths()
-        events = []
-        for index in range(max(since, count - self.event_capacity) + 1, count + 1):
-            slot = (index - 1) % self.event_capacity
-            step, kind, first_var, n_bad, loss_finite = (int(x) for x in records[slot])
-            events.append(
-                ScaleEvent(
-                    index=index,
-                    step=step,
-                    kind=scaling.EVENT_KINDS[kind],
-                    old_scale=float(scales[slot, 0]),
-                    new_scale=float(scales[slot, 1]),
-                    variable=paths[first_var] if first_var >= 0 else None,
-                    nonfinite_variables=n_bad,
-                    loss_finite=bool(loss_finite),
-                )
-            )
-        return events
+        return [recorded.event for recorded in self.recorded_events(since)]
 
     # ------------------------------------------------------------ config
     def get_config(self) -> dict[str, Any]:
         """Returns the constructor arguments, Keras's and kmix's."""
         config = super().get_config()
-        rule = self._scale_config
+        rule = self.config.rule
         config.update(
             growth_factor=rule.growth_factor,
             backoff_factor=rule.backoff_factor,
             hysteresis=rule.hysteresis,
             min_scale=rule.min_scale,
             max_scale=rule.max_scale,
-            health_every=self._health_every,
-            histogram_every=self._histogram_every,
-            event_capacity=self.event_capacity,
+            health_every=self.config.health_every,
+            histogram_every=self.config.histogram_every,
+            event_capacity=self.config.event_capacity,
+            backoff_on_forward_overflow=rule.backoff_on_forward_overflow,
         )
         return config
 
@@ -679,15 +794,23 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         starts from the stock optimizer's current scale.
 
         Args:
-            optimizer: a ``keras.mixed_precision.LossScaleOptimizer``.
+            optimizer: a stock ``keras.mixed_precision.LossScaleOptimizer``.
             **kwargs: other kmix arguments (``hysteresis``, ``min_scale``...).
 
         Returns:
             A ``kmix.LossScaleOptimizer``.
 
         Raises:
-            ValueError: ``optimizer`` is not a Keras loss-scale optimizer.
+            ValueError: ``optimizer`` is not a stock Keras loss-scale optimizer (a
+                kmix one is refused: migrating would reset its counters and bounds).
         """
+        if isinstance(optimizer, LossScaleOptimizer):
+            raise _invalid(
+                "optimizer",
+                optimizer,
+                "a stock keras.mixed_precision.LossScaleOptimizer; this one is already a "
+                "kmix.LossScaleOptimizer: use it as it is",
+            )
         if not isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
             raise _invalid("optimizer", optimizer, "a keras.mixed_precision.LossScaleOptimizer")
         if "initial_scale" not in kwargs:
@@ -707,27 +830,6 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 )
         kwargs.setdefault("dynamic_growth_steps", optimizer.dynamic_growth_steps)
         return cls(optimizer.inner_optimizer, **kwargs)
-
-
-_INT_STATE = {  # read_state() key -> variable attribute
-    "attempted_steps": "attempted_steps_var",
-    "skipped_steps": "skipped_steps_var",
-    "good_steps": "good_steps_var",
-    "consecutive_skips": "consecutive_skips",
-    "last_overflow_step": "last_overflow_step_var",
-    "loss_finite": "loss_finite",
-    "consecutive_nonfinite_loss": "consecutive_nonfinite_loss",
-    "event_count": "event_count_var",
-    "health_step": "health_step",
-    "histogram_step": "histogram_step",
-}
-_HEALTH_FIELDS = (
-    "grad_norm",
-    "max_abs_scaled",
-    "headroom_bits",
-    "underflow_fraction",
-    "nonfinite_elements",
-)
 
 
 FIT_UNDER_MULTI_WORKER = (
@@ -754,8 +856,15 @@ def _noop() -> None:
     return None
 
 
-def _reachable_from_current_graph(tensor: Any, tf: Any) -> bool:
+def _restore(forward_state: list) -> None:
+    for variable, old in forward_state:
+        variable.assign(old)
+
+
+def _reachable_from_current_graph(tensor: Any) -> bool:
     """True if ``tensor`` can be used where ops are being built now."""
+    import tensorflow as tf
+
     if tf.executing_eagerly():
         return hasattr(tensor, "numpy")
     graph = tf.compat.v1.get_default_graph()

@@ -2,13 +2,16 @@
 
 The rule, for one attempted optimizer step (all arithmetic in float32)::
 
-    if all_finite:                        # every gradient, on every replica
+    if all_finite and not forward_overflow:  # every gradient, on every replica
         good_steps += 1
         if good_steps == growth_steps:    # enough consecutive good steps
             scale = min(scale * growth_factor, max_scale)
             good_steps = 0
             hysteresis_left = hysteresis  # the overflow budget refills
             event = GROWTH if scale changed else NONE
+    elif forward_overflow and not config.backoff_on_forward_overflow:
+        good_steps = 0                    # the unscaled loss was non-finite: skipped,
+        event = FORWARD_OVERFLOW          # scale and hysteresis kept (no scale fixes it)
     else:                                 # the step is skipped
         good_steps = 0
         hysteresis_left -= 1
@@ -19,7 +22,10 @@ The rule, for one attempted optimizer step (all arithmetic in float32)::
         else:
             event = SKIP_ABSORBED         # tolerated by hysteresis
 
-With ``hysteresis=1`` every overflow backs off, as Keras's own optimizer does.
+``forward_overflow`` means the unscaled loss was non-finite: the forward pass made the
+NaN/Inf, and lowering the scale cannot fix it (``backoff_on_forward_overflow=True``
+restores the classic rule, which treats it as any overflow). With ``hysteresis=1``
+every gradient overflow backs off, as Keras's own optimizer does.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ GROWTH = 1
 BACKOFF = 2
 SKIP_ABSORBED = 3
 OVERFLOW_AT_FLOOR = 4
+FORWARD_OVERFLOW = 5
 
 EVENT_KINDS = dict(enumerate(tags.EVENT_KINDS, start=GROWTH))
 """Event code -> name, as the names appear in records and logs (kmix.tags)."""
@@ -51,6 +58,7 @@ class ScaleConfig:
     hysteresis: int = 1
     min_scale: float = 1.0
     max_scale: float = 2.0**24
+    backoff_on_forward_overflow: bool = False
 
 
 class ScaleState(NamedTuple):
@@ -61,19 +69,40 @@ class ScaleState(NamedTuple):
     hysteresis_left: Any
 
 
-def update_scale(state: ScaleState, all_finite: Any, config: ScaleConfig) -> tuple[ScaleState, Any]:
+def update_scale(
+    state: ScaleState, all_finite: Any, config: ScaleConfig, loss_finite: Any = True
+) -> tuple[ScaleState, Any]:
     """Applies the rule above to one step, without control flow on tensors.
 
     Args:
         state: the state before the step; integer fields of any int dtype.
         all_finite: boolean scalar, True when every gradient of the step is finite.
         config: the rule's constants.
+        loss_finite: boolean scalar, False when the unscaled loss was non-finite
+            (a forward overflow); True when finite or unknown.
 
     Returns:
         ``(new_state, event)``: the state after the step, with the input dtypes,
         and an int32 scalar event kind (``NONE``, ``GROWTH``, ``BACKOFF``,
-        ``SKIP_ABSORBED`` or ``OVERFLOW_AT_FLOOR``).
+        ``SKIP_ABSORBED``, ``OVERFLOW_AT_FLOOR`` or ``FORWARD_OVERFLOW``).
     """
+    forward = ops.logical_not(ops.convert_to_tensor(loss_finite))
+    if config.backoff_on_forward_overflow:
+        return _gradient_rule(state, ops.logical_and(all_finite, ops.logical_not(forward)), config)
+    new_state, event = _gradient_rule(state, ops.logical_or(all_finite, forward), config)
+    zero = ops.zeros((), ops.dtype(state.good_steps))
+    kept = ScaleState(
+        ops.where(forward, ops.cast(state.scale, "float32"), new_state.scale),
+        ops.where(forward, zero, new_state.good_steps),
+        ops.where(forward, state.hysteresis_left, new_state.hysteresis_left),
+    )
+    return kept, ops.where(forward, ops.convert_to_tensor(FORWARD_OVERFLOW, "int32"), event)
+
+
+def _gradient_rule(
+    state: ScaleState, all_finite: Any, config: ScaleConfig
+) -> tuple[ScaleState, Any]:
+    """The rule for gradient overflows alone (the ``if``/``else`` of the docstring)."""
     scale = ops.cast(state.scale, "float32")
     int_dtype = ops.dtype(state.good_steps)
     good_next = state.good_steps + 1

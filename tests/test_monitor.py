@@ -52,7 +52,7 @@ def texts(data, tag) -> list[tuple[int, str]]:
     return [(step, value.item().decode()) for step, value in data.get(tag, [])]
 
 
-def events(data) -> list[tuple[int, dict]]:
+def events(data) -> list[tuple[int, tags.ScaleEvent]]:
     parsed = [(step, tags.parse_event(line)) for step, line in texts(data, tags.EVENTS)]
     return [(step, event) for step, event in parsed if event is not None]
 
@@ -65,15 +65,15 @@ def test_every_overflow_at_its_exact_step_with_a_long_update_freq(tmp_path):
     data = read_back(tmp_path)
     got = events(data)
     assert [step for step, _ in got] == [3, 7, 13, 17]
-    assert all(step == event["step"] for step, event in got)
-    assert {event["variable"] for _, event in got} == {"b/kernel"}
-    assert [(e["kind"], e["old_scale"], e["new_scale"]) for _, e in got] == [
+    assert all(step == event.step for step, event in got)
+    assert {event.variable for _, event in got} == {"b/kernel"}
+    assert [(e.kind, e.old_scale, e.new_scale) for _, e in got] == [
         ("backoff", 1024.0, 512.0),
         ("backoff", 512.0, 256.0),
         ("backoff", 256.0, 128.0),
         ("backoff", 128.0, 64.0),
     ]
-    assert all(e["loss_finite"] and e["nonfinite_variables"] == 1 for _, e in got)
+    assert all(e.loss_finite and e.nonfinite_variables == 1 for _, e in got)
     # The scale before and after each change, plus the reads at both epoch ends.
     assert scalars(data, tags.LOSS_SCALE) == {
         2: 1024.0, 3: 512.0, 6: 512.0, 7: 256.0, 10: 256.0,
@@ -95,13 +95,18 @@ def test_health_scalars_and_exponent_histograms(tmp_path):
     data = read_back(tmp_path)
     # Steps 2 and 8 are normal; step 4 is normal too (scale 512 after the spike at 3).
     scale_at = {2: 1024.0, 4: 512.0, 6: 512.0, 8: 512.0}
-    assert sorted(scalars(data, tags.GRAD_NORM)) == [2, 4, 6, 8]
+    # Health every update_freq steps, and at the skipped step 3 (b's kernel overflowed).
+    assert sorted(scalars(data, tags.GRAD_NORM)) == [2, 3, 4, 6, 8]
+    assert scalars(data, tags.NONFINITE_ELEMENTS)[3] == 1.0
     for step, scale in scale_at.items():
         assert scalars(data, tags.GRAD_NORM)[step] == pytest.approx(math.sqrt(12), rel=1e-6)
         assert scalars(data, tags.MAX_ABS_SCALED_GRAD)[step] == 2 * scale
         headroom = scalars(data, tags.OVERFLOW_HEADROOM_BITS)[step]
         assert headroom == pytest.approx(math.log2(65504 / (2 * scale)), abs=1e-5)
         assert scalars(data, tags.UNDERFLOW_FRACTION)[step] == 0.25
+        # b's kernel sees x2 = 0: its gradient is an exact zero, not a float16 underflow.
+        assert scalars(data, tags.ZERO_FRACTION)[step] == 0.25
+        assert scalars(data, tags.SUBNORMAL_FRACTION)[step] == 0.0
         assert scalars(data, tags.NONFINITE_ELEMENTS)[step] == 0.0
     by_variable = {
         path: scalars(data, tags.UNDERFLOW_BY_VARIABLE + path)[8]
@@ -207,7 +212,8 @@ def test_stock_keras_optimizer_logs_scale_and_inferred_skips_and_warns_once(tmp_
     with pytest.warns(UserWarning, match="kmix.LossScaleOptimizer") as record:
         fit(model, spiky_data(10, spikes=(2, 3, 8)), callbacks=[monitor])
         fit(model, spiky_data(5), callbacks=[monitor])
-    assert len([w for w in record if "kmix.LossScaleOptimizer" in str(w.message)]) == 1
+    (warning,) = [w for w in record if "kmix.LossScaleOptimizer" in str(w.message)]
+    assert warning.filename == __file__  # points at the user's code, not Keras's
 
     data = read_back(tmp_path)
     assert scalars(data, tags.LOSS_SCALE)[5] == 256.0
@@ -215,7 +221,7 @@ def test_stock_keras_optimizer_logs_scale_and_inferred_skips_and_warns_once(tmp_
     assert scalars(data, tags.SKIPPED_STEPS)[5] == 2
     assert scalars(data, tags.SKIPPED_STEPS)[10] == 3
     assert tags.GRAD_NORM not in data and not events(data)
-    assert "from_keras" in texts(data, tags.NOTES)[0][1]
+    assert "kmix.LossScaleOptimizer('adam')" in texts(data, tags.NOTES)[0][1]
 
 
 def test_without_loss_scaling_logs_the_policy_and_why_the_rest_is_missing(tmp_path):

@@ -16,6 +16,7 @@ from test_health import reference_bins
 
 import kmix
 from kmix import optimizer as kmix_optimizer
+from kmix import record
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 
@@ -161,12 +162,14 @@ def test_sgd_lr1_gives_known_weights_with_unscaled_gradients():
     step(tf.constant([np.inf, 1.0]))  # non-finite loss: skipped, recorded as such
     np.testing.assert_array_equal(w.numpy(), [0.5, 2.25])
     (event,) = opt.scale_events()
+    # A forward overflow: skipped, and the scale is kept (no scale fixes the forward pass).
     assert (event.step, event.kind, event.loss_finite, event.variable) == (
         2,
-        "backoff",
+        "forward_overflow",
         False,
         w.path,
     )
+    assert (event.old_scale, event.new_scale, opt.loss_scale) == (1024.0, 1024.0, 1024.0)
     assert opt.read_state()["consecutive_nonfinite_loss"] == 1
     step(tf.constant([1.0, 1.0]))
     np.testing.assert_array_equal(w.numpy(), [-0.5, 1.25])
@@ -185,7 +188,7 @@ def test_health_statistics_in_fit_match_numpy():
     initial = model.get_weights()
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0, epochs=1)  # one step
     state = opt.read_state()
-    assert state["health_step"] == 1 and opt.histogram_step.numpy() == 1
+    assert state["health_step"] == 1 and state.histogram_step == 1
 
     model.set_weights(initial)  # the reference: the same step's scaled gradients
     with tf.GradientTape() as tape:
@@ -200,6 +203,9 @@ def test_health_statistics_in_fit_match_numpy():
     np.testing.assert_allclose(
         state["underflow_fraction"], np.mean(np.abs(flat) < 2.0**-14), atol=1e-7
     )
+    np.testing.assert_allclose(state.health["zero_fraction"], np.mean(flat == 0), atol=1e-7)
+    tiny = (flat != 0) & (np.abs(flat) < 2.0**-14)
+    np.testing.assert_allclose(state.health["subnormal_fraction"], np.mean(tiny), atol=1e-7)
     assert state["nonfinite_elements"] == 0.0
     hist = opt.exponent_histograms_by_variable()
     assert list(hist) == opt.variable_paths()
@@ -312,15 +318,17 @@ def test_state_reads_before_the_optimizer_is_built():
     assert state["attempted_steps"] == state["health_step"] == 0
     w = keras.Variable(np.ones(2, "float32"))
     opt.apply([tf.constant([1.0, 1.0])], [w])
-    assert set(opt.read_state()) == set(state)
+    assert dataclasses.asdict(opt.read_state()).keys() == dataclasses.asdict(state).keys()
 
 
 def test_counters_saturate_instead_of_overflowing():
     w = keras.Variable(np.ones(2, "float32"))
     opt = kmix.LossScaleOptimizer("sgd")
     opt.build([w])
-    opt.skipped_steps_var.assign(kmix_optimizer.INT64_MAX - 1)
-    opt.attempted_steps_var.assign(kmix_optimizer.INT64_MAX - 1)
+    counters = opt.counters.numpy()
+    for name in ("skipped_steps", "attempted_steps"):
+        counters[record.Counters._fields.index(name)] = kmix_optimizer.INT64_MAX - 1
+    opt.counters.assign(counters)
     for _ in range(2):
         opt.apply([tf.constant([np.nan, 0.0])], [w])
     assert opt.skipped_steps == opt.attempted_steps == kmix_optimizer.INT64_MAX

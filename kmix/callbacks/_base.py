@@ -1,66 +1,111 @@
-"""The shared base of kmix callbacks: count steps cheaply, read the optimizer every N.
+"""The shared base of kmix callbacks: count steps cheaply, read a source every N.
 
 Counting batches is plain Python; the only host synchronisation is the read that
 :meth:`StepCallback._read_state` makes every ``every`` optimizer steps.
+
+Ending a run: ``fit`` calls ``on_train_end`` only when it returns. So that a run
+ended any other way still leaves its evidence on disk, every kmix callback between
+train begin and train end is *open*, and :func:`end_run` finishes the open ones
+of a model with a reason: the guard calls it before it stops or raises,
+``LoopDriver`` when its loop raises, and kmix calls it for what is still open when
+the process exits (an uncaught exception or Ctrl-C) or, in IPython/Jupyter, when
+the cell that ran ``fit`` ends.
 """
 
 from __future__ import annotations
 
+import atexit
+import sys
+import weakref
 from typing import Any
 
 import keras
-from keras import ops
 
-KMIX = "kmix"
-KERAS = "keras"
-"""Kinds of loss-scale optimizer a callback can find; None means no loss scaling."""
+from kmix.callbacks._source import Source, source_for
+from kmix.record import Snapshot
+
+COMPLETED = "completed"
+STOPPED_BY_GUARD = "stopped_by_guard"
+GUARD_RAISED = "guard_raised"
+EXCEPTION = "exception"
+INTERRUPTED = "interrupted"
+"""Why a run ended (the reasons of ``kmix.tags.RunEnd``)."""
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+_hooks_installed = False
 
 
-def loss_scale_kind(optimizer: Any) -> str | None:
-    """Says which loss-scale optimizer ``optimizer`` is.
+def end_run(model: Any, reason: str, message: str) -> None:
+    """Finishes every open kmix callback of ``model`` (all models if None).
 
-    Returns:
-        ``"kmix"`` for ``kmix.LossScaleOptimizer``, ``"keras"`` for the stock
-        ``keras.mixed_precision.LossScaleOptimizer``, None for anything else.
+    Args:
+        model: the model whose run ends, or None for every open run.
+        reason: one of the reasons above.
+        message: what happened, in words (e.g. the guard's diagnosis).
     """
-    from kmix.optimizer import LossScaleOptimizer
-
-    if isinstance(optimizer, LossScaleOptimizer):
-        return KMIX
-    if isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
-        return KERAS
-    return None
+    for callback in list(_OPEN):
+        if model is None or callback.model is model:
+            callback.finish(reason, message)
 
 
-def _to_int(variable: Any) -> int:
-    return int(ops.convert_to_numpy(variable))
+def reason_for(error: BaseException | None) -> tuple[str, str]:
+    """``(reason, message)`` for a run that ``error`` ended (None: an unknown exit)."""
+    if error is None:
+        return EXCEPTION, "the process ended while training was running"
+    if isinstance(error, KeyboardInterrupt):
+        return INTERRUPTED, "training was interrupted (KeyboardInterrupt)"
+    reason = getattr(error, "kmix_reason", None)
+    if reason is not None:
+        return reason, str(error)
+    return EXCEPTION, f"training ended by {type(error).__name__}: {error}"
+
+
+def _finish_at_exit() -> None:
+    if _OPEN:
+        end_run(None, *reason_for(getattr(sys, "last_value", None)))
+
+
+def _finish_after_cell(result: Any) -> None:
+    if _OPEN:
+        end_run(None, *reason_for(getattr(result, "error_in_exec", None)))
+
+
+def _install_hooks() -> None:
+    """Registers the process-exit hook, and IPython's post-cell hook when in IPython."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(_finish_at_exit)
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is not None:
+        shell.events.register("post_run_cell", _finish_after_cell)
 
 
 class StepCallback(keras.callbacks.Callback):
     """Counts attempted optimizer steps in Python and calls ``_on_read`` every ``every``.
 
-    Subclasses implement ``_on_read(logs)`` and call :meth:`_read_state` there.
-    With ``steps_per_execution=k`` Keras calls the batch hooks once per ``k``
-    steps; the count follows the ``begin``/``end`` step indices Keras passes.
+    Subclasses implement ``_on_read(logs)`` (calling :meth:`_read_state` there) and
+    may extend :meth:`finish`. With ``steps_per_execution=k`` Keras calls the batch
+    hooks once per ``k`` steps; the count follows the ``begin``/``end`` step indices
+    Keras passes.
 
     Args:
-        every: read the optimizer once this many steps have passed since the last read.
+        every: read the source once this many steps have passed since the last read.
     """
 
     def __init__(self, every: int) -> None:
         super().__init__()
         self._every = every
-        self._optimizer: Any = None
-        self._kind: str | None = None
+        self._source: Source = Source(None)
         self._steps_seen = 0
         self._steps_at_read = 0
         self._batch_begin = 0
-        self._start_step = 0
-        self._start_iterations = 0
 
     # ---------------------------------------------------------------- hooks
     def on_train_begin(self, logs: dict | None = None) -> None:
-        """Checks the model and finds its optimizer.
+        """Checks the model, finds its source and opens the run.
 
         Raises:
             ValueError: the model is not compiled.
@@ -73,13 +118,11 @@ class StepCallback(keras.callbacks.Callback):
                 "`model.compile(optimizer=kmix.LossScaleOptimizer(...), loss=...)` "
                 "before `model.fit`."
             )
-        self._optimizer = model.optimizer
-        self._kind = loss_scale_kind(self._optimizer)
+        self._source = source_for(model.optimizer)
+        self._source.begin(model)
         self._steps_seen = self._steps_at_read = self._batch_begin = 0
-        self._start_iterations = _to_int(self._optimizer.iterations) if self._optimizer.built else 0
-        # Without kmix's counter, the stock state below counts from the iterations.
-        self._start_step = self._start_iterations
-        self._start_step = self._read_state()["attempted_steps"]
+        _install_hooks()
+        _OPEN.add(self)
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         """Notes the first step index of this execution (no host sync)."""
@@ -87,11 +130,28 @@ class StepCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Counts the steps of this execution; reads when ``every`` steps have passed."""
+        if self not in _OPEN:
+            return
         steps = self.params.get("steps") if self.params else None
         last = min(batch, steps - 1) if steps else batch
         self._steps_seen += max(last - self._batch_begin + 1, 1)
         if self._steps_seen - self._steps_at_read >= self._every:
             self._read(logs)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        """Finishes the run as completed (unless something ended it before)."""
+        if self in _OPEN:
+            self.finish(COMPLETED, "fit returned", logs)
+
+    def finish(self, reason: str, message: str, logs: dict | None = None) -> None:
+        """Ends the run: subclasses write what is unwritten; then the run is closed.
+
+        Args:
+            reason: why the run ended (see the module docstring).
+            message: what happened, in words.
+            logs: the latest logs, if any.
+        """
+        _OPEN.discard(self)
 
     # ----------------------------------------------------------------- reading
     def _read(self, logs: dict | None = None) -> None:
@@ -106,26 +166,6 @@ class StepCallback(keras.callbacks.Callback):
     def _on_read(self, logs: dict) -> None:
         raise NotImplementedError
 
-    def _read_state(self) -> dict[str, Any]:
-        """Reads the optimizer's state once (the host sync).
-
-        Returns:
-            With ``kmix.LossScaleOptimizer``: its :meth:`read_state`. With the
-            stock Keras one: ``loss_scale``, ``attempted_steps`` and
-            ``skipped_steps`` (inferred: steps seen in this ``fit`` minus steps the
-            inner optimizer applied). Without loss scaling: ``attempted_steps`` and
-            ``skipped_steps`` (0).
-        """
-        if self._kind == KMIX:
-            return self._optimizer.read_state()
-        state: dict[str, Any] = {
-            "attempted_steps": self._start_step + self._steps_seen,
-            "skipped_steps": 0,
-        }
-        if self._kind == KERAS:
-            applied = _to_int(self._optimizer.iterations) - self._start_iterations
-            state["skipped_steps"] = max(self._steps_seen - applied, 0)
-            built = self._optimizer.built
-            scale = self._optimizer.dynamic_scale if built else self._optimizer.initial_scale
-            state["loss_scale"] = float(ops.convert_to_numpy(scale))
-        return state
+    def _read_state(self) -> Snapshot:
+        """Reads the source once (the host sync)."""
+        return self._source.read(self._steps_seen)

@@ -9,14 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from kmix._checks import check_int, check_real
-from kmix.callbacks._base import KERAS, KMIX, StepCallback
+from kmix._checks import check_choice, check_int, check_real
+from kmix.callbacks._base import GUARD_RAISED, STOPPED_BY_GUARD, StepCallback, end_run
+from kmix.callbacks._source import STOCK_MIN_SCALE  # noqa: F401  (the 0.1.0 name)
 
 _OWNER = "kmix.callbacks.LossScaleGuard"
-MODES = ("stop", "raise")
-REASONS = ("nonfinite_loss", "overflow_at_floor", "skip_rate")
-STOCK_MIN_SCALE = 1.0
-"""The floor the guard assumes for the stock Keras optimizer, which has none."""
+MODES = {"stop": "set model.stop_training", "raise": "raise LossScaleGuardError"}
 
 
 class LossScaleGuardError(RuntimeError):
@@ -26,6 +24,9 @@ class LossScaleGuardError(RuntimeError):
         reason: ``"nonfinite_loss"``, ``"overflow_at_floor"`` or ``"skip_rate"``.
         step: the attempted optimizer step at which the guard tripped.
     """
+
+    kmix_reason = GUARD_RAISED
+    """How the run ended, for the monitor's ``kmix/run_end`` record."""
 
     def __init__(self, message: str, reason: str, step: int) -> None:
         super().__init__(message)
@@ -102,17 +103,8 @@ class LossScaleGuard(StepCallback):
             _OWNER, "max_skip_rate", max_skip_rate, 0.0, 1.0, open_low=True
         )
         self.window = check_int(_OWNER, "window", window, 1)
-        if mode not in MODES:
-            raise ValueError(
-                f"Invalid `mode` for {_OWNER}: mode={mode!r}. `mode` must be 'stop' "
-                "(set model.stop_training) or 'raise' (raise LossScaleGuardError)."
-            )
-        self.mode = mode
-        if verbose not in (0, 1):
-            raise ValueError(
-                f"Invalid `verbose` for {_OWNER}: verbose={verbose!r}. `verbose` must be 0 or 1."
-            )
-        self.verbose = int(verbose)
+        self.mode = check_choice(_OWNER, "mode", mode, MODES)
+        self.verbose = int(check_choice(_OWNER, "verbose", verbose, {0: "quiet", 1: "print"}))
         self.diagnosis: str | None = None
         self.reason: str | None = None
         self.step: int | None = None
@@ -125,34 +117,32 @@ class LossScaleGuard(StepCallback):
         """
         super().on_train_begin(logs)
         self.diagnosis = self.reason = self.step = None
-        self._min_scale = (
-            self._optimizer.get_config()["min_scale"] if self._kind == KMIX else STOCK_MIN_SCALE
-        )
-        if self._kind is None:
+        if not self._source.scales_loss:
             warnings.warn(
-                f"{_OWNER}: the model's optimizer {type(self._optimizer).__name__} does "
+                f"{_OWNER}: the model's optimizer {type(self.model.optimizer).__name__} does "
                 "not scale the loss, so only the non-finite loss check applies.",
                 stacklevel=2,
             )
         state = self._read_state()
-        self._history = collections.deque([(state["attempted_steps"], state["skipped_steps"])])
+        self._history = collections.deque([(state.attempted_steps, state.skipped_steps)])
         self._skip_streak = self._loss_streak = 0
 
     # ------------------------------------------------------------------ checks
     def _on_read(self, logs: dict) -> None:
         if self.diagnosis is not None:
             return
+        source = self._source
         state = self._read_state()
-        step, skipped = state["attempted_steps"], state["skipped_steps"]
-        if self._kind == KMIX:
-            loss_streak = state["consecutive_nonfinite_loss"]
-            skip_streak = state["consecutive_skips"]
-        else:
+        step, skipped = state.attempted_steps, state.skipped_steps
+        if source.knows_loss:
+            loss_streak = state.consecutive_nonfinite_loss
+            skip_streak = state.consecutive_skips
+        else:  # inferred from the steps applied and the logged loss
             steps = step - self._history[-1][0]
             new_skips = skipped - self._history[-1][1]
-            all_skipped = self._kind == KERAS and new_skips == steps
+            all_skipped = source.scales_loss and new_skips == steps
             self._skip_streak = self._skip_streak + steps if all_skipped else 0
-            bad_loss = _is_nonfinite(logs.get("loss")) and (self._kind is None or all_skipped)
+            bad_loss = _is_nonfinite(logs.get("loss")) and (not source.scales_loss or all_skipped)
             self._loss_streak = self._loss_streak + steps if bad_loss else 0
             loss_streak, skip_streak = self._loss_streak, self._skip_streak
         self._history.append((step, skipped))
@@ -160,14 +150,14 @@ class LossScaleGuard(StepCallback):
             self._history.popleft()
         if loss_streak >= self.patience:
             self._trip("nonfinite_loss", step, self._nonfinite_loss_text(step, loss_streak))
-        elif self._kind is not None and state["loss_scale"] <= self._min_scale:
+        elif source.scales_loss and state.loss_scale <= source.min_scale:
             if skip_streak >= self.patience:
                 self._trip(
                     "overflow_at_floor",
                     step,
-                    self._floor_text(step, skip_streak, state["loss_scale"]),
+                    self._floor_text(step, skip_streak, state.loss_scale),
                 )
-        if self.diagnosis is None and self._kind is not None:
+        if self.diagnosis is None and source.scales_loss:
             first_step, first_skipped = self._history[0]
             if first_step <= step - self.window:
                 rate = (skipped - first_skipped) / (step - first_step)
@@ -180,6 +170,8 @@ class LossScaleGuard(StepCallback):
 
     def _trip(self, reason: str, step: int, message: str) -> None:
         self.diagnosis, self.reason, self.step = message, reason, step
+        # Every open kmix callback of this model writes its evidence first.
+        end_run(self.model, GUARD_RAISED if self.mode == "raise" else STOPPED_BY_GUARD, message)
         if self.mode == "raise":
             raise LossScaleGuardError(message, reason, step)
         self.model.stop_training = True
@@ -189,13 +181,13 @@ class LossScaleGuard(StepCallback):
     # -------------------------------------------------------------- messages
     def _first_variable(self) -> str:
         """Where the last recorded event says the gradients first went non-finite."""
-        if self._kind != KMIX:
+        if not self._source.records_events:
             return (
                 "unknown (the stock Keras optimizer does not record it; "
                 "kmix.LossScaleOptimizer does)"
             )
-        count = self._optimizer.event_count
-        for event in reversed(self._optimizer.scale_events(max(count - self.patience, 0))):
+        count = self._read_state().event_count
+        for event, _ in reversed(self._source.events(max(count - self.patience, 0))):
             if event.variable is not None:
                 return f"`{event.variable}`"
         return "none (the gradients stayed finite)"
@@ -216,7 +208,7 @@ class LossScaleGuard(StepCallback):
     def _floor_text(self, step: int, streak: int, scale: float) -> str:
         return (
             f"kmix.LossScaleGuard stopped training at step {step}: the loss scale is "
-            f"{scale:g}, at or below its floor {self._min_scale:g}, and the gradients "
+            f"{scale:g}, at or below its floor {self._source.min_scale:g}, and the gradients "
             f"have overflowed for {streak} consecutive steps (since step "
             f"{step - streak + 1}; patience={self.patience}), so every step is skipped. "
             f"First non-finite gradient: {self._first_variable()}. Float16 cannot hold "

@@ -16,6 +16,7 @@ from typing import Any
 import keras
 
 from kmix._cluster import worker_count
+from kmix.callbacks._base import end_run, reason_for
 from kmix.callbacks.monitor import MixedPrecisionMonitor
 
 CHIEF_ONLY = (MixedPrecisionMonitor, keras.callbacks.TensorBoard)
@@ -47,7 +48,8 @@ class LoopDriver:
         chief_only: callback classes that run on the chief worker only.
 
     Raises:
-        ValueError: ``callbacks`` is not a sequence of Keras callbacks.
+        TypeError: ``callbacks`` is not a sequence.
+        ValueError: an item of ``callbacks`` is not a Keras callback.
     """
 
     def __init__(
@@ -59,6 +61,12 @@ class LoopDriver:
     ) -> None:
         import tensorflow as tf
 
+        if isinstance(callbacks, str | bytes) or not isinstance(callbacks, Sequence):
+            raise TypeError(
+                f"Invalid `callbacks` for LoopDriver: callbacks={callbacks!r} of type "
+                f"{type(callbacks).__name__}. `callbacks` must be a list of Keras callbacks, "
+                "e.g. [kmix.callbacks.MixedPrecisionMonitor('runs/x')], or [] for none."
+            )
         callbacks = list(callbacks)
         for callback in callbacks:
             if not isinstance(callback, keras.callbacks.Callback):
@@ -89,20 +97,9 @@ class LoopDriver:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.callbacks.on_train_end()  # flushes writers, also after an error
-
-    def epoch_begin(self, epoch: int) -> None:
-        """Starts an epoch (optional: a loop without epochs need not call it)."""
-        self._batch = 0
-        self.callbacks.on_epoch_begin(epoch)
-
-    def epoch_end(self, epoch: int, logs: dict | None = None) -> bool:
-        """Ends an epoch.
-
-        Returns:
-            True when training should stop, on every worker alike.
-        """
-        return self._agree(lambda: self.callbacks.on_epoch_end(epoch, logs))
+        if exc is not None:  # the evidence is written, with why the loop ended
+            end_run(self.model, *reason_for(exc))
+        self.callbacks.on_train_end()
 
     def step_end(self, logs: dict | None = None) -> bool:
         """Tells the callbacks that one optimizer step finished.

@@ -10,25 +10,39 @@ import keras
 import numpy as np
 
 from kmix import tags
-from kmix._checks import check_int
-from kmix.callbacks._base import KERAS, KMIX, StepCallback
+from kmix._checks import check_choice, check_int
+from kmix._layers import walk_layers
+from kmix.callbacks._base import StepCallback
+from kmix.record import Snapshot
 
 _OWNER = "kmix.callbacks.MixedPrecisionMonitor"
 
-_HEALTH_TAGS = {  # tag -> key of read_state()
-    tags.GRAD_NORM: "grad_norm",
-    tags.OVERFLOW_HEADROOM_BITS: "headroom_bits",
-    tags.UNDERFLOW_FRACTION: "underflow_fraction",
-    tags.MAX_ABS_SCALED_GRAD: "max_abs_scaled",
-    tags.NONFINITE_ELEMENTS: "nonfinite_elements",
+_HEALTH_TAGS = {  # key of Snapshot.health -> tag
+    "grad_norm": tags.GRAD_NORM,
+    "headroom_bits": tags.OVERFLOW_HEADROOM_BITS,
+    "underflow_fraction": tags.UNDERFLOW_FRACTION,
+    "zero_fraction": tags.ZERO_FRACTION,
+    "subnormal_fraction": tags.SUBNORMAL_FRACTION,
+    "max_abs_scaled": tags.MAX_ABS_SCALED_GRAD,
+    "nonfinite_elements": tags.NONFINITE_ELEMENTS,
+}
+_PER_VARIABLE_TAGS = {  # statistic of Source.per_variable -> tag prefix
+    "underflow_fraction": tags.UNDERFLOW_BY_VARIABLE,
+    "subnormal_fraction": tags.SUBNORMAL_BY_VARIABLE,
 }
 
 _STOCK_NOTE = (
     "The model uses the stock `keras.mixed_precision.LossScaleOptimizer`: kmix logs "
     "its loss scale and the skipped steps it can infer (steps seen minus steps "
     "applied), at each read only. Gradient health, exponent histograms and the "
-    "exact step and variable of every overflow need `kmix.LossScaleOptimizer`: "
-    "compile with `kmix.LossScaleOptimizer.from_keras(optimizer)`."
+    "exact step and variable of every overflow need kmix's optimizer: compile with "
+    "`kmix.LossScaleOptimizer(keras.optimizers.Adam())` (or the name, e.g. "
+    "`kmix.LossScaleOptimizer('adam')`)."
+)
+_NOT_FLOAT16_NOTE = (
+    "The model computes in {dtype}, not float16: float16's range does not apply, so "
+    "overflow headroom, underflow and max |scaled gradient| are not written (nothing "
+    "measured them). The loss scale, events and gradient norm are."
 )
 
 
@@ -78,7 +92,7 @@ def _layer_table(model: Any) -> str:
         return audit(model).to_markdown()
     except Exception:  # audit missing or unable to read this model: plain table
         rows = ["| layer | class | compute | variables |", "|---|---|---|---|"]
-        for layer in model._flatten_layers(include_self=False):
+        for _, layer in walk_layers(model):
             policy = layer.dtype_policy
             rows.append(
                 f"| {layer.name} | {type(layer).__name__} | {policy.compute_dtype} "
@@ -128,6 +142,20 @@ def _layout() -> Any:
     )
 
 
+def _warn_user(message: str) -> None:
+    """Warns once, pointing at the user's code (the first frame outside Keras, TF, kmix)."""
+    import sys
+
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in {
+        "kmix",
+        "keras",
+        "tensorflow",
+    }:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)
+
+
 class MixedPrecisionMonitor(StepCallback):
     """Writes loss scale, every scale event and gradient health to TensorBoard.
 
@@ -138,30 +166,35 @@ class MixedPrecisionMonitor(StepCallback):
       attempted since the previous read) and ``kmix/loss_finite``;
     * the gradient health of the step the optimizer last measured
       (``kmix/grad_norm``, ``kmix/overflow_headroom_bits``,
-      ``kmix/underflow_fraction``, ``kmix/max_abs_scaled_grad``,
+      ``kmix/underflow_fraction`` = ``kmix/zero_fraction`` +
+      ``kmix/subnormal_fraction``, ``kmix/max_abs_scaled_grad``,
       ``kmix/nonfinite_elements``, and per variable under
-      ``kmix/underflow_fraction_by_variable/<path>``);
+      ``kmix/underflow_fraction_by_variable/<path>`` and
+      ``kmix/subnormal_fraction_by_variable/<path>``). Float16 range statistics
+      are written only for a model that computes in float16; what was not
+      measured is not written, and a ``kmix/notes`` line says why, once;
     * every scale event since the previous read, at its exact step: a
-      ``kmix/events`` text line naming the first non-finite variable, and
-      ``kmix/loss_scale`` points before and after the change. If the optimizer's
-      event ring overflowed between two reads, a ``kmix/events`` line says how
-      many events were lost;
+      ``kmix/events`` line naming the first non-finite variable, ``kmix/loss_scale``
+      points before and after the change, and the gradient health measured at
+      every skipped step. If the optimizer's event ring overflowed between two
+      reads, a ``kmix/events`` note says how many events were lost;
     * with ``histogram_freq=N``, per-variable histograms of the scaled gradients'
-      base-2 exponents every N steps under ``kmix/grad_exponent/<path>``, one
-      bin per power of two from ``2**-40`` to ``2**17`` plus bins for zero and
-      inf/NaN (float16 holds ``2**-24`` to 65504).
+      base-2 exponents every N steps under ``kmix/grad_exponent/<path>``.
 
-    At train begin it writes the dtype policy and a per-layer dtype table under
-    ``kmix/policy`` and a Custom Scalars layout. Steps are the optimizer's
-    attempted steps, skipped ones included, counted from 1. The file is flushed
-    after every read, at epoch end and at train end, so an interrupted ``fit``
-    leaves everything up to the last read on disk.
+    At train begin it writes the policy and a per-layer dtype table under
+    ``kmix/policy`` (markdown), the same as structured data under
+    ``kmix/policy_record``, and a Custom Scalars layout. When the run ends —
+    ``fit`` returning, ``LossScaleGuard`` stopping or raising, an exception or
+    Ctrl-C (see :mod:`kmix.callbacks._base`) — it writes every event recorded up
+    to the last executed step and a ``kmix/run_end`` record saying why. Steps are
+    the optimizer's attempted steps, skipped ones included, counted from 1.
 
-    With ``kmix.LossScaleOptimizer`` it sets the optimizer's ``health_every`` to
-    ``update_freq`` and ``histogram_every`` to ``histogram_freq`` during ``fit``
-    (restored afterwards). With the stock Keras optimizer it logs the scale and
-    inferred skipped steps and warns once; without loss scaling it logs the
-    policy and a note saying why the rest is missing.
+    With ``kmix.LossScaleOptimizer`` it requests health statistics every
+    ``update_freq`` steps and histograms every ``histogram_freq`` steps during
+    ``fit`` (requests of several monitors compose, and are withdrawn at the end).
+    With the stock Keras optimizer it logs the scale and inferred skipped steps and
+    warns once; without loss scaling it logs the policy and a note saying why the
+    rest is missing.
 
     Example:
         >>> model.fit(x, y, callbacks=[                     # doctest: +SKIP
@@ -199,54 +232,46 @@ class MixedPrecisionMonitor(StepCallback):
         self.log_dir = _check_log_dir(log_dir)
         self.update_freq = update_freq
         self.histogram_freq = histogram_freq
-        if verbose not in (0, 1):
-            raise ValueError(
-                f"Invalid `verbose` for {_OWNER}: verbose={verbose!r}. `verbose` must be 0 or 1."
-            )
-        self.verbose = int(verbose)
+        self.verbose = int(check_choice(_OWNER, "verbose", verbose, {0: "quiet", 1: "print"}))
         self._writer: Any = None
-        self._warned = False
-        self._restore: list[tuple[Any, str, int]] = []  # (optimizer, setting, value)
+        self._warned: set[str] = set()
 
     # ---------------------------------------------------------------- hooks
     def on_train_begin(self, logs: dict | None = None) -> None:
-        """Validates, configures the optimizer, opens the writer, writes the policy.
+        """Validates, requests statistics, opens the writer, writes the policy.
 
         Raises:
             ValueError: the model is not compiled or ``log_dir`` cannot be created.
         """
         import tensorflow as tf
 
+        self.finish("interrupted", "a new fit began before the previous one ended")
         super().on_train_begin(logs)
         train_dir = os.path.join(self.log_dir, tags.TRAIN_DIR)
         try:
             tf.io.gfile.makedirs(train_dir)
         except (OSError, tf.errors.OpError) as error:
+            self.finish("exception", str(error))
             raise ValueError(
                 f"{_OWNER} cannot create its log directory {train_dir!r} "
                 f"(log_dir={self.log_dir!r}): {error}. Pass a directory you can write to."
             ) from error
-        self._close()  # and undo the settings of a fit that was interrupted
         self._writer = tf.summary.create_file_writer(train_dir)
-        if self._kind == KMIX:
-            opt = self._optimizer
-            self._restore = [(opt, "health_every", opt.health_every)]
-            opt.health_every = self.update_freq
-            opt.watch_float16_layers(self.model)
-            if self.histogram_freq:
-                self._restore.append((opt, "histogram_every", opt.histogram_every))
-                opt.histogram_every = self.histogram_freq
-        elif self._kind == KERAS and not self._warned:
-            self._warned = True
-            warnings.warn(_STOCK_NOTE, stacklevel=2)
+        source = self._source
+        source.request_statistics(self, self.update_freq, self.histogram_freq)
+        notes = self._notes()
+        for note in notes:
+            if note not in self._warned:
+                self._warned.add(note)
+                _warn_user(note)
         state = self._read_state()
         self._last_state = state
-        self._event_index = state.get("event_count", 0)
-        self._health_step = state.get("health_step", 0)
-        self._histogram_step = state.get("histogram_step", 0)
-        self._scale_step = state["attempted_steps"]
+        self._event_index = state.event_count
+        self._health_step = state.health_step
+        self._histogram_step = state.histogram_step
+        self._scale_step = state.attempted_steps
         with self._writer.as_default():
-            self._write_begin(state)
+            self._write_begin(state, notes)
         self._writer.flush()
         if self.verbose:
             print(
@@ -259,96 +284,123 @@ class MixedPrecisionMonitor(StepCallback):
         if self._writer is not None and self._unread_steps:
             self._read(logs)
 
-    def on_train_end(self, logs: dict | None = None) -> None:
-        """Reads what is unread, restores the optimizer's settings and closes the file."""
-        if self._writer is None:
-            return
-        if self._unread_steps:
-            self._read(logs)
-        self._close()
+    def finish(self, reason: str, message: str, logs: dict | None = None) -> None:
+        """Writes every recorded event and how the run ended, then closes the file.
+
+        Args:
+            reason: why the run ended (``kmix.tags.RUN_END_REASONS``).
+            message: what happened, in words.
+            logs: the latest logs, if any.
+        """
+        import tensorflow as tf
+
+        if self._writer is not None:
+            try:
+                self._read(logs)
+                with self._writer.as_default():
+                    tf.summary.text(
+                        tags.RUN_END,
+                        tags.format_run_end(
+                            tags.RunEnd(self._last_state.attempted_steps, reason, message)
+                        ),
+                        step=self._last_state.attempted_steps,
+                    )
+            finally:
+                self._source.release_statistics(self)
+                self._writer.close()
+                self._writer = None
+        super().finish(reason, message, logs)
 
     # --------------------------------------------------------------- writing
-    def _close(self) -> None:
-        """Gives the optimizer its own settings back and closes the file."""
-        for optimizer, name, value in self._restore:
-            setattr(optimizer, name, value)
-        self._restore = []
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
-    def _write_begin(self, state: dict) -> None:
+    def _write_begin(self, state: Snapshot, notes: list[str]) -> None:
         import tensorflow as tf
         from tensorboard.plugins.custom_scalar import summary as custom_scalar
 
-        step = state["attempted_steps"]
-        tf.summary.text(tags.POLICY, self._policy_text(state), step=step)
-        note = self._missing_note()
-        if note:
+        step = state.attempted_steps
+        record = self._policy_record()
+        tf.summary.text(tags.POLICY, self._policy_text(record, state), step=step)
+        tf.summary.text(tags.POLICY_RECORD, tags.format_policy_record(record), step=step)
+        for note in notes:
             tf.summary.text(tags.NOTES, note, step=step)
         tf.summary.experimental.write_raw_pb(
             custom_scalar.pb(_layout()).SerializeToString(), step=step
         )
 
-    def _policy_text(self, state: dict) -> str:
-        model = self.model
-        if self._kind == KMIX:
-            config = self._optimizer.get_config()
-            scaling = (
-                f"`kmix.LossScaleOptimizer` (scale {state['loss_scale']:.9g}, range "
-                f"[{config['min_scale']:.9g}, {config['max_scale']:.9g}])"
-            )
-        elif self._kind == KERAS:
-            scaling = "the stock `keras.mixed_precision.LossScaleOptimizer`"
-        else:
-            scaling = f"none (`{type(self._optimizer).__name__}`)"
-        return (
-            f"Global dtype policy `{keras.config.dtype_policy().name}`; model "
-            f"`{model.name}` policy `{model.dtype_policy.name}`; loss scaling: {scaling}."
-            f"\n\n{_layer_table(model)}"
+    def _policy_record(self) -> tags.PolicyRecord:
+        model, source = self.model, self._source
+        return tags.PolicyRecord(
+            global_policy=keras.config.dtype_policy().name,
+            model_name=model.name,
+            model_policy=model.dtype_policy.name,
+            compute_dtype=model.dtype_policy.compute_dtype,
+            variable_dtype=model.dtype_policy.variable_dtype,
+            loss_scaling=source.kind,
+            min_scale=source.min_scale if source.kind == "kmix" else None,
+            max_scale=source.max_scale if source.kind == "kmix" else None,
+            update_freq=self.update_freq,
+            histogram_freq=self.histogram_freq,
         )
 
-    def _missing_note(self) -> str | None:
-        if self._kind == KERAS:
-            return _STOCK_NOTE
-        if self._kind is not None:
-            return None
-        if self.model.dtype_policy.compute_dtype == "float16":
-            why = (
-                "The model computes in float16 but its optimizer does not scale the "
-                "loss: small gradients underflow to zero. Compile with "
-                "`kmix.LossScaleOptimizer(optimizer)`."
+    def _policy_text(self, record: tags.PolicyRecord, state: Snapshot) -> str:
+        if record.loss_scaling == "kmix":
+            scaling = (
+                f"`kmix.LossScaleOptimizer` (scale {state.loss_scale:.9g}, range "
+                f"[{record.min_scale:.9g}, {record.max_scale:.9g}])"
             )
+        elif record.loss_scaling == "keras":
+            scaling = "the stock `keras.mixed_precision.LossScaleOptimizer`"
         else:
-            why = (
-                f"The model computes in {self.model.dtype_policy.compute_dtype}, "
-                "which does not need loss scaling."
-            )
+            scaling = f"none (`{type(self.model.optimizer).__name__}`)"
         return (
-            f"No loss-scale optimizer, so there is no loss scale, skipped step or "
-            f"gradient health to log. {why}"
+            f"Global dtype policy `{record.global_policy}`; model `{record.model_name}` "
+            f"policy `{record.model_policy}`; loss scaling: {scaling}."
+            f"\n\n{_layer_table(self.model)}"
         )
+
+    def _notes(self) -> list[str]:
+        """Why some charts will be absent, one note per reason (also warned once)."""
+        source, dtype = self._source, self.model.dtype_policy.compute_dtype
+        if source.kind == "keras":
+            return [_STOCK_NOTE]
+        if not source.scales_loss:
+            why = (
+                "The model computes in float16 but its optimizer does not scale the loss: "
+                "small gradients underflow to zero. Compile with "
+                "`kmix.LossScaleOptimizer(optimizer)`."
+                if dtype == "float16"
+                else f"The model computes in {dtype}, which does not need loss scaling."
+            )
+            return [
+                "No loss-scale optimizer, so there is no loss scale, skipped step or "
+                f"gradient health to log. {why}"
+            ]
+        if dtype != "float16":
+            return [_NOT_FLOAT16_NOTE.format(dtype=dtype)]
+        return []
 
     def _on_read(self, logs: dict) -> None:
         import tensorflow as tf
 
-        if self._kind is None:
+        source = self._source
+        if not source.scales_loss or self._writer is None:
             return
         state = self._read_state()
-        step = state["attempted_steps"]
+        step = state.attempted_steps
         scale_points: dict[int, float] = {}
         skipped_points: dict[int, int] = {}
         with self._writer.as_default():
-            if self._kind == KMIX:
+            if source.records_events:
                 self._drain_events(state, scale_points, skipped_points)
+            if source.measures_health:
                 self._write_health(state)
-                self._write_histograms(state["histogram_step"])
-                tf.summary.scalar(tags.LOSS_FINITE, float(state["loss_finite"]), step=step)
+                self._write_histograms(state.histogram_step)
+            if source.knows_loss and state.loss_finite is not None:
+                tf.summary.scalar(tags.LOSS_FINITE, float(state.loss_finite), step=step)
             if step > self._scale_step:
-                scale_points[step] = state["loss_scale"]
-                skipped_points[step] = state["skipped_steps"]
-                attempted = step - self._last_state["attempted_steps"]
-                skipped = state["skipped_steps"] - self._last_state["skipped_steps"]
+                scale_points[step] = state.loss_scale
+                skipped_points[step] = state.skipped_steps
+                attempted = step - self._last_state.attempted_steps
+                skipped = state.skipped_steps - self._last_state.skipped_steps
                 tf.summary.scalar(tags.SKIP_RATE, skipped / max(attempted, 1), step=step)
             for tag, points in (
                 (tags.LOSS_SCALE, scale_points),
@@ -361,48 +413,58 @@ class MixedPrecisionMonitor(StepCallback):
         self._writer.flush()
 
     def _drain_events(
-        self, state: dict, scale_points: dict[int, float], skipped_points: dict[int, int]
+        self, state: Snapshot, scale_points: dict[int, float], skipped_points: dict[int, int]
     ) -> None:
-        """Writes every event since the last read, and the scale around each."""
+        """Writes every event since the last read, the scale around each, and skip health."""
         import tensorflow as tf
 
         since = self._event_index
-        if state["event_count"] == since:  # nothing new: spare the ring's transfers
+        if state.event_count == since:  # nothing new: spare the ring's transfers
             return
-        events = self._optimizer.scale_events(since)
-        lost = state["event_count"] - since - len(events)
+        recorded = self._source.events(since)
+        lost = state.event_count - since - len(recorded)
         if lost > 0:
-            tf.summary.text(
-                tags.EVENTS,
-                f"**{lost} scale events lost** between steps "
-                f"{self._last_state['attempted_steps']} and {state['attempted_steps']}: "
-                f"more happened between two reads than the optimizer's event ring holds "
-                f"(event_capacity={self._optimizer.event_capacity}). Lower `update_freq` "
-                "or raise `event_capacity` of kmix.LossScaleOptimizer.",
-                step=events[0].step if events else state["attempted_steps"],
+            note = tags.EventsLost(
+                count=lost,
+                after_step=self._last_state.attempted_steps,
+                upto_step=state.attempted_steps,
+                capacity=self.model.optimizer.event_capacity,
             )
-        skipped = self._last_state["skipped_steps"]
-        for event in events:
+            first_step = recorded[0].event.step if recorded else state.attempted_steps
+            tf.summary.text(tags.EVENTS, tags.format_events_lost(note), step=first_step)
+        skipped = self._last_state.skipped_steps
+        for event, measured in recorded:
             if event.step - 1 > self._scale_step:
                 scale_points.setdefault(event.step - 1, event.old_scale)
             scale_points[event.step] = event.new_scale
-            if event.kind in tags.SKIP_KINDS and lost <= 0:
-                skipped += 1
-                skipped_points[event.step] = skipped
+            if event.kind in tags.SKIP_KINDS:
+                if lost <= 0:
+                    skipped += 1
+                    skipped_points[event.step] = skipped
+                self._write_health_values(measured, event.step)
             tf.summary.text(tags.EVENTS, tags.format_event(event), step=event.step)
-        self._event_index = state["event_count"]
+        self._event_index = state.event_count
 
-    def _write_health(self, state: dict) -> None:
+    def _write_health_values(self, health: dict[str, float], step: int) -> None:
         import tensorflow as tf
 
-        step = state["health_step"]
-        if step <= self._health_step:
+        for key, tag in _HEALTH_TAGS.items():
+            if key in health:
+                tf.summary.scalar(tag, health[key], step=step)
+
+    def _write_health(self, state: Snapshot) -> None:
+        import tensorflow as tf
+
+        step = state.health_step
+        if step <= self._health_step or not state.health:
             return
         self._health_step = step
-        for tag, key in _HEALTH_TAGS.items():
-            tf.summary.scalar(tag, state[key], step=step)
-        for path, value in self._optimizer.underflow_by_variable().items():
-            tf.summary.scalar(tags.UNDERFLOW_BY_VARIABLE + path, value, step=step)
+        self._write_health_values(state.health, step)
+        if "underflow_fraction" not in state.health:  # nothing float16 was measured
+            return
+        for statistic, values in self._source.per_variable().items():
+            for path, value in values.items():
+                tf.summary.scalar(_PER_VARIABLE_TAGS[statistic] + path, value, step=step)
 
     def _write_histograms(self, step: int) -> None:
         import tensorflow as tf
@@ -412,7 +474,7 @@ class MixedPrecisionMonitor(StepCallback):
             return
         self._histogram_step = step
         edges = np.asarray(tags.exponent_bucket_edges(), dtype=np.float64)
-        for path, counts in self._optimizer.exponent_histograms_by_variable().items():
+        for path, counts in self._source.histograms().items():
             tf.summary.write(
                 tags.GRAD_EXPONENT + path,
                 np.column_stack([edges, np.asarray(counts, np.float64)]),

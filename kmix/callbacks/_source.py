@@ -1,0 +1,157 @@
+"""Where callbacks read loss-scaling state from: one adapter per kind of optimizer.
+
+A callback holds a :class:`Source` and asks it what it can measure, instead of
+branching on the optimizer's class. Three sources: kmix's optimizer (everything,
+exact), Keras's stock loss-scale optimizer (its scale, and skipped steps inferred
+from its iterations at each read) and no loss scaling (steps only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from kmix.record import RecordedEvent, Snapshot
+
+STOCK_MIN_SCALE = 1.0
+"""The floor assumed for the stock Keras optimizer, which has none (it reaches 0.0)."""
+
+
+class Source:
+    """What a callback can read, without a kmix optimizer: attempted steps only.
+
+    Attributes:
+        kind: ``"kmix"``, ``"keras"`` or ``"none"`` (as in ``kmix.tags.LOSS_SCALINGS``).
+        scales_loss: the optimizer has a loss scale.
+        records_events: every scale event is recorded at its exact step.
+        measures_health: gradient health, per-variable statistics and histograms.
+        knows_loss: the snapshot says whether each step's loss was finite.
+        min_scale: the scale's floor, None without loss scaling.
+        max_scale: the scale's ceiling, None when there is none or it is unknown.
+    """
+
+    kind = "none"
+    scales_loss = False
+    records_events = False
+    measures_health = False
+    knows_loss = False
+    min_scale: float | None = None
+    max_scale: float | None = None
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+        self._start_step = 0
+
+    def begin(self, model: keras.Model) -> None:
+        """Notes where this ``fit`` starts and tells the optimizer about the model."""
+        self._start_step = self._iterations()
+
+    def _iterations(self) -> int:
+        built = getattr(self.optimizer, "built", False)
+        return int(ops.convert_to_numpy(self.optimizer.iterations)) if built else 0
+
+    def read(self, steps_seen: int) -> Snapshot:
+        """Reads the state (the host sync).
+
+        Args:
+            steps_seen: optimizer steps the callback counted since train begin.
+        """
+        return Snapshot(
+            loss_scale=None, attempted_steps=self._start_step + steps_seen, skipped_steps=0
+        )
+
+    def events(self, since: int) -> list[RecordedEvent]:
+        """Events with index > ``since`` still held (none without kmix)."""
+        return []
+
+    def request_statistics(self, owner: Any, health_every: int, histogram_every: int) -> None:
+        """Asks for statistics every N steps (nothing to ask without kmix)."""
+
+    def release_statistics(self, owner: Any) -> None:
+        """Withdraws the request."""
+
+    def per_variable(self) -> dict[str, dict[str, float]]:
+        """Statistic -> variable path -> latest value (kmix only)."""
+        return {}
+
+    def histograms(self) -> dict[str, np.ndarray]:
+        """Variable path -> latest exponent histogram (kmix only)."""
+        return {}
+
+
+class KerasSource(Source):
+    """Keras's stock ``LossScaleOptimizer``: the scale; skips inferred from its iterations."""
+
+    kind = "keras"
+    scales_loss = True
+    min_scale = STOCK_MIN_SCALE
+
+    def read(self, steps_seen: int) -> Snapshot:
+        opt = self.optimizer
+        applied = self._iterations() - self._start_step
+        scale = opt.dynamic_scale if opt.built else opt.initial_scale
+        return Snapshot(
+            loss_scale=float(ops.convert_to_numpy(scale)),
+            attempted_steps=self._start_step + steps_seen,
+            skipped_steps=max(steps_seen - applied, 0),
+        )
+
+
+class KmixSource(Source):
+    """``kmix.LossScaleOptimizer``: everything, read from its step record."""
+
+    kind = "kmix"
+    scales_loss = True
+    records_events = True
+    measures_health = True
+    knows_loss = True
+
+    def __init__(self, optimizer: Any) -> None:
+        super().__init__(optimizer)
+        self.min_scale = optimizer.config.rule.min_scale
+        self.max_scale = optimizer.config.rule.max_scale
+
+    def begin(self, model: keras.Model) -> None:
+        self.optimizer.watch(model)
+
+    def read(self, steps_seen: int) -> Snapshot:
+        return self.optimizer.read_state()
+
+    def events(self, since: int) -> list[RecordedEvent]:
+        return self.optimizer.recorded_events(since)
+
+    def request_statistics(self, owner: Any, health_every: int, histogram_every: int) -> None:
+        self.optimizer.request_statistics(owner, health_every, histogram_every)
+
+    def release_statistics(self, owner: Any) -> None:
+        self.optimizer.release_statistics(owner)
+
+    def per_variable(self) -> dict[str, dict[str, float]]:
+        return {
+            "underflow_fraction": self.optimizer.underflow_by_variable(),
+            "subnormal_fraction": self.optimizer.subnormal_by_variable(),
+        }
+
+    def histograms(self) -> dict[str, np.ndarray]:
+        return self.optimizer.exponent_histograms_by_variable()
+
+
+def source_for(optimizer: Any) -> Source:
+    """The source that reads ``optimizer``.
+
+    Args:
+        optimizer: the model's optimizer.
+
+    Returns:
+        A :class:`KmixSource`, :class:`KerasSource` or plain :class:`Source`.
+    """
+    from kmix.optimizer import LossScaleOptimizer
+
+    if isinstance(optimizer, LossScaleOptimizer):
+        return KmixSource(optimizer)
+    if isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
+        return KerasSource(optimizer)
+    return Source(optimizer)

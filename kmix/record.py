@@ -1,0 +1,440 @@
+"""The step record: what kmix.LossScaleOptimizer remembers of every step, as values.
+
+The optimizer keeps one variable per field below and does nothing else with them
+than ``read -> pure update -> assign``. Everything here is a pure function of
+keras.ops tensors (no control flow on tensors, no host sync), tested step by step
+against plain Python in ``tests/test_record.py``.
+
+Per step (every step, one assignment of the packed counters)::
+
+    step = attempted_steps + 1
+    skipped = any gradient non-finite or the unscaled loss non-finite
+    scale, good_steps, hysteresis_left, event = scaling.update_scale(...)
+    skipped_steps += skipped;  consecutive_skips = skipped ? +1 : 0
+    last_overflow_step = skipped ? step : last_overflow_step
+    loss_state = FINITE | NONFINITE | UNKNOWN (scale_loss not seen in this step's graph)
+    consecutive_nonfinite_loss = loss non-finite ? +1 : 0
+    health_step = step if periodic health is due (a skipped step's health goes with its event)
+    histogram_step = step if histograms are due
+    event_count += event != NONE
+
+Events go to a ring of ``capacity`` rows (only when one happens, so in a rare
+branch): an int row and a float row, encoded and decoded side by side below.
+Counters saturate at int64's maximum instead of wrapping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+from keras import ops
+
+from kmix import scaling
+from kmix.tags import ForwardOrigin, ScaleEvent
+
+INT64_MAX = 2**63 - 1
+
+LOSS_NONFINITE = 0
+LOSS_FINITE = 1
+LOSS_UNKNOWN = -1
+"""Codes of ``Counters.loss_state``: what the step knew about its unscaled loss."""
+
+HEALTH_FIELDS = (
+    "grad_norm",
+    "max_abs_scaled",
+    "headroom_bits",
+    "underflow_fraction",
+    "zero_fraction",
+    "subnormal_fraction",
+    "nonfinite_elements",
+    "float16_elements",
+)
+"""The float health vector's layout (kmix.health.GradientHealth scalars, in order)."""
+
+
+class Counters(NamedTuple):
+    """The integer part of the record; packed into one int64 vector variable."""
+
+    attempted_steps: Any
+    skipped_steps: Any
+    good_steps: Any
+    hysteresis_left: Any
+    consecutive_skips: Any
+    last_overflow_step: Any
+    loss_state: Any
+    consecutive_nonfinite_loss: Any
+    event_count: Any
+    health_step: Any
+    histogram_step: Any
+
+
+class StepRecord(NamedTuple):
+    """The record updated on every step: the float32 ``scale`` and the :class:`Counters`."""
+
+    scale: Any
+    counters: Counters
+
+
+class StepOutcome(NamedTuple):
+    """What one step did, for the optimizer's rare branches.
+
+    Attributes:
+        step: the attempted step, from 1 (int64).
+        skipped: True when the update was not applied.
+        event: the scale event code (``scaling.NONE`` when none).
+        health_due: gradient health is due (periodic).
+        histogram_due: exponent histograms are due.
+        statistics_due: health is to be computed (due, or the step was skipped).
+    """
+
+    step: Any
+    skipped: Any
+    event: Any
+    health_due: Any
+    histogram_due: Any
+    statistics_due: Any
+
+
+def initial_counters(hysteresis: int) -> Counters:
+    """The counters of an optimizer that has not stepped yet (plain ints)."""
+    values = dict.fromkeys(Counters._fields, 0)
+    values.update(hysteresis_left=hysteresis, loss_state=LOSS_FINITE)
+    return Counters(**values)
+
+
+def pack(counters: Counters) -> Any:
+    """Stacks the counters into one int64 vector (the variable's layout)."""
+    return ops.stack([ops.cast(value, "int64") for value in counters])
+
+
+def unpack(vector: Any) -> Counters:
+    """Splits the int64 vector written by :func:`pack` into :class:`Counters`."""
+    return Counters(*(vector[i] for i in range(len(Counters._fields))))
+
+
+def saturating_add(counter: Any, amount: Any) -> Any:
+    """``counter + amount`` for int64 tensors, stopping at int64's maximum."""
+    amount = ops.cast(amount, "int64")
+    return ops.where(counter > INT64_MAX - amount, INT64_MAX, counter + amount)
+
+
+def due(step: Any, every: Any) -> Any:
+    """True when ``every > 0`` and ``step`` is a multiple of it."""
+    every = ops.cast(every, "int64")
+    return ops.logical_and(every > 0, ops.equal(ops.mod(step, ops.maximum(every, 1)), 0))
+
+
+def advance(
+    record: StepRecord,
+    grads_finite: Any,
+    loss_state: Any,
+    config: scaling.ScaleConfig,
+    health_every: Any,
+    histogram_every: Any,
+) -> tuple[StepRecord, StepOutcome]:
+    """Applies one attempted step to the record (the rule in the module docstring).
+
+    Args:
+        record: the record before the step.
+        grads_finite: boolean scalar, True when every gradient of every replica is finite.
+        loss_state: int scalar, ``LOSS_FINITE``, ``LOSS_NONFINITE`` or ``LOSS_UNKNOWN``.
+        config: the scale rule's constants.
+        health_every: steps between health statistics (int scalar).
+        histogram_every: steps between histograms; 0 means never.
+
+    Returns:
+        ``(new_record, outcome)``; every new value depends on ``grads_finite``, so
+        nothing is assigned before the step's data exist (an exhausted input
+        pipeline aborts the step before any counter moves).
+    """
+    c = record.counters
+    loss_state = ops.cast(loss_state, "int64")
+    loss_nonfinite = ops.equal(loss_state, LOSS_NONFINITE)
+    scale_state, event = scaling.update_scale(
+        scaling.ScaleState(record.scale, c.good_steps, c.hysteresis_left),
+        grads_finite,
+        config,
+        loss_finite=ops.logical_not(loss_nonfinite),
+    )
+    skipped = ops.logical_or(ops.logical_not(grads_finite), loss_nonfinite)
+    # `where(grads_finite, 1, 1)`: the step depends on the gradients' flags, hence on
+    # the data, so the counters cannot move in a step whose input never arrived.
+    step = saturating_add(c.attempted_steps, ops.where(grads_finite, 1, 1))
+    health_due = due(step, health_every)
+    histogram_due = due(step, histogram_every)
+    statistics_due = ops.logical_or(health_due, skipped)
+    counters = Counters(
+        attempted_steps=step,
+        skipped_steps=saturating_add(c.skipped_steps, skipped),
+        good_steps=scale_state.good_steps,
+        hysteresis_left=scale_state.hysteresis_left,
+        consecutive_skips=ops.where(skipped, saturating_add(c.consecutive_skips, 1), 0),
+        last_overflow_step=ops.where(skipped, step, c.last_overflow_step),
+        loss_state=loss_state,
+        consecutive_nonfinite_loss=ops.where(
+            loss_nonfinite, saturating_add(c.consecutive_nonfinite_loss, 1), 0
+        ),
+        event_count=saturating_add(c.event_count, ops.not_equal(event, scaling.NONE)),
+        health_step=ops.where(health_due, step, c.health_step),
+        histogram_step=ops.where(histogram_due, step, c.histogram_step),
+    )
+    outcome = StepOutcome(step, skipped, event, health_due, histogram_due, statistics_due)
+    return StepRecord(scale_state.scale, counters), outcome
+
+
+# ------------------------------------------------------------------ event ring
+EVENT_INT_FIELDS = (
+    "step",
+    "kind",
+    "first_variable",  # index into the optimizer's variables, -1 if none
+    "nonfinite_variables",
+    "loss_state",
+    "origin_layer",  # index into the forward tap's layers, -1 if none
+    "origin_inputs_finite",
+)
+EVENT_FLOAT_FIELDS = ("old_scale", "new_scale", "origin_max_abs_input", *HEALTH_FIELDS)
+"""Columns of the ring's int and float rows; health is the step's, when measured."""
+
+
+class EventRing(NamedTuple):
+    """The last ``capacity`` events: int64 rows, float32 rows (slot = (index - 1) % capacity)."""
+
+    ints: Any
+    floats: Any
+
+
+class EventOrigin(NamedTuple):
+    """The forward origin of a non-finite loss, as tensors (layer -1: none known)."""
+
+    layer: Any
+    inputs_finite: Any
+    max_abs_input: Any
+
+
+NO_ORIGIN = EventOrigin(-1, 0, 0.0)
+
+
+def encode_event(
+    step: Any,
+    event: Any,
+    scales: tuple[Any, Any],
+    var_bad: Any,
+    loss_state: Any,
+    health: Any,
+    origin: EventOrigin = NO_ORIGIN,
+) -> tuple[Any, Any]:
+    """Encodes one event as the ring's ``(int_row, float_row)``.
+
+    Args:
+        step: the attempted step.
+        event: the event code.
+        scales: ``(old_scale, new_scale)``.
+        var_bad: boolean vector, True for each variable with a non-finite gradient.
+        loss_state: the loss code of the step.
+        health: float32 vector laid out as :data:`HEALTH_FIELDS` (NaN where unmeasured).
+        origin: the forward origin, if known.
+
+    Returns:
+        The int64 row and the float32 row.
+    """
+    bad = ops.cast(var_bad, "int32")
+    first = ops.where(ops.any(var_bad), ops.cast(ops.argmax(bad), "int64"), -1)
+    ints = ops.stack(
+        [
+            ops.cast(value, "int64")
+            for value in (
+                step,
+                event,
+                first,
+                ops.sum(bad),
+                loss_state,
+                origin.layer,
+                origin.inputs_finite,
+            )
+        ]
+    )
+    floats = ops.concatenate(
+        [
+            ops.stack([ops.cast(v, "float32") for v in (*scales, origin.max_abs_input)]),
+            ops.cast(health, "float32"),
+        ]
+    )
+    return ints, floats
+
+
+def write_event(ring: EventRing, event_index: Any, ints: Any, floats: Any) -> EventRing:
+    """Writes the event numbered ``event_index`` (from 1) into its slot of the ring."""
+    capacity = ops.shape(ring.ints)[0]
+    slot = ops.equal(
+        ops.arange(capacity, dtype="int64"), ops.mod(ops.cast(event_index, "int64") - 1, capacity)
+    )[:, None]
+    return EventRing(
+        ops.where(slot, ints[None, :], ring.ints), ops.where(slot, floats[None, :], ring.floats)
+    )
+
+
+class RecordedEvent(NamedTuple):
+    """An event with the gradient health measured at its step (empty if unmeasured)."""
+
+    event: ScaleEvent
+    health: dict[str, float]
+
+
+def decode_events(
+    ints: np.ndarray,
+    floats: np.ndarray,
+    event_count: int,
+    since: int,
+    variables: Sequence[str],
+    layers: Sequence[tuple[str, str]] = (),
+) -> list[RecordedEvent]:
+    """Reads the events with ``index > since`` that the ring (host copies) still holds.
+
+    Args:
+        ints: the ring's int rows, ``[capacity, len(EVENT_INT_FIELDS)]``.
+        floats: its float rows, ``[capacity, len(EVENT_FLOAT_FIELDS)]``.
+        event_count: events recorded since training began.
+        since: the index of the last event already seen.
+        variables: variable paths, in the optimizer's order.
+        layers: ``(path, class name)`` of the forward tap's layers, in its order.
+
+    Returns:
+        The events in order, each with its step's health; fewer than
+        ``event_count - since`` if the ring overflowed.
+    """
+    capacity = len(ints)
+    events = []
+    for index in range(max(since, event_count - capacity) + 1, event_count + 1):
+        slot = (index - 1) % capacity
+        row = dict(zip(EVENT_INT_FIELDS, (int(x) for x in ints[slot]), strict=True))
+        values = dict(zip(EVENT_FLOAT_FIELDS, (float(x) for x in floats[slot]), strict=True))
+        origin = None
+        if 0 <= row["origin_layer"] < len(layers):
+            path, layer_class = layers[row["origin_layer"]]
+            max_abs = values["origin_max_abs_input"]
+            origin = ForwardOrigin(
+                layer=path,
+                layer_class=layer_class,
+                inputs_finite=bool(row["origin_inputs_finite"]),
+                max_abs_input=max_abs if np.isfinite(max_abs) else None,
+            )
+        first = row["first_variable"]
+        event = ScaleEvent(
+            index=index,
+            step=row["step"],
+            kind=scaling.EVENT_KINDS[row["kind"]],
+            old_scale=values["old_scale"],
+            new_scale=values["new_scale"],
+            variable=variables[first] if 0 <= first < len(variables) else None,
+            nonfinite_variables=row["nonfinite_variables"],
+            loss_finite=loss_finite_from_state(row["loss_state"]),
+            origin=origin,
+        )
+        events.append(RecordedEvent(event, event_health(floats[slot])))
+    return events
+
+
+def loss_finite_from_state(loss_state: int) -> bool | None:
+    """``Counters.loss_state`` as a Python value: True, False or None (unknown)."""
+    return None if loss_state == LOSS_UNKNOWN else bool(loss_state == LOSS_FINITE)
+
+
+def event_health(floats_row: np.ndarray) -> dict[str, float]:
+    """The health measured at an event's step (see :func:`measured_health`)."""
+    return measured_health(floats_row[len(EVENT_FLOAT_FIELDS) - len(HEALTH_FIELDS) :])
+
+
+# -------------------------------------------------------------------- snapshot
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The record as read at one moment: Python values, JSON-ready via ``asdict``.
+
+    Attributes:
+        loss_scale: the current scale (None where the optimizer has none).
+        attempted_steps: optimizer steps attempted, skipped ones included.
+        skipped_steps: steps not applied.
+        good_steps: consecutive finite steps since the scale last changed or a skip.
+        consecutive_skips: skipped steps in a row, up to now.
+        last_overflow_step: the most recent skipped step, 0 if none.
+        loss_finite: whether the latest step's unscaled loss was finite; None if unknown.
+        consecutive_nonfinite_loss: steps in a row with a non-finite loss, up to now.
+        event_count: events recorded since training began.
+        health_step: step of the latest periodic health measurement, 0 if none (a
+            skipped step's health goes with its event).
+        histogram_step: step of the latest exponent histograms, 0 if none.
+        health: the periodic gradient health (:data:`HEALTH_FIELDS` -> value), empty
+            before the first periodic measurement; range statistics are absent when
+            no float16 variable was measured.
+    """
+
+    loss_scale: float | None
+    attempted_steps: int
+    skipped_steps: int
+    good_steps: int = 0
+    consecutive_skips: int = 0
+    last_overflow_step: int = 0
+    loss_finite: bool | None = None
+    consecutive_nonfinite_loss: int = 0
+    event_count: int = 0
+    health_step: int = 0
+    histogram_step: int = 0
+    health: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        """``snapshot["loss_scale"]``: the mapping access of kmix 0.1.0's dict, kept."""
+        if key in HEALTH_FIELDS:
+            return self.health.get(key, math.nan)
+        if key not in {f.name for f in dataclasses.fields(self)}:
+            raise KeyError(key)
+        return getattr(self, key)
+
+
+RANGE_FIELDS = frozenset(HEALTH_FIELDS) - {"grad_norm", "nonfinite_elements", "float16_elements"}
+"""Health fields that describe float16's range: measured only where float16 computes."""
+
+
+def measured_health(values: Sequence[float]) -> dict[str, float]:
+    """The health vector as a dict of what was measured.
+
+    Args:
+        values: floats laid out as :data:`HEALTH_FIELDS`; NaN marks "not measured".
+
+    Returns:
+        Field -> value, without unmeasured fields, and without the range fields when
+        no float16 element was counted.
+    """
+    health = {name: float(v) for name, v in zip(HEALTH_FIELDS, values, strict=True)}
+    if not all(map(math.isfinite, (health["grad_norm"], health["float16_elements"]))):
+        return {}
+    if health["float16_elements"] == 0:
+        health = {k: v for k, v in health.items() if k not in RANGE_FIELDS}
+    return health
+
+
+def snapshot(scale: float, counters: Sequence[int], health: Sequence[float] | None) -> Snapshot:
+    """Builds a :class:`Snapshot` from host copies of the record's variables.
+
+    Args:
+        scale: the scale variable's value.
+        counters: the counters vector, laid out as :class:`Counters`.
+        health: the periodic health vector, or None before the optimizer is built.
+    """
+    c = Counters(*(int(x) for x in counters))
+    return Snapshot(
+        loss_scale=float(scale),
+        attempted_steps=c.attempted_steps,
+        skipped_steps=c.skipped_steps,
+        good_steps=c.good_steps,
+        consecutive_skips=c.consecutive_skips,
+        last_overflow_step=c.last_overflow_step,
+        loss_finite=loss_finite_from_state(c.loss_state),
+        consecutive_nonfinite_loss=c.consecutive_nonfinite_loss,
+        event_count=c.event_count,
+        health_step=c.health_step,
+        histogram_step=c.histogram_step,
+        health={} if health is None else measured_health(health),
+    )
