@@ -335,7 +335,7 @@ function exponentHeatmap(map, f16, selectedVariable) {
       if (!(share > 0)) return;
       const t = (Math.log10(share) + 6) / 6;
       root.append(svg('rect', {
-        x: x(first + i) + 0.5, y: y + 0.5, width: cellW - 1, height: rowH - 1, fill: viridis(t),
+        class: 'cell', x: x(first + i) + 0.5, y: y + 0.5, width: cellW - 1, height: rowH - 1, fill: viridis(t),
       }, svg('title', {text: `${name}: ${binLabel(i, first, f16)}: ${fmtPercent(share, 3)} of ${map.elements[row]} elements`})));
     });
   });

@@ -1,0 +1,214 @@
+"""The "Mixed Precision" tab in a real browser: TensorBoard as a subprocess, headless Chromium.
+
+A tiny model trained with kmix.LossScaleOptimizer and MixedPrecisionMonitor overflows
+where its data says; ``tensorboard --logdir`` serves the run on a free local port and
+Playwright drives Debian's ``chromium`` (``.ci/run`` installs it). The events the tab
+shows must be the optimizer's own, a chart must be drawn, and no JavaScript error may
+happen. The screenshot is kept in pytest's tmp dir (and copied to
+``$KMIX_SCREENSHOT_DIR`` when that is set).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import keras
+import pytest
+import tensorflow as tf
+from spiky import spiky_data, spiky_model
+from test_tbplugin import LongRunProvider, serve
+
+import kmix
+from kmix.callbacks import MixedPrecisionMonitor
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+if not os.path.exists(CHROMIUM):
+    pytest.skip(
+        f"{CHROMIUM} is not installed (apt-get install -y chromium; .ci/run does it)",
+        allow_module_level=True,
+    )
+sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def run_with_overflows(tmp_path_factory):
+    """The log dir and the optimizer's own events: (step, kind, variable)."""
+    root = tmp_path_factory.mktemp("logs")
+    model = spiky_model(
+        kmix.LossScaleOptimizer(
+            keras.optimizers.SGD(0.0), initial_scale=1024, dynamic_growth_steps=4
+        )
+    )
+    x, y = spiky_data(24, spikes=(3, 4, 12), nan_rows=(18,))
+    monitor = MixedPrecisionMonitor(root / "spiky", update_freq=2, histogram_freq=4, verbose=0)
+    model.fit(x, y, batch_size=1, shuffle=False, verbose=0, callbacks=[monitor])
+    events = [(e.step, e.kind, e.variable or "") for e in model.optimizer.scale_events(0)]
+    # TensorBoard keeps 10 text points per tag by default: stay within them
+    assert 4 <= len(events) <= 10, events
+    writer = tf.summary.create_file_writer(str(root / "plain"))
+    with writer.as_default():
+        tf.summary.scalar("loss", 1.0, step=1)
+    writer.close()
+    keras.config.set_dtype_policy("float32")
+    return root, events
+
+
+@pytest.fixture(scope="module")
+def tensorboard(run_with_overflows):
+    """The URL of ``tensorboard --logdir`` on the run, once the kmix plugin lists it."""
+    root, _ = run_with_overflows
+    port = free_port()
+    command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(root)]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    log = open(root / "tensorboard.log", "wb")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/data/plugin/kmix/runs", timeout=5) as response:
+                    if "spiky/train" in json.load(response)["runs"]:
+                        break
+            except OSError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                log.flush()
+                pytest.fail(
+                    f"tensorboard did not serve the run:\n{(root / 'tensorboard.log').read_text()}"
+                )
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+@pytest.fixture
+def page():
+    """A Chromium page, and the JavaScript errors it reports."""
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1500})
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(f"page error: {error}"))
+        page.on(
+            "console",
+            lambda message: message.type == "error" and errors.append(f"console: {message.text}"),
+        )
+        page.errors = errors
+        yield page
+        browser.close()
+
+
+def open_tab(page, url: str):
+    """Opens TensorBoard's "Mixed Precision" tab and waits until the page is drawn."""
+    page.goto(f"{url}/#kmix")
+    frame = page.frame_locator("iframe").first
+    frame.locator("body[data-state=ready]").wait_for(timeout=60_000)
+    return frame
+
+
+def test_the_tab_shows_the_optimizers_events_and_charts(
+    page, tensorboard, run_with_overflows, tmp_path
+):
+    _, expected = run_with_overflows
+    frame = open_tab(page, tensorboard)
+    assert page.get_by_text("Mixed Precision").first.is_visible()
+
+    rows = frame.locator("table.events tbody tr")
+    shown = rows.evaluate_all(
+        "rows => rows.map(r => [Number(r.dataset.step), r.dataset.kind,"
+        " r.querySelector('.variable').textContent])"
+    )
+    assert [tuple(row) for row in shown] == expected
+
+    line = frame.locator("path.loss-scale-line")
+    assert line.count() == 1 and line.get_attribute("d").count("V") >= 3
+    assert frame.locator(".loss-scale .marker").count() == len(expected)
+    variables = frame.locator(".exponent-heatmap text[data-variable]").count()
+    assert variables == 4  # a/kernel, a/bias, b/kernel, b/bias
+    assert frame.locator(".exponent-heatmap rect.cell").count() >= variables
+    assert frame.locator(".findings li").count() >= 1
+    assert frame.locator(".policy table").count() == 1
+
+    skip = next(e for e in expected if e[2])
+    frame.locator(f".loss-scale .marker[data-step='{skip[0]}']").hover()
+    tooltip = frame.locator("#tooltip")
+    assert tooltip.is_visible()
+    assert f"at step {skip[0]}" in tooltip.text_content() and skip[2] in tooltip.text_content()
+
+    frame.locator(f"table.events tr[data-step='{skip[0]}']").click()
+    assert "selected" in frame.locator(f"table.events tr[data-step='{skip[0]}']").get_attribute(
+        "class"
+    )
+    assert frame.locator(".loss-scale line.highlight").get_attribute("visibility") == "visible"
+    frame.locator(".exponent-heatmap .row-outline").wait_for()
+    outlined = frame.locator(".exponent-heatmap text[data-variable]").evaluate_all(
+        "labels => labels.map(l => l.dataset.variable)"
+    )
+    assert skip[2] in outlined
+
+    frame.locator("input[data-kind=growth]").uncheck()
+    assert rows.count() == sum(e[1] != "growth" for e in expected)
+
+    shot = tmp_path / "mixed_precision_tab.png"
+    page.screenshot(path=str(shot))
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("KMIX_SCREENSHOT_DIR"):
+        shutil.copy(shot, os.environ["KMIX_SCREENSHOT_DIR"])
+
+    frame.locator("input[value=plain]").check()
+    empty = frame.locator("section[data-run=plain] .run-empty")
+    empty.wait_for()
+    assert "no kmix data" in empty.text_content()
+    assert page.errors == []
+
+
+def test_a_100000_step_run_draws_in_under_2_seconds(page, tensorboard):
+    """The page draws the server's downsampled payload of a 100,000-step run quickly."""
+    payload = serve(LongRunProvider()).get("/data/plugin/kmix/run?run=long").get_data()
+    page.route(
+        "**/data/plugin/kmix/runs",
+        lambda route: route.fulfill(json={"runs": ["long"], "other_runs": []}),
+    )
+    page.route(
+        "**/data/plugin/kmix/run?run=long*",
+        lambda route: route.fulfill(body=payload, content_type="application/json"),
+    )
+    frame = open_tab(page, tensorboard)
+    status = frame.locator("#status").text_content()
+    drawn_ms = int(status.split()[2])
+    assert drawn_ms < 2000, status
+    events = len(LongRunProvider().events)
+    assert frame.locator(".loss-scale .marker").count() == events
+    assert page.errors == []
