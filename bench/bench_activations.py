@@ -153,9 +153,7 @@ def run(name: str, make_model, steps: int, rounds: int) -> None:
     for label, values in times.items():
         ratio = statistics.median(v / b for v, b in zip(values, base, strict=True))
         best = min(values) / min(base)
-        print(
-            f"| {label} | {1000 * statistics.median(values):.2f} | {ratio:.3f} | {best:.3f} |"
-        )
+        print(f"| {label} | {1000 * statistics.median(values):.2f} | {ratio:.3f} | {best:.3f} |")
 
 
 def main() -> None:
