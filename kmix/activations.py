@@ -19,6 +19,20 @@ Example (what the optimizer does inside ``apply``, in the replica context)::
     origin = forward_origin([r.inputs for r in records], [r.outputs for r in records])
     names = [r.path for r in records]                      # Python strings, trace time
 
+Wiring (for the optimizer and the monitor):
+
+* The monitor, at ``on_train_begin``: ``tap = ActivationTap(self.model).install()``, hand
+  it to the optimizer, and retrace (``self.model.make_train_function(force=True)``) if a
+  train function was already traced without it; at ``on_train_end``: ``tap.remove()``.
+  :attr:`ActivationTap.last_taken` names the entries of the vectors (paths, classes).
+* The optimizer, first thing in ``apply()`` (replica context, before ``merge_call``,
+  whose function runs in another thread): ``records = tap.take()``; the statistics in
+  its health ``cond``, :func:`forward_origin` in a ``cond`` on the non-finite loss flag.
+  The number of records and their paths are Python values at trace time.
+* Cost: recording adds Python at trace time only. Reducing the records in ``apply``
+  keeps the recorded activations alive until then (past the backward pass), also when
+  the reduction sits in a ``cond`` not taken: peak memory can grow by the activations.
+
 Which layers are tapped: every layer nested in the model (found by
 ``kmix._layers.walk_layers``, the model itself excluded) whose ``compute_dtype`` is
 ``"float16"``, except ``InputLayer`` and pure containers, i.e. Functional and Sequential

@@ -393,3 +393,16 @@ def test_mirrored_strategy_replicas_record_their_own_calls():
         env=env,
     )
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+def test_layers_returning_tuples_are_reduced_over_all_their_tensors(float16_policy):
+    inputs = keras.Input((3, 4))
+    attention = keras.layers.MultiHeadAttention(2, 2, name="mha")
+    mixed, scores = attention(inputs, inputs, return_attention_scores=True)
+    model = keras.Model(inputs, keras.layers.Flatten(name="flat")(mixed))
+    tap = activations.ActivationTap(model).install()
+    x = np.random.default_rng(7).standard_normal((2, 3, 4)).astype("float32") * 50
+    paths, stats, _ = take_in_function(model, tap, x)
+    assert "mha" in paths and paths.index("mha") > paths.index("mha/softmax")
+    mixed, scores = attention(x, x, return_attention_scores=True)
+    assert stats["max_abs"][paths.index("mha")] == max(max_abs(mixed), max_abs(scores))
