@@ -178,14 +178,14 @@ def test_the_tab_shows_the_optimizers_events_and_charts(
     )
     assert skip[2] in outlined
 
-    frame.locator("input[data-kind=growth]").uncheck()
-    assert rows.count() == sum(e[1] != "growth" for e in expected)
-
     shot = tmp_path / "mixed_precision_tab.png"
     page.screenshot(path=str(shot))
     assert shot.stat().st_size > 10_000
     if os.environ.get("KMIX_SCREENSHOT_DIR"):
         shutil.copy(shot, os.environ["KMIX_SCREENSHOT_DIR"])
+
+    frame.locator("input[data-kind=growth]").uncheck()
+    assert rows.count() == sum(e[1] != "growth" for e in expected)
 
     frame.locator("input[value=plain]").check()
     empty = frame.locator("section[data-run=plain] .run-empty")
