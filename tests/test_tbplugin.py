@@ -209,6 +209,21 @@ def test_run_without_kmix_data_gives_the_empty_state(client):
     assert "no kmix data" in data["message"] and "MixedPrecisionMonitor" in data["message"]
 
 
+def test_events_sampled_away_by_tensorboard_are_told(tmp_path):
+    """TensorBoard keeps 10 text points per tag by default; the skip counter knows more."""
+    writer = tf.summary.create_file_writer(str(tmp_path / "many"))
+    with writer.as_default():
+        for step in range(1, 16):
+            event = _event(step, "backoff", 2.0 ** (30 - step), 2.0 ** (29 - step), "w", 1, True)
+            tf.summary.text(tags.EVENTS, tags.format_event(event), step=step)
+            tf.summary.scalar(tags.SKIPPED_STEPS, step, step=step)
+    writer.close()
+    data = get_json(serve(default_provider(tmp_path)), f"{URL}/run?run=many")
+    check = data["events_check"]
+    assert check["complete"] is False and check["shown"] == 10 and check["skipped_steps"] == 15
+    assert "--samples_per_plugin=text=0" in check["message"]
+
+
 def test_no_run_with_kmix_data(tmp_path):
     write_plain_run(str(tmp_path / "plain"))
     provider = default_provider(tmp_path)
