@@ -77,12 +77,12 @@ def _one(request: Any, name: str, required: bool = True) -> str | None:
 
 
 def _integer(request: Any, name: str, low: int, high: int, default: int | None) -> int | None:
-    """Query parameter ``name`` as an integer in ``[low, high]``.
+    """Optional query parameter ``name`` as an integer in ``[low, high]``, else ``default``.
 
     Raises:
-        BadRequest: it is not a plain decimal integer, or out of range.
+        BadRequest: it is repeated, not a plain decimal integer, or out of range.
     """
-    text = _one(request, name, required=default is None and name != "step")
+    text = _one(request, name, required=False)
     if text is None:
         return default
     if not _INTEGER.fullmatch(text):
