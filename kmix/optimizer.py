@@ -213,8 +213,10 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     It subclasses ``keras.mixed_precision.LossScaleOptimizer``, so ``model.compile``
     does not wrap it again. On every step it checks the scaled gradients of every
     replica and the unscaled loss; if all are finite it unscales the gradients and
-    applies the inner optimizer, otherwise it skips the step (weights, inner state
-    and the forward pass's non-trainable state untouched). The scale follows
+    applies the inner optimizer, otherwise it skips the step: weights and inner state
+    untouched, and, once it knows the model (kmix's callbacks tell it at train
+    begin; custom loops call :meth:`watch`), the non-trainable state the forward
+    pass assigned (BatchNormalization's moving statistics) too. The scale follows
     :func:`kmix.scaling.update_scale`: gradient overflows back it off; a non-finite
     loss (a forward overflow) keeps it, since no scale can fix the forward pass.
     Counters, gradient health and a ring of recent events are kept in optimizer

@@ -404,12 +404,13 @@ def measured_health(values: Sequence[float]) -> dict[str, float]:
         values: floats laid out as :data:`HEALTH_FIELDS`; NaN marks "not measured".
 
     Returns:
-        Field -> value, without unmeasured fields, and without the range fields when
-        no float16 element was counted.
+        Field -> finite value: nothing when the statistics did not run, and no range
+        field when no float16 element was counted.
     """
     health = {name: float(v) for name, v in zip(HEALTH_FIELDS, values, strict=True)}
-    if not all(map(math.isfinite, (health["grad_norm"], health["float16_elements"]))):
+    if not math.isfinite(health["float16_elements"]):
         return {}
+    health = {name: v for name, v in health.items() if math.isfinite(v)}
     if health["float16_elements"] == 0:
         health = {k: v for k, v in health.items() if k not in RANGE_FIELDS}
     return health

@@ -160,3 +160,36 @@ def test_uncompiled_model_fails_at_train_begin():
     guard.set_model(keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)]))
     with pytest.raises(ValueError, match="not compiled"):
         guard.on_train_begin()
+
+
+@pytest.mark.parametrize("guard_first", [False, True])
+def test_a_run_the_guard_ends_keeps_every_event_and_says_why(tmp_path, guard_first):
+    """NaN loss from step 5, patience 3: the guard raises at step 7 with 5, 6, 7 on disk."""
+    from test_monitor import events, read_back, texts
+
+    from kmix import report, tags
+
+    model = spiky_model()
+    monitor = kmix.callbacks.MixedPrecisionMonitor(
+        tmp_path, update_freq=1 if guard_first else 100, verbose=0
+    )
+    guard = LossScaleGuard(patience=3, mode="raise", verbose=0)
+    x, y = spiky_data(12, nan_rows=range(5, 13))
+    callbacks = [guard, monitor] if guard_first else [monitor, guard]
+    with pytest.raises(LossScaleGuardError):
+        model.fit(x, y, batch_size=1, shuffle=False, verbose=0, callbacks=callbacks)
+
+    data = read_back(tmp_path)
+    got = events(data)
+    assert [(step, e.kind, e.loss_finite) for step, e in got] == [
+        (5, "forward_overflow", False),
+        (6, "forward_overflow", False),
+        (7, "forward_overflow", False),
+    ]
+    ((_, text),) = texts(data, tags.RUN_END)
+    run_end = tags.parse_run_end(text)
+    assert (run_end.step, run_end.reason) == (7, "guard_raised")
+    assert "non-finite" in run_end.message or "NaN" in run_end.message
+    summary = report.summarize(report.read_log(str(tmp_path)))
+    assert summary.to_dict()["run_end"]["reason"] == "guard_raised"
+    assert "no problems found" not in report.format_summary(summary)

@@ -238,26 +238,35 @@ def test_without_loss_scaling_logs_the_policy_and_why_the_rest_is_missing(tmp_pa
     assert "loss scaling: none" in texts(data, tags.POLICY)[0][1]
 
 
-def test_interrupted_fit_leaves_everything_up_to_the_last_read_on_disk(tmp_path):
-    class Interrupt(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 12:  # step 13
-                raise KeyboardInterrupt
+class RaiseAt(keras.callbacks.Callback):
+    """Another user callback that ends fit by raising at a chosen step."""
 
+    def __init__(self, step, error):
+        super().__init__()
+        self.step, self.error = step, error
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch + 1 == self.step:
+            raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"), [(KeyboardInterrupt(), "interrupted"), (RuntimeError("disk"), "exception")]
+)
+def test_a_fit_ended_by_another_callback_leaves_every_event_on_disk(tmp_path, error, reason):
     model = spiky_model()
     before = model.optimizer.health_every
     monitor = MixedPrecisionMonitor(tmp_path, update_freq=5, verbose=0)
-    with pytest.raises(KeyboardInterrupt):
-        fit(model, spiky_data(20, spikes=(3, 12)), callbacks=[monitor, Interrupt()])
+    with pytest.raises(type(error)):
+        fit(model, spiky_data(20, spikes=(3, 12)), callbacks=[monitor, RaiseAt(13, error)])
 
     data = read_back(tmp_path)
-    assert [step for step, _ in events(data)] == [3]  # step 12 was not read yet
-    assert max(scalars(data, tags.LOSS_SCALE)) == 10
-    # The interrupted fit left health_every at 5; the monitor's next fit gives the
-    # optimizer back its own setting at the end.
-    assert model.optimizer.health_every == 5
-    fit(model, spiky_data(2), callbacks=[monitor])
-    assert model.optimizer.health_every == before
+    assert [step for step, _ in events(data)] == [3, 12]  # step 12 too, though unread then
+    assert max(scalars(data, tags.LOSS_SCALE)) == 13
+    ((step, text),) = texts(data, tags.RUN_END)
+    run_end = tags.parse_run_end(text)
+    assert (step, run_end.step, run_end.reason) == (13, 13, reason)
+    assert model.optimizer.health_every == before  # the monitor's request is withdrawn
 
 
 @pytest.mark.parametrize(

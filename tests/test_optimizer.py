@@ -566,3 +566,117 @@ def test_stock_keras_corrupts_weights_in_the_same_case():
     """The fact kmix exists to fix: stock Keras reads replica 0 only and applies NaN."""
     got = run_script("keras")
     assert not got["finite"]
+
+
+# ----------------------------------------------- truthful under every model, input, ending
+def test_a_lazily_built_model_gets_its_float16_mask_when_its_variables_exist(tmp_path):
+    """No Input: variables appear at the first step; headroom must still be measured."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.layers.Dense(1, kernel_initializer="ones", name="d")])
+    opt = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=2.0**10)
+    model.compile(optimizer=opt, loss="mse")
+    monitor = kmix.callbacks.MixedPrecisionMonitor(tmp_path, update_freq=1, verbose=0)
+    x, y = np.full((1, 2), 8.0, "float32"), np.zeros((1, 1), "float32")
+    model.fit(x, y, batch_size=1, verbose=0, callbacks=[monitor])
+    # d/kernel's scaled gradient: 2 * (16 - 0) * 8 * 1024 = 2**18: past float16's max.
+    np.testing.assert_array_equal(opt.float16_mask, [1.0, 1.0])
+    assert opt.scale_events()[0].variable == "sequential/d/kernel" or opt.skipped_steps == 1
+    state = opt.read_state()
+    assert state.skipped_steps == 1 and opt.scale_events()[0].kind == "backoff"
+
+
+def test_an_input_of_unknown_length_counts_only_the_steps_that_ran():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    opt = kmix.LossScaleOptimizer("sgd")
+    model.compile(optimizer=opt, loss="mse")
+    data = tf.data.Dataset.range(30).filter(lambda i: i % 4 != 0)  # cardinality unknown
+    data = data.map(lambda i: (tf.fill([2], tf.cast(i, "float32") / 30), [0.0])).batch(3)
+    model.fit(data, epochs=3, verbose=0)
+    # 22 rows per epoch in batches of 3: 8 batches, 24 over three epochs.
+    assert opt.attempted_steps == 24 == int(opt.iterations.numpy())
+
+
+def test_two_monitors_compose_their_requests_and_restore_the_setting(tmp_path):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    opt = kmix.LossScaleOptimizer("sgd", health_every=100)
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen = (opt.health_every, opt.histogram_every)
+
+    probe = Probe()
+    monitors = [
+        kmix.callbacks.MixedPrecisionMonitor(tmp_path / "a", update_freq=1, verbose=0),
+        kmix.callbacks.MixedPrecisionMonitor(tmp_path / "b", update_freq=4, histogram_freq=6),
+    ]
+    train_small(model, opt, callbacks=[*monitors, probe])
+    assert probe.seen == (1, 6)  # each monitor gets its steps
+    assert (opt.health_every, opt.histogram_every) == (100, 0)
+
+
+def test_loss_flag_belongs_to_its_step():
+    w = keras.Variable(np.ones(2, "float32"))
+    opt = kmix.LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=8.0)
+
+    @tf.function
+    def step(x):  # two losses, the first NaN: the step's loss is non-finite
+        with tf.GradientTape() as tape:
+            opt.scale_loss(tf.reduce_sum(w * x) * np.nan)
+            second = opt.scale_loss(tf.reduce_sum(w * x))
+        opt.apply(tape.gradient(second, [w]), [w])
+
+    step(tf.constant([1.0, 1.0]))
+    assert opt.read_state().loss_finite is False and opt.skipped_steps == 1
+    np.testing.assert_array_equal(w.numpy(), [1.0, 1.0])
+
+    scaled = tf.function(lambda: opt.scale_loss(tf.reduce_sum(w)))()  # graph, then eager apply
+    opt.apply([tf.constant([np.inf, 0.0])], [w])
+    assert float(scaled) == 16.0  # sum(w) * 8
+    (event,) = opt.scale_events(since=1)
+    assert (event.kind, event.loss_finite, event.variable) == ("backoff", None, w.path)
+
+
+def test_reusing_the_optimizer_after_unfreezing_gives_keras_clear_error():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(2, name="h1"), keras.layers.Dense(1)]
+    )
+    model.layers[0].trainable = False
+    opt = kmix.LossScaleOptimizer("sgd")
+    train_small(model, opt)
+    model.layers[0].trainable = True
+    with pytest.raises(ValueError, match="Unknown variable.*recreate a new optimizer"):
+        train_small(model, opt)
+
+
+def test_a_skipped_step_leaves_batch_normalization_statistics_as_they_were():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential(
+        [keras.Input((2,)), keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(1)]
+    )
+    opt = kmix.LossScaleOptimizer("sgd", initial_scale=1.0)
+    model.compile(optimizer=opt, loss="mse")
+    opt.watch(model)  # what kmix's callbacks do at train begin
+    x = np.array([[1.0, 2.0], [3.0, 4.0], [np.inf, 1.0], [5.0, 6.0]], "float32")
+    y = np.zeros((4, 1), "float32")
+    model.fit(x[:2], y[:2], batch_size=2, verbose=0, shuffle=False)
+    moving = [v.numpy().copy() for v in model.get_layer("bn").non_trainable_variables]
+    model.fit(x[2:], y[2:], batch_size=2, verbose=0, shuffle=False)  # inf in the batch
+    assert opt.skipped_steps == 1 and opt.scale_events()[-1].kind == "forward_overflow"
+    for variable, before in zip(model.get_layer("bn").non_trainable_variables, moving, strict=True):
+        np.testing.assert_array_equal(variable.numpy(), before)
+
+
+def test_input_handling_errors_name_the_argument():
+    opt = kmix.LossScaleOptimizer("sgd")
+    with pytest.raises(ValueError, match="already a kmix.LossScaleOptimizer"):
+        kmix.LossScaleOptimizer.from_keras(opt)
+    with pytest.raises(ValueError, match="initial_scale=1000000"):
+        kmix.LossScaleOptimizer("sgd", initial_scale=10**400)
+    with pytest.raises(ValueError, match="since=-5.*integer >= 0"):
+        opt.scale_events(since=-5)
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    with pytest.raises(TypeError, match="`callbacks`.*callbacks=None"):
+        kmix.callbacks.LoopDriver(model, None)

@@ -7,14 +7,16 @@ Ending a run: ``fit`` calls ``on_train_end`` only when it returns. So that a run
 ended any other way still leaves its evidence on disk, every kmix callback between
 train begin and train end is *open*, and :func:`end_run` finishes the open ones
 of a model with a reason: the guard calls it before it stops or raises,
-``LoopDriver`` when its loop raises, and kmix calls it for what is still open when
-the process exits (an uncaught exception or Ctrl-C) or, in IPython/Jupyter, when
-the cell that ran ``fit`` ends.
+``LoopDriver`` when its loop raises, and a thin wrapper around ``keras.Model.fit``
+(installed when ``kmix.callbacks`` is imported) when ``fit`` raises — another
+callback's exception, Ctrl-C. What is still open when the process exits or, in
+IPython/Jupyter, when a cell ends, is finished then.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import sys
 import weakref
 from typing import Any
@@ -81,6 +83,28 @@ def _install_hooks() -> None:
     shell = ipython.get_ipython() if ipython is not None else None
     if shell is not None:
         shell.events.register("post_run_cell", _finish_after_cell)
+
+
+def _finish_runs_when_fit_raises() -> None:
+    """Wraps ``keras.Model.fit`` once: if it raises, open kmix runs of the model finish."""
+    original = keras.Model.fit
+    if getattr(original, "_kmix_finishes_runs", False):
+        return
+
+    @functools.wraps(original)
+    def fit(self: keras.Model, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        except BaseException as error:
+            if _OPEN:
+                end_run(self, *reason_for(error))
+            raise
+
+    fit._kmix_finishes_runs = True
+    keras.Model.fit = fit
+
+
+_finish_runs_when_fit_raises()
 
 
 class StepCallback(keras.callbacks.Callback):

@@ -1,0 +1,166 @@
+"""The step record's pure update and event ring, against plain-Python references."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from keras import ops
+from test_scaling import reference_step
+
+from kmix import record, scaling
+from kmix.scaling import ScaleConfig
+
+CONFIG = ScaleConfig(growth_steps=3, hysteresis=2, min_scale=1.0, max_scale=2.0**4)
+LOSS = {"finite": record.LOSS_FINITE, "nonfinite": record.LOSS_NONFINITE, "unknown": -1}
+
+
+def reference(steps: list[tuple[bool, str]], health_every: int, histogram_every: int) -> list:
+    """The counters rule written as plain Python, one dict per step."""
+    c = dict.fromkeys(record.Counters._fields, 0) | {"hysteresis_left": CONFIG.hysteresis}
+    c["loss_state"] = record.LOSS_FINITE
+    scale, trace = np.float32(8.0), []
+    for grads_finite, loss in steps:
+        forward = loss == "nonfinite"
+        step = c["attempted_steps"] + 1
+        if forward:  # the scale is kept, the good-step count restarts
+            new, event = (scale, 0, c["hysteresis_left"]), scaling.FORWARD_OVERFLOW
+        else:
+            new, event = reference_step(
+                (scale, c["good_steps"], c["hysteresis_left"]), grads_finite, CONFIG
+            )
+        scale, c["good_steps"], c["hysteresis_left"] = new
+        skipped = forward or not grads_finite
+        c.update(
+            attempted_steps=step,
+            skipped_steps=c["skipped_steps"] + skipped,
+            consecutive_skips=c["consecutive_skips"] + 1 if skipped else 0,
+            last_overflow_step=step if skipped else c["last_overflow_step"],
+            loss_state=LOSS[loss],
+            consecutive_nonfinite_loss=c["consecutive_nonfinite_loss"] + 1 if forward else 0,
+            event_count=c["event_count"] + (event != scaling.NONE),
+            health_step=step if step % health_every == 0 else c["health_step"],
+            histogram_step=(
+                step if histogram_every and step % histogram_every == 0 else c["histogram_step"]
+            ),
+        )
+        trace.append((float(scale), dict(c), event))
+    return trace
+
+
+def run_graph(steps, health_every, histogram_every) -> list:
+    state = record.StepRecord(
+        ops.convert_to_tensor(8.0, "float32"),
+        record.unpack(
+            ops.convert_to_tensor(list(record.initial_counters(CONFIG.hysteresis)), "int64")
+        ),
+    )
+    trace = []
+    for grads_finite, loss in steps:
+        state, outcome = record.advance(
+            state,
+            ops.convert_to_tensor(grads_finite),
+            LOSS[loss],
+            CONFIG,
+            health_every,
+            histogram_every,
+        )
+        packed = record.unpack(record.pack(state.counters))  # the variable's round trip
+        counters = {k: int(ops.convert_to_numpy(v)) for k, v in packed._asdict().items()}
+        trace.append((float(ops.convert_to_numpy(state.scale)), counters, int(outcome.event)))
+        state = record.StepRecord(state.scale, packed)
+    return trace
+
+
+def test_exact_trace_with_forward_overflows_and_unknown_losses():
+    steps = [(True, "finite")] * 3 + [(False, "finite"), (True, "nonfinite"), (False, "unknown")]
+    trace = run_graph(steps, health_every=2, histogram_every=3)
+    assert trace == reference(steps, 2, 3)
+    scales = [scale for scale, _, _ in trace]
+    assert scales == [8.0, 8.0, 16.0, 16.0, 16.0, 8.0]  # growth, absorbed, kept, backoff
+    assert [event for _, _, event in trace] == [0, 0, 1, 3, 5, 2]
+    assert trace[-1][1]["skipped_steps"] == 3 and trace[-1][1]["loss_state"] == -1
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.tuples(st.booleans(), st.sampled_from(list(LOSS))), min_size=1, max_size=12),
+    st.integers(1, 4),
+    st.integers(0, 3),
+)
+def test_graph_update_matches_reference(steps, health_every, histogram_every):
+    assert run_graph(steps, health_every, histogram_every) == reference(
+        steps, health_every, histogram_every
+    )
+
+
+def test_event_ring_round_trip_and_overwrite():
+    capacity = 2
+    ring = record.EventRing(
+        ops.zeros((capacity, len(record.EVENT_INT_FIELDS)), "int64"),
+        ops.zeros((capacity, len(record.EVENT_FLOAT_FIELDS)), "float32"),
+    )
+    health = np.full(len(record.HEALTH_FIELDS), np.nan, "float32")
+    health[:2] = [3.0, 4096.0]  # grad_norm, max_abs_scaled; float16_elements unmeasured
+    health[record.HEALTH_FIELDS.index("float16_elements")] = 6.0
+    rows = [
+        (5, scaling.BACKOFF, [False, True, True], record.LOSS_FINITE, record.NO_ORIGIN),
+        (
+            6,
+            scaling.FORWARD_OVERFLOW,
+            [False, False, False],
+            record.LOSS_NONFINITE,
+            record.EventOrigin(1, 1, 812.0),
+        ),
+        (9, scaling.GROWTH, [False, False, False], record.LOSS_UNKNOWN, record.NO_ORIGIN),
+    ]
+    for index, (step, kind, bad, loss, origin) in enumerate(rows, start=1):
+        ints, floats = record.encode_event(
+            step, kind, (8.0, 4.0), ops.convert_to_tensor(bad), loss, health, origin
+        )
+        ring = record.write_event(ring, index, ints, floats)
+    decoded = record.decode_events(
+        ops.convert_to_numpy(ring.ints),
+        ops.convert_to_numpy(ring.floats),
+        event_count=3,
+        since=0,
+        variables=["a/kernel", "b/kernel", "b/bias"],
+        layers=[("in", "InputLayer"), ("block/ffn", "Dense")],
+    )
+    assert [r.event.index for r in decoded] == [2, 3]  # the first was overwritten
+    forward, growth = (r.event for r in decoded)
+    assert (forward.step, forward.kind, forward.variable, forward.loss_finite) == (
+        6,
+        "forward_overflow",
+        None,
+        False,
+    )
+    assert dataclasses.asdict(forward.origin) == {
+        "layer": "block/ffn",
+        "layer_class": "Dense",
+        "inputs_finite": True,
+        "max_abs_input": 812.0,
+    }
+    assert (growth.kind, growth.loss_finite, growth.origin) == ("growth", None, None)
+    assert (
+        decoded[0].health["max_abs_scaled"] == 4096.0 and "headroom_bits" not in decoded[0].health
+    )
+    assert (
+        record.decode_events(
+            ops.convert_to_numpy(ring.ints), ops.convert_to_numpy(ring.floats), 3, 3, []
+        )
+        == []
+    )
+
+
+def test_snapshot_leaves_out_what_was_not_measured():
+    nan = float("nan")
+    never = record.snapshot(
+        1024.0, list(record.initial_counters(1)), [nan] * len(record.HEALTH_FIELDS)
+    )
+    assert never.health == {} and never["loss_scale"] == 1024.0 and never.loss_finite is True
+    values = dict.fromkeys(record.HEALTH_FIELDS, 0.5) | {"float16_elements": 0.0}
+    float32_model = record.snapshot(1.0, list(record.initial_counters(1)), list(values.values()))
+    assert set(float32_model.health) == {"grad_norm", "nonfinite_elements", "float16_elements"}
