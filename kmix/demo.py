@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import importlib.resources
 import json
+import math
 import os
 import time
 import warnings
@@ -143,6 +144,7 @@ def _train(
     callbacks: list[Any],
     scaled: bool,
     verbose: int,
+    logged: bool = True,
 ) -> Trained:
     """Builds, compiles, trains and evaluates one model.
 
@@ -154,6 +156,10 @@ def _train(
         callbacks: callbacks for ``fit``.
         scaled: wrap the optimizer in :class:`kmix.LossScaleOptimizer`.
         verbose: Keras's verbosity for ``fit``.
+        logged: validate after every epoch and run the callbacks after every step. When
+            False (the float32 comparison, of which only the test accuracy is shown),
+            Keras runs a whole epoch per call (``steps_per_execution``): the same steps
+            and weights, about 30% faster.
 
     Returns:
         The model, its policy text and its test accuracy.
@@ -167,6 +173,7 @@ def _train(
         with warnings.catch_warnings():  # the choice's reason says when float16 is slow here
             warnings.simplefilter("ignore", UserWarning)
             choice = stack.enter_context(kmix.policy_scope(policy))
+        (x_train, y_train), (x_test, y_test) = data
         model = build_model()
         optimizer: Any = keras.optimizers.Adam(LEARNING_RATE)
         if scaled:
@@ -174,15 +181,17 @@ def _train(
                 optimizer, initial_scale=INITIAL_SCALE, dynamic_growth_steps=GROWTH_STEPS
             )
         model.compile(
-            optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"]
+            optimizer=optimizer,
+            loss="sparse_categorical_crossentropy",
+            metrics=["accuracy"],
+            steps_per_execution=1 if logged else math.ceil(len(x_train) / BATCH_SIZE),
         )
-        (x_train, y_train), (x_test, y_test) = data
         model.fit(
             x_train,
             y_train,
             batch_size=BATCH_SIZE,
             epochs=epochs,
-            validation_data=(x_test, y_test),
+            validation_data=(x_test, y_test) if logged else None,
             callbacks=callbacks,
             verbose=verbose,
         )
@@ -436,7 +445,14 @@ def _train_and_report(
     float32_accuracy = None
     if compare_float32:
         float32_accuracy = _train(
-            "float32", data, epochs=epochs, seed=seed, callbacks=[], scaled=False, verbose=0
+            "float32",
+            data,
+            epochs=epochs,
+            seed=seed,
+            callbacks=[],
+            scaled=False,
+            verbose=0,
+            logged=False,
         ).accuracy
     log = report.read_log(logdir)
     summary = report.summarize(log)
