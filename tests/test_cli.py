@@ -488,6 +488,21 @@ def test_shipped_digits():
     assert set(y_test.tolist()) == set(range(10))
 
 
+def test_unlogged_training_takes_the_same_steps():
+    data = demo.split(*demo.load_digits(), train_limit=100)  # 4 steps, the last one short
+    runs = [
+        demo._train(
+            "float32", data, epochs=2, seed=3, callbacks=[], scaled=False, verbose=0, logged=logged
+        )
+        for logged in (True, False)
+    ]
+    assert runs[0].policy == runs[1].policy
+    assert runs[0].accuracy == runs[1].accuracy
+    assert int(runs[1].model.optimizer.iterations.numpy()) == 8
+    for logged, unlogged in zip(runs[0].model.weights, runs[1].model.weights, strict=True):
+        np.testing.assert_allclose(logged.numpy(), unlogged.numpy(), rtol=1e-6, atol=1e-7)
+
+
 def test_demo_run_small(tmp_path):
     before = keras.config.dtype_policy().name
     logdir = str(tmp_path / "demo")
