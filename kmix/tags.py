@@ -458,3 +458,47 @@ def parse_run_end(text: str) -> RunEnd | None:
     if fields is None or not isinstance(fields["step"], int):
         return None
     return RunEnd(step=fields["step"], reason=str(fields["reason"]), message=str(fields["message"]))
+
+
+LOSS_SCALE_LOG2 = "kmix/loss_scale_log2"
+"""log2 of ``kmix/loss_scale``: whole numbers, readable on TensorBoard's linear axis."""
+
+DESCRIPTIONS = {
+    LOSS_SCALE: "Loss scale (a power of two) multiplying the loss before backprop; written "
+    "at every read and at the steps before and after each change. Read it on a log axis: "
+    "kmix/loss_scale_log2, or the Mixed Precision tab.",
+    LOSS_SCALE_LOG2: "log2 of kmix/loss_scale: whole numbers, readable on a linear axis.",
+    SKIPPED_STEPS: "Cumulative skipped steps (non-finite gradients or loss); the weights "
+    "were not updated on them.",
+    SKIP_RATE: "Skipped ÷ attempted steps since the previous read: 0 healthy, 1 every step "
+    "skipped.",
+    GRAD_NORM: "Global L2 norm of the unscaled gradients at the measured step.",
+    OVERFLOW_HEADROOM_BITS: "log2(65504 ÷ max |scaled gradient|) over float16 layers: "
+    "doublings of the scale left before float16 overflows. Below 1: close; below 0: "
+    "overflowed.",
+    UNDERFLOW_FRACTION: "Share of scaled gradient elements of float16 layers that are zero "
+    "or below 2^-14 (float16's smallest normal): kmix/zero_fraction + kmix/subnormal_fraction.",
+    ZERO_FRACTION: "Share of scaled gradient elements of float16 layers that are exactly "
+    "zero (inactive units, masked positions): no loss scale changes them.",
+    SUBNORMAL_FRACTION: "Share of scaled gradient elements of float16 layers that are "
+    "non-zero and below 2^-14: what float16 rounds coarsely or flushes to zero.",
+    MAX_ABS_SCALED_GRAD: "Largest |scaled gradient| element of float16 layers; float16 "
+    "overflows above 65504.",
+    NONFINITE_ELEMENTS: "inf/NaN elements in the scaled gradients at the measured step "
+    "(also written at every skipped step).",
+    LOSS_FINITE: "1 if the unscaled loss was finite at the read, 0 if the forward pass made "
+    "inf/NaN (no loss scale fixes that).",
+    UNDERFLOW_BY_VARIABLE: "kmix/underflow_fraction for one variable.",
+    SUBNORMAL_BY_VARIABLE: "kmix/subnormal_fraction for one variable.",
+}
+"""Tag (or tag prefix, ending in ``/``) -> the description written with its summaries."""
+
+
+def description(tag: str) -> str:
+    """The description of ``tag`` (a per-variable tag takes its prefix's), "" if none."""
+    if tag in DESCRIPTIONS:
+        return DESCRIPTIONS[tag]
+    prefix = tag[: tag.rfind("/") + 1] if "/" in tag[len(PREFIX) :] else ""
+    while prefix and prefix not in DESCRIPTIONS:
+        prefix = prefix[: prefix[:-1].rfind("/") + 1]
+    return DESCRIPTIONS.get(prefix, "")

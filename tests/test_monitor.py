@@ -98,6 +98,14 @@ def test_health_scalars_and_exponent_histograms(tmp_path):
     # Health every update_freq steps, and at the skipped step 3 (b's kernel overflowed).
     assert sorted(scalars(data, tags.GRAD_NORM)) == [2, 3, 4, 6, 8]
     assert scalars(data, tags.NONFINITE_ELEMENTS)[3] == 1.0
+    assert (
+        scalars(data, tags.LOSS_SCALE_LOG2)[2] == 10.0
+        and scalars(data, tags.LOSS_SCALE_LOG2)[3] == 9.0
+    )
+    acc = event_accumulator.EventAccumulator(os.path.join(str(tmp_path), tags.TRAIN_DIR))
+    acc.Reload()
+    for tag in (tags.GRAD_NORM, tags.UNDERFLOW_BY_VARIABLE + "a/kernel"):
+        assert acc.SummaryMetadata(tag).summary_description == tags.description(tag) != ""
     for step, scale in scale_at.items():
         assert scalars(data, tags.GRAD_NORM)[step] == pytest.approx(math.sqrt(12), rel=1e-6)
         assert scalars(data, tags.MAX_ABS_SCALED_GRAD)[step] == 2 * scale
@@ -197,7 +205,7 @@ def test_train_begin_writes_policy_layout_and_prints_the_command(tmp_path, capsy
         for chart in category.chart
         for pattern in chart.multiline.tag
     }
-    for tag in (tags.LOSS_SCALE, tags.SKIPPED_STEPS, tags.SKIP_RATE, tags.GRAD_NORM):
+    for tag in (tags.LOSS_SCALE_LOG2, tags.SKIPPED_STEPS, tags.SKIP_RATE, tags.GRAD_NORM):
         assert f"^{tag}$" in patterns
     assert f"^{tags.OVERFLOW_HEADROOM_BITS}$" in patterns
     assert f"^{tags.UNDERFLOW_FRACTION}$" in patterns

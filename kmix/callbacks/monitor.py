@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from typing import Any
@@ -118,9 +119,9 @@ def _layout() -> Any:
             layout_pb2.Category(
                 title="kmix: loss scale",
                 chart=[
-                    chart("loss scale", exact(tags.LOSS_SCALE)),
-                    chart("skipped steps", exact(tags.SKIPPED_STEPS)),
-                    chart("skip rate", exact(tags.SKIP_RATE)),
+                    chart("loss scale (log2)", exact(tags.LOSS_SCALE_LOG2)),
+                    chart("skip rate (per read)", exact(tags.SKIP_RATE)),
+                    chart("skipped steps (cumulative)", exact(tags.SKIPPED_STEPS)),
                     chart("loss finite (1 = yes)", exact(tags.LOSS_FINITE)),
                 ],
             ),
@@ -128,18 +129,34 @@ def _layout() -> Any:
                 title="kmix: gradient health",
                 chart=[
                     chart("gradient norm (unscaled)", exact(tags.GRAD_NORM)),
-                    chart("overflow headroom (bits)", exact(tags.OVERFLOW_HEADROOM_BITS)),
-                    chart("max |scaled gradient|", exact(tags.MAX_ABS_SCALED_GRAD)),
                     chart(
-                        "underflow fraction",
-                        exact(tags.UNDERFLOW_FRACTION),
-                        f"^{tags.UNDERFLOW_BY_VARIABLE}.*",
+                        "overflow headroom (bits; < 0 = overflow)",
+                        exact(tags.OVERFLOW_HEADROOM_BITS),
+                    ),
+                    chart("max |scaled gradient|", exact(tags.MAX_ABS_SCALED_GRAD)),
+                    chart("underflow fraction (zeros + subnormal)", exact(tags.UNDERFLOW_FRACTION)),
+                    chart(
+                        "subnormal fraction (what float16 loses)", exact(tags.SUBNORMAL_FRACTION)
                     ),
                     chart("non-finite elements", exact(tags.NONFINITE_ELEMENTS)),
                 ],
             ),
+            layout_pb2.Category(
+                title="kmix: per variable (one line each: see the Mixed Precision tab)",
+                chart=[
+                    chart("underflow fraction", f"^{tags.UNDERFLOW_BY_VARIABLE}.*"),
+                    chart("subnormal fraction", f"^{tags.SUBNORMAL_BY_VARIABLE}.*"),
+                ],
+            ),
         ]
     )
+
+
+def _scalar(tag: str, value: float, step: int) -> None:
+    """Writes one scalar point with the tag's description (kmix.tags.DESCRIPTIONS)."""
+    import tensorflow as tf
+
+    tf.summary.scalar(tag, value, step=step, description=tags.description(tag) or None)
 
 
 def _warn_user(message: str) -> None:
@@ -379,8 +396,6 @@ class MixedPrecisionMonitor(StepCallback):
         return []
 
     def _on_read(self, logs: dict) -> None:
-        import tensorflow as tf
-
         source = self._source
         if not source.scales_loss or self._writer is None:
             return
@@ -395,19 +410,22 @@ class MixedPrecisionMonitor(StepCallback):
                 self._write_health(state)
                 self._write_histograms(state.histogram_step)
             if source.knows_loss and state.loss_finite is not None:
-                tf.summary.scalar(tags.LOSS_FINITE, float(state.loss_finite), step=step)
+                _scalar(tags.LOSS_FINITE, float(state.loss_finite), step)
             if step > self._scale_step:
                 scale_points[step] = state.loss_scale
                 skipped_points[step] = state.skipped_steps
                 attempted = step - self._last_state.attempted_steps
                 skipped = state.skipped_steps - self._last_state.skipped_steps
-                tf.summary.scalar(tags.SKIP_RATE, skipped / max(attempted, 1), step=step)
+                _scalar(tags.SKIP_RATE, skipped / max(attempted, 1), step)
             for tag, points in (
                 (tags.LOSS_SCALE, scale_points),
                 (tags.SKIPPED_STEPS, skipped_points),
             ):
                 for point_step in sorted(points):
-                    tf.summary.scalar(tag, points[point_step], step=point_step)
+                    _scalar(tag, points[point_step], point_step)
+            for point_step in sorted(scale_points):
+                if scale_points[point_step] > 0:
+                    _scalar(tags.LOSS_SCALE_LOG2, math.log2(scale_points[point_step]), point_step)
         self._scale_step = max(self._scale_step, step)
         self._last_state = state
         self._writer.flush()
@@ -446,14 +464,12 @@ class MixedPrecisionMonitor(StepCallback):
         self._event_index = state.event_count
 
     def _write_health_values(self, health: dict[str, float], step: int) -> None:
-        import tensorflow as tf
 
         for key, tag in _HEALTH_TAGS.items():
             if key in health:
-                tf.summary.scalar(tag, health[key], step=step)
+                _scalar(tag, health[key], step)
 
     def _write_health(self, state: Snapshot) -> None:
-        import tensorflow as tf
 
         step = state.health_step
         if step <= self._health_step or not state.health:
@@ -464,7 +480,7 @@ class MixedPrecisionMonitor(StepCallback):
             return
         for statistic, values in self._source.per_variable().items():
             for path, value in values.items():
-                tf.summary.scalar(_PER_VARIABLE_TAGS[statistic] + path, value, step=step)
+                _scalar(_PER_VARIABLE_TAGS[statistic] + path, value, step)
 
     def _write_histograms(self, step: int) -> None:
         import tensorflow as tf
