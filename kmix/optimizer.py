@@ -310,6 +310,8 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         )
         self._trace = threading.local()  # what scale_loss and the model left for apply
         self._model_ref: Any = None
+        self._tap: Any = None  # kmix.activations.ActivationTap, set by watch()
+        self._origin_layers: list[tuple[str, str]] = []  # (path, class) of the tap's records
         _warn_if_fit_cannot_run_here()
 
     @property
@@ -424,8 +426,16 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             flags = context.all_reduce(tf.distribute.ReduceOp.SUM, flags)
         forward_state = self._take_forward_state()
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            self._step(aligned, flags, forward_state, lambda: self._apply_inner(grads, variables))
-        else:
+            records = self._tap.take() if self._tap is not None else []
+            self._origin_layers = [(r.path, r.class_name) for r in records]
+            self._step(
+                aligned,
+                flags,
+                forward_state,
+                lambda: self._apply_inner(grads, variables),
+                records,
+            )
+        else:  # the replicas' layer outputs stay in their threads: no forward origin
             context.merge_call(
                 self._merged_step, args=(aligned, flags, forward_state, grads, variables)
             )
@@ -466,7 +476,14 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             ),
         )
 
-    def _step(self, aligned: list, flags: Any, forward_state: list, apply_inner: Any) -> None:
+    def _step(
+        self,
+        aligned: list,
+        flags: Any,
+        forward_state: list,
+        apply_inner: Any,
+        records: list = (),
+    ) -> None:
         """Read the record, run the pure update, assign; rare work in conditionals."""
         n = len(aligned)
         var_bad = flags[:n] > 0
@@ -511,6 +528,18 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             ops.logical_or(outcome.statistics_due, outcome.histogram_due), statistics, unmeasured
         )
 
+        origin = record.NO_ORIGIN
+        if records:  # where the forward pass first went non-finite, only when it did
+            origin = record.EventOrigin(
+                *ops.unstack(
+                    ops.cond(
+                        ops.logical_not(loss_finite),
+                        lambda: _forward_origin(records),
+                        lambda: ops.convert_to_tensor([-1.0, 0.0, np.nan], "float32"),
+                    )
+                )
+            )
+
         def write_event() -> None:
             ints, floats = record.encode_event(
                 outcome.step,
@@ -519,6 +548,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 var_bad,
                 loss_state,
                 measured,
+                origin,
             )
             ring = record.write_event(
                 record.EventRing(self.event_ints, self.event_floats),
@@ -584,6 +614,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """
         self._model_ref = weakref.ref(model)
         self._wrap_train_step(model)
+        self._tap_forward_pass(model)
         if self.built:
             self._settings.set_base("float16_mask", self._float16_mask(self._trainable_variables))
         dtypes = variable_compute_dtypes(model)
@@ -598,6 +629,18 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             return np.ones(len(variables), "float32")
         dtypes = variable_compute_dtypes(model)
         return np.asarray([dtypes.get(id(v)) == "float16" for v in variables], "float32")
+
+    def _tap_forward_pass(self, model: keras.Model) -> None:
+        """Taps the float16 layers' calls, so a forward overflow can name its first layer."""
+        from kmix.activations import ActivationTap
+
+        if self._tap is not None and self._tap.model is model:
+            return
+        if self._tap is not None:
+            self._tap.remove()
+        self._tap = ActivationTap(model).install()
+        if getattr(model, "train_function", None) is not None:
+            model.make_train_function(force=True)
 
     def _wrap_train_step(self, model: keras.Model) -> None:
         if getattr(model, "_kmix_train_step_of", None) is self:
@@ -750,6 +793,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             count,
             int(since),
             self.variable_paths(),
+            self._origin_layers,
         )
 
     def scale_events(self, since: int = 0) -> list[ScaleEvent]:
@@ -856,6 +900,20 @@ def _warn_if_fit_cannot_run_here() -> None:
 
 def _noop() -> None:
     return None
+
+
+def _forward_origin(records: list) -> Any:
+    """``[layer index, inputs finite, max |input|]`` of the first layer that went non-finite."""
+    from kmix.activations import forward_origin
+
+    found = forward_origin([r.inputs for r in records], [r.outputs for r in records])
+    return ops.stack(
+        [
+            ops.cast(found.layer_index, "float32"),
+            ops.cast(found.inputs_finite, "float32"),
+            ops.cast(found.max_abs_input, "float32"),
+        ]
+    )
 
 
 def _restore(forward_state: list) -> None:

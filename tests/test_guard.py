@@ -193,3 +193,45 @@ def test_a_run_the_guard_ends_keeps_every_event_and_says_why(tmp_path, guard_fir
     summary = report.summarize(report.read_log(str(tmp_path)))
     assert summary.to_dict()["run_end"]["reason"] == "guard_raised"
     assert "no problems found" not in report.format_summary(summary)
+
+
+def test_a_forward_overflow_is_named_at_its_layer_and_the_scale_is_kept():
+    """Dense `big` outputs 2 * 40000 > 65504 in float16 from step 3: its inputs are finite."""
+    keras.config.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((2,))
+    hidden = keras.layers.Dense(2, kernel_initializer="ones", name="big")(inputs)
+    outputs = keras.layers.Dense(1, dtype="float32", name="head")(hidden)
+    model = keras.Model(inputs, outputs)
+    opt = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=16.0)
+    model.compile(opt, "mse")
+    x = np.ones((6, 2), np.float32)
+    x[2:] = 40000.0
+    guard = LossScaleGuard(patience=3, verbose=0)
+    model.fit(
+        x, np.zeros((6, 1), np.float32), batch_size=1, shuffle=False, verbose=0, callbacks=[guard]
+    )
+    events = opt.scale_events()
+    assert [(e.step, e.kind) for e in events] == [
+        (3, "forward_overflow"),
+        (4, "forward_overflow"),
+        (5, "forward_overflow"),
+    ]
+    assert opt.loss_scale == 16.0  # no scale can fix the forward pass
+    origin = events[0].origin
+    assert (origin.layer.split("/")[-1], origin.layer_class, origin.inputs_finite) == (
+        "big",
+        "Dense",
+        True,
+    )
+    assert origin.max_abs_input == 40000.0
+    assert guard.reason == "nonfinite_loss" and "Forward overflow in `" in guard.diagnosis
+    assert "max |input| 40000" in guard.diagnosis
+
+
+def test_nan_in_the_data_is_not_blamed_on_a_layer():
+    model = spiky_model()
+    guard = LossScaleGuard(patience=2, verbose=0)
+    fit(model, spiky_data(4, nan_rows=(2, 3, 4)), guard)
+    origin = model.optimizer.scale_events()[0].origin
+    assert origin is not None and origin.inputs_finite is False
+    assert "already non-finite" in guard.diagnosis

@@ -192,14 +192,39 @@ class LossScaleGuard(StepCallback):
                 return f"`{event.variable}`"
         return "none (the gradients stayed finite)"
 
+    def _forward_origin(self) -> str:
+        """Where the last recorded event says the forward pass first went non-finite."""
+        if not self._source.records_events:
+            return ""
+        count = self._read_state().event_count
+        for event, _ in reversed(self._source.events(max(count - self.patience, 0))):
+            origin = event.origin
+            if origin is None:
+                continue
+            if not origin.inputs_finite:
+                return (
+                    f" The first non-finite layer output is in `{origin.layer}` "
+                    f"({origin.layer_class}), whose inputs were already non-finite: the "
+                    "NaN/Inf comes with the data or from outside the tapped layers."
+                )
+            max_abs = (
+                "" if origin.max_abs_input is None else f", max |input| {origin.max_abs_input:g}"
+            )
+            return (
+                f" Forward overflow in `{origin.layer}` ({origin.layer_class}): inputs finite"
+                f"{max_abs}; keep this layer in float32 with `kmix.policy_scope('float32')` "
+                "or `dtype='float32'`."
+            )
+        return ""
+
     def _nonfinite_loss_text(self, step: int, streak: int) -> str:
         return (
             f"kmix.LossScaleGuard stopped training at step {step}: the loss has been "
             f"NaN/Inf before any loss scaling for {streak} consecutive steps (since step "
             f"{step - streak + 1}; patience={self.patience}). The forward pass produces "
-            "it, so lowering the loss scale cannot help. First non-finite gradient: "
-            f"{self._first_variable()}. Usual causes: NaN/Inf in the input data or "
-            "labels; a learning rate so high that the weights diverged; log, sqrt or "
+            f"it, so lowering the loss scale cannot help.{self._forward_origin()} First "
+            f"non-finite gradient: {self._first_variable()}. Usual causes: NaN/Inf in the "
+            "input data or labels; a learning rate so high that the weights diverged; log, sqrt or "
             "division of zero or negative values in the model or the loss; an "
             "activation or reduction (softmax, exp, large sums) overflowing float16 — "
             "keep such layers in float32 (dtype='float32'); run kmix.audit(model)."
