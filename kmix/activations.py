@@ -56,6 +56,7 @@ import keras
 from keras import ops
 
 from kmix import _layers
+from kmix._graph import reachable
 from kmix.health import FLOAT16_MAX, FLOAT16_SMALLEST_NORMAL, FLOAT16_SMALLEST_SUBNORMAL
 
 __all__ = [
@@ -359,24 +360,9 @@ def _root_graph(tf: Any) -> Any:
     return graph
 
 
-def _reachable(tensor: Any, tf: Any) -> bool:
-    """True if ``tensor`` can be used where ops are being built now (as in the optimizer)."""
-    symbolic = tf.is_symbolic_tensor(tensor)
-    if tf.executing_eagerly():
-        return not symbolic
-    if not symbolic:
-        return True  # an eager tensor is captured as a constant
-    graph = tf.compat.v1.get_default_graph()
-    while graph is not None:
-        if getattr(tensor, "graph", None) is graph:
-            return True
-        graph = getattr(graph, "outer_graph", None)
-    return False
-
-
 def _record_reachable(record: Record, tf: Any) -> bool:
     tensors = tf.nest.flatten((record.inputs, record.outputs), expand_composites=True)
-    return all(_reachable(t, tf) for t in tensors if tf.is_tensor(t))
+    return all(reachable(t) for t in tensors if tf.is_tensor(t))
 
 
 class ActivationTap:

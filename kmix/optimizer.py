@@ -23,6 +23,7 @@ from keras import ops
 from kmix import health, record, scaling
 from kmix._checks import check_int, check_real, invalid
 from kmix._cluster import worker_count
+from kmix._graph import reachable
 from kmix._layers import forward_state_variables, variable_compute_dtypes
 from kmix.record import HEALTH_FIELDS, INT64_MAX, RecordedEvent, Snapshot  # noqa: F401
 from kmix.tags import ScaleEvent
@@ -372,7 +373,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """
         nonfinite = ops.logical_not(ops.all(ops.isfinite(loss)))
         previous = getattr(self._trace, "loss_nonfinite", None)
-        if previous is not None and _reachable_from_current_graph(previous):
+        if previous is not None and reachable(previous):
             nonfinite = ops.logical_or(previous, nonfinite)
         self._trace.loss_nonfinite = nonfinite
         return super().scale_loss(loss)
@@ -583,7 +584,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """What ``scale_loss`` saw in this step's graph: finite, non-finite or unknown."""
         nonfinite = getattr(self._trace, "loss_nonfinite", None)
         self._trace.loss_nonfinite = None
-        if nonfinite is None or not _reachable_from_current_graph(nonfinite):
+        if nonfinite is None or not reachable(nonfinite):
             return ops.convert_to_tensor(record.LOSS_UNKNOWN, "int64")
         return ops.where(nonfinite, record.LOSS_NONFINITE, record.LOSS_FINITE)
 
@@ -591,7 +592,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """The forward-updated variables and their values before this step's forward pass."""
         state = getattr(self._trace, "forward_state", None) or []
         self._trace.forward_state = None
-        return [(v, old) for v, old in state if _reachable_from_current_graph(old)]
+        return [(v, old) for v, old in state if reachable(old)]
 
     # ------------------------------------------------------------- the model
     def watch(self, model: keras.Model) -> list[str]:
@@ -919,17 +920,3 @@ def _forward_origin(records: list) -> Any:
 def _restore(forward_state: list) -> None:
     for variable, old in forward_state:
         variable.assign(old)
-
-
-def _reachable_from_current_graph(tensor: Any) -> bool:
-    """True if ``tensor`` can be used where ops are being built now."""
-    import tensorflow as tf
-
-    if tf.executing_eagerly():
-        return hasattr(tensor, "numpy")
-    graph = tf.compat.v1.get_default_graph()
-    while graph is not None:
-        if getattr(tensor, "graph", None) is graph:
-            return True
-        graph = getattr(graph, "outer_graph", None)
-    return False
