@@ -404,13 +404,16 @@ def measured_health(values: Sequence[float]) -> dict[str, float]:
         values: floats laid out as :data:`HEALTH_FIELDS`; NaN marks "not measured".
 
     Returns:
-        Field -> finite value: nothing when the statistics did not run, and no range
-        field when no float16 element was counted.
+        Field -> finite value: nothing when the statistics did not run, no range field
+        when no float16 element was counted, and no headroom when every value that
+        was not zero was inf/NaN.
     """
     health = {name: float(v) for name, v in zip(HEALTH_FIELDS, values, strict=True)}
     if not math.isfinite(health["float16_elements"]):
         return {}
     health = {name: v for name, v in health.items() if math.isfinite(v)}
+    if health.get("max_abs_scaled") == 0 and health.get("nonfinite_elements", 0) > 0:
+        health.pop("headroom_bits", None)  # no finite non-zero value: nothing to measure it from
     if health["float16_elements"] == 0:
         health = {k: v for k, v in health.items() if k not in RANGE_FIELDS}
     return health

@@ -164,3 +164,19 @@ def test_snapshot_leaves_out_what_was_not_measured():
     values = dict.fromkeys(record.HEALTH_FIELDS, 0.5) | {"float16_elements": 0.0}
     float32_model = record.snapshot(1.0, list(record.initial_counters(1)), list(values.values()))
     assert set(float32_model.health) == {"grad_norm", "nonfinite_elements", "float16_elements"}
+
+
+def test_no_headroom_is_claimed_when_every_nonzero_value_was_nonfinite():
+    values = dict.fromkeys(record.HEALTH_FIELDS, 0.0) | {
+        "headroom_bits": 40.0,  # what the capped formula gives for max 0
+        "nonfinite_elements": 3.0,
+        "float16_elements": 6.0,
+    }
+    health = record.measured_health(list(values.values()))
+    assert "headroom_bits" not in health and health["nonfinite_elements"] == 3.0
+    assert (
+        record.measured_health(list((values | {"nonfinite_elements": 0.0}).values()))[
+            "headroom_bits"
+        ]
+        == 40.0
+    )
