@@ -251,3 +251,9 @@ def test_new_tags_read_back_through_tensorboard(tmp_path):
     assert gradients["overall"]["float16"] == {"underflow": 0.0, "subnormal": 1.0, "overflow": 0.0}
     assert set(gradients["overall"]) == {"float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"}
     assert "precision what-if (gradients at step 120" in report.format_summary(summary)
+
+
+def test_summary_keeps_the_mapping_access_of_0_1_0():
+    summary = report.summarize(report.build_log("run", {tags.LOSS_SCALE: [(1, 8.0), (2, 8.0)]}, {}))
+    assert summary["steps_seen"] == summary.steps_seen == 2
+    assert summary["loss_scale"] == summary.to_dict()["loss_scale"]

@@ -203,6 +203,10 @@ class Summary:
             del event["index"]
         return data
 
+    def __getitem__(self, key: str) -> Any:
+        """``summary["skipped_steps"]``: kmix 0.1.0 returned the dict :meth:`to_dict` gives."""
+        return self.to_dict()[key]
+
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, dict):
