@@ -30,6 +30,17 @@ from kmix.tags import ScaleEvent
 
 __all__ = ["LossScaleOptimizer", "OptimizerConfig", "ScaleEvent", "Snapshot"]
 
+ACTIVATION_CAPACITY = 512
+"""Layer calls per step whose activation statistics are kept (the rest are left out)."""
+ACTIVATION_FIELDS = (
+    "max_abs",
+    "headroom_bits",
+    "nonfinite_fraction",
+    "underflow_fraction",
+    "zero_fraction",
+    "subnormal_fraction",
+)
+"""Columns of the per-layer activation statistics (kmix.activations.ActivationStats)."""
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 _OWNER = "kmix.LossScaleOptimizer"
@@ -312,7 +323,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self._trace = threading.local()  # what scale_loss and the model left for apply
         self._model_ref: Any = None
         self._tap: Any = None  # kmix.activations.ActivationTap, set by watch()
-        self._origin_layers: list[tuple[str, str]] = []  # (path, class) of the tap's records
+        self._layers: list[tuple[str, str]] = []  # (path, class) of the tap's records
         _warn_if_fit_cannot_run_here()
 
     @property
@@ -352,6 +363,9 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self.event_ints = state("event_ints", "int64", 0, (capacity, len(record.EVENT_INT_FIELDS)))
         self.event_floats = state(
             "event_floats", "float32", 0, (capacity, len(record.EVENT_FLOAT_FIELDS))
+        )
+        self.activation_stats = state(
+            "activation_stats", "float32", np.nan, (ACTIVATION_CAPACITY, len(ACTIVATION_FIELDS))
         )
         self._settings.base["float16_mask"] = self._float16_mask(var_list)
         self._settings.create()
@@ -426,20 +440,53 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if context.num_replicas_in_sync > 1:
             flags = context.all_reduce(tf.distribute.ReduceOp.SUM, flags)
         forward_state = self._take_forward_state()
+        forward = self._forward_statistics(flags[len(aligned)] > 0)
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            records = self._tap.take() if self._tap is not None else []
-            self._origin_layers = [(r.path, r.class_name) for r in records]
             self._step(
-                aligned,
-                flags,
-                forward_state,
-                lambda: self._apply_inner(grads, variables),
-                records,
+                aligned, flags, forward_state, lambda: self._apply_inner(grads, variables), forward
             )
-        else:  # the replicas' layer outputs stay in their threads: no forward origin
+        else:  # the cross-replica step reads the first replica's forward statistics
             context.merge_call(
-                self._merged_step, args=(aligned, flags, forward_state, grads, variables)
+                self._merged_step, args=(aligned, flags, forward_state, forward, grads, variables)
             )
+
+    def _forward_statistics(self, loss_nonfinite: Any) -> tuple[Any, Any] | None:
+        """This replica's forward pass, from the tap: ``(origin, activation stats)``.
+
+        Only when due: the origin when the loss is non-finite (``[layer, inputs finite,
+        max |input|]``), the per-layer statistics when health is due (``[layers,
+        len(ACTIVATION_FIELDS)]``, NaN otherwise). None without a tap or records.
+        """
+        from kmix.activations import activation_stats
+
+        records = self._tap.take() if self._tap is not None else []
+        if len(records) > ACTIVATION_CAPACITY:
+            warnings.warn(
+                f"kmix: {len(records)} layer calls in one step; activation statistics "
+                f"cover the first {ACTIVATION_CAPACITY}.",
+                stacklevel=3,
+            )
+        records = records[:ACTIVATION_CAPACITY]
+        self._layers = [(r.path, r.class_name) for r in records]
+        if not records:
+            return None
+        step = record.unpack(self.counters).attempted_steps + 1
+        health_due = record.due(step, self._settings.variables["health_every"])
+        no_origin = ops.convert_to_tensor([-1.0, 1.0, np.nan], "float32")
+        unmeasured = ops.full((len(records), len(ACTIVATION_FIELDS)), np.nan, "float32")
+
+        def stats() -> Any:
+            measured = activation_stats([r.outputs for r in records])
+            return ops.stack([getattr(measured, f) for f in ACTIVATION_FIELDS], axis=1)
+
+        def measure() -> tuple[Any, Any]:
+            origin = ops.cond(loss_nonfinite, lambda: _forward_origin(records), lambda: no_origin)
+            return origin, ops.cond(health_due, stats, lambda: unmeasured)
+
+        # One cond captures the activations: healthy steps between reads pay its switches.
+        return ops.cond(
+            ops.logical_or(loss_nonfinite, health_due), measure, lambda: (no_origin, unmeasured)
+        )
 
     def _apply_inner(self, grads: list, variables: list) -> None:
         """Unscales the gradients and applies the inner optimizer (replica context)."""
@@ -460,6 +507,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         aligned: list,
         flags: Any,
         forward_state: list,
+        forward: tuple[Any, Any] | None,
         grads: list,
         variables: list,
     ) -> None:
@@ -475,6 +523,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             lambda: distribution.extended.call_for_each_replica(
                 self._apply_inner, args=(grads, variables)
             ),
+            None if forward is None else tuple(first(t) for t in forward),
         )
 
     def _step(
@@ -483,7 +532,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         flags: Any,
         forward_state: list,
         apply_inner: Any,
-        records: list = (),
+        forward: tuple[Any, Any] | None = None,
     ) -> None:
         """Read the record, run the pure update, assign; rare work in conditionals."""
         n = len(aligned)
@@ -530,16 +579,20 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         )
 
         origin = record.NO_ORIGIN
-        if records:  # where the forward pass first went non-finite, only when it did
-            origin = record.EventOrigin(
-                *ops.unstack(
-                    ops.cond(
-                        ops.logical_not(loss_finite),
-                        lambda: _forward_origin(records),
-                        lambda: ops.convert_to_tensor([-1.0, 0.0, np.nan], "float32"),
-                    )
-                )
+        if forward is not None:
+            origin = record.EventOrigin(*ops.unstack(forward[0]))
+            rows = ops.shape(forward[1])[0]
+            padded = ops.concatenate(
+                [
+                    forward[1],
+                    ops.full((ACTIVATION_CAPACITY - rows, len(ACTIVATION_FIELDS)), np.nan),
+                ]
             )
+
+            def keep_statistics() -> None:
+                self.activation_stats.assign(padded)
+
+            ops.cond(outcome.health_due, keep_statistics, _noop)
 
         def write_event() -> None:
             ints, floats = record.encode_event(
@@ -779,6 +832,23 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """Per-variable exponent histograms at ``histogram_step`` (layout in kmix.tags)."""
         return self._by_variable("exponent_histograms")
 
+    def activations_by_layer(self) -> dict[str, dict[str, float]]:
+        """Per-layer activation statistics at the latest health step, by layer path.
+
+        Returns:
+            Layer path -> :data:`ACTIVATION_FIELDS` -> value, for the float16 layers the
+            optimizer's tap saw in the last traced step; empty before the first
+            measurement or without a tap (see :meth:`watch`).
+        """
+        if not self.built or not self._layers:
+            return {}
+        values = ops.convert_to_numpy(self.activation_stats)[: len(self._layers)]
+        return {
+            path: dict(zip(ACTIVATION_FIELDS, map(float, row), strict=True))
+            for (path, _), row in zip(self._layers, values, strict=True)
+            if np.isfinite(row).all()
+        }
+
     def recorded_events(self, since: int = 0) -> list[RecordedEvent]:
         """Like :meth:`scale_events`, each event with the health measured at its step."""
         if isinstance(since, bool) or not isinstance(since, int | np.integer) or since < 0:
@@ -794,7 +864,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             count,
             int(since),
             self.variable_paths(),
-            self._origin_layers,
+            self._layers,
         )
 
     def scale_events(self, since: int = 0) -> list[ScaleEvent]:

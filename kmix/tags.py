@@ -489,6 +489,15 @@ DESCRIPTIONS = {
     LOSS_FINITE: "1 if the unscaled loss was finite at the read, 0 if the forward pass made "
     "inf/NaN (no loss scale fixes that).",
     UNDERFLOW_BY_VARIABLE: "kmix/underflow_fraction for one variable.",
+    ACTIVATION_MAX_ABS: "Largest finite |output| of one float16 layer at the measured step; "
+    "float16 overflows above 65504.",
+    ACTIVATION_HEADROOM_BITS: "log2(65504 ÷ max |output|) of one float16 layer: doublings "
+    "left before its output overflows float16.",
+    ACTIVATION_NONFINITE_FRACTION: "Share of one float16 layer's outputs that are inf/NaN.",
+    ACTIVATION_UNDERFLOW_FRACTION: "Share of one float16 layer's outputs that are zero or "
+    "below 2^-14.",
+    MIN_ACTIVATION_HEADROOM_BITS: "The smallest activation headroom over the float16 layers "
+    "at the measured step (kmix/activation_headroom_bits/<layer> says which).",
     SUBNORMAL_BY_VARIABLE: "kmix/subnormal_fraction for one variable.",
 }
 """Tag (or tag prefix, ending in ``/``) -> the description written with its summaries."""

@@ -321,3 +321,64 @@ def test_uncompiled_model_fails_at_train_begin(tmp_path):
     with pytest.raises(ValueError, match="not compiled.*model.compile"):
         monitor.on_train_begin()
     assert not os.path.exists(os.path.join(tmp_path, tags.TRAIN_DIR))
+
+
+class Block(keras.layers.Layer):
+    """A nested block: its Dense is tapped as `<model>/block/up`, the block itself too."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = keras.layers.Dense(2, kernel_initializer="ones", name="up")
+
+    def call(self, x):
+        return self.up(x)
+
+
+class Net(keras.Model):
+    def __init__(self):
+        super().__init__(name="net")
+        self.block = Block(name="block")
+        self.head = keras.layers.Dense(1, kernel_initializer="zeros", dtype="float32")
+
+    def call(self, x):
+        return self.head(self.block(x))
+
+
+def functional_net():
+    inputs = keras.Input((2,))
+    hidden = keras.layers.Dense(2, kernel_initializer="ones", name="up")(inputs)
+    outputs = keras.layers.Dense(1, kernel_initializer="zeros", dtype="float32")(hidden)
+    return keras.Model(inputs, outputs, name="net")
+
+
+@pytest.mark.parametrize(
+    ("make", "layers"), [(functional_net, ["up"]), (Net, ["net/block/up", "net/block"])]
+)
+def test_activation_headroom_per_layer_is_exact(tmp_path, make, layers):
+    """Outputs peak at 512 + 512 = 1024: headroom log2(65504 / 1024) at every read."""
+    keras.config.set_dtype_policy("mixed_float16")
+    model = make()
+    model.compile(kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=1.0), "mse")
+    x = np.full((4, 2), 512.0, np.float32)
+    monitor = MixedPrecisionMonitor(tmp_path, update_freq=2, verbose=0)
+    model.fit(x, np.zeros((4, 1), np.float32), batch_size=1, verbose=0, callbacks=[monitor])
+
+    data = read_back(tmp_path)
+    expected = math.log2(65504.0 / 1024.0)  # 5.99930
+    found = sorted(
+        t[len(tags.ACTIVATION_HEADROOM_BITS) :]
+        for t in data
+        if t.startswith(tags.ACTIVATION_HEADROOM_BITS)
+    )
+    assert [path.split("/", 1)[-1] if make is functional_net else path for path in found] == sorted(
+        layers
+    )
+    for path in found:
+        assert scalars(data, tags.ACTIVATION_MAX_ABS + path) == {2: 1024.0, 4: 1024.0}
+        headroom = scalars(data, tags.ACTIVATION_HEADROOM_BITS + path)
+        assert headroom == pytest.approx({2: expected, 4: expected}, abs=1e-6)
+        assert scalars(data, tags.ACTIVATION_NONFINITE_FRACTION + path) == {2: 0.0, 4: 0.0}
+    assert scalars(data, tags.MIN_ACTIVATION_HEADROOM_BITS) == pytest.approx(
+        {2: expected, 4: expected}, abs=1e-6
+    )
+    assert events(data) == []  # a healthy run has no forward events

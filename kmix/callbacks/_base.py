@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import functools
 import sys
+import warnings
 import weakref
 from typing import Any
 
@@ -47,7 +48,15 @@ def end_run(model: Any, reason: str, message: str) -> None:
     """
     for callback in list(_OPEN):
         if model is None or callback.model is model:
-            callback.finish(reason, message)
+            try:
+                callback.finish(reason, message)
+            except Exception as error:  # never hide what ended the run behind our error
+                _OPEN.discard(callback)
+                warnings.warn(
+                    f"kmix: {type(callback).__name__} could not write the end of the run "
+                    f"({reason}): {type(error).__name__}: {error}",
+                    stacklevel=2,
+                )
 
 
 def reason_for(error: BaseException | None) -> tuple[str, str]:

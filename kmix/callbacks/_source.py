@@ -81,6 +81,10 @@ class Source:
         """Variable path -> latest exponent histogram (kmix only)."""
         return {}
 
+    def per_layer(self) -> dict[str, dict[str, float]]:
+        """Layer path -> activation statistic -> latest value (kmix only)."""
+        return {}
+
 
 class KerasSource(Source):
     """Keras's stock ``LossScaleOptimizer``: the scale; skips inferred from its iterations."""
@@ -137,6 +141,9 @@ class KmixSource(Source):
 
     def histograms(self) -> dict[str, np.ndarray]:
         return self.optimizer.exponent_histograms_by_variable()
+
+    def per_layer(self) -> dict[str, dict[str, float]]:
+        return self.optimizer.activations_by_layer()
 
 
 def source_for(optimizer: Any) -> Source:

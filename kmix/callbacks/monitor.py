@@ -27,6 +27,12 @@ _HEALTH_TAGS = {  # key of Snapshot.health -> tag
     "max_abs_scaled": tags.MAX_ABS_SCALED_GRAD,
     "nonfinite_elements": tags.NONFINITE_ELEMENTS,
 }
+_ACTIVATION_TAGS = {  # statistic of Source.per_layer -> tag prefix
+    "max_abs": tags.ACTIVATION_MAX_ABS,
+    "headroom_bits": tags.ACTIVATION_HEADROOM_BITS,
+    "nonfinite_fraction": tags.ACTIVATION_NONFINITE_FRACTION,
+    "underflow_fraction": tags.ACTIVATION_UNDERFLOW_FRACTION,
+}
 _PER_VARIABLE_TAGS = {  # statistic of Source.per_variable -> tag prefix
     "underflow_fraction": tags.UNDERFLOW_BY_VARIABLE,
     "subnormal_fraction": tags.SUBNORMAL_BY_VARIABLE,
@@ -481,6 +487,13 @@ class MixedPrecisionMonitor(StepCallback):
         for statistic, values in self._source.per_variable().items():
             for path, value in values.items():
                 _scalar(_PER_VARIABLE_TAGS[statistic] + path, value, step)
+        layers = self._source.per_layer()
+        for path, values in layers.items():
+            for statistic, prefix in _ACTIVATION_TAGS.items():
+                _scalar(prefix + path, values[statistic], step)
+        if layers:
+            tightest = min(layers, key=lambda path: layers[path]["headroom_bits"])
+            _scalar(tags.MIN_ACTIVATION_HEADROOM_BITS, layers[tightest]["headroom_bits"], step)
 
     def _write_histograms(self, step: int) -> None:
         import tensorflow as tf
