@@ -471,9 +471,24 @@ def test_writes_the_three_plots(run_dir, tmp_path):
     log = report.read_log(run_dir)
     out = str(tmp_path / "plots")
     written = report.write_plots(log, report.summarize(log), out)
-    assert written == [os.path.join(out, name) for name in report.PLOT_FILES]
+    # No activation statistics in this run: no activations.png.
+    assert written == [os.path.join(out, name) for name in report.PLOT_FILES[:3]]
     for path in written:
         assert_png(path)
+
+
+def test_activation_plot_draws_the_tightest_layers(tmp_path):
+    writer = tf.summary.create_file_writer(str(tmp_path / tags.TRAIN_DIR))
+    with writer.as_default():
+        for step in (10, 20, 30):
+            for layer, headroom in (("attn/logits", 4.0 - step / 10), ("ffn", 9.0)):
+                tf.summary.scalar(tags.ACTIVATION_HEADROOM_BITS + layer, headroom, step=step)
+    writer.flush()
+    log = report.read_log(str(tmp_path))
+    out = str(tmp_path / "plots")
+    written = report.write_plots(log, report.summarize(log), out)
+    assert written == [os.path.join(out, "activations.png")]
+    assert_png(written[0])
 
 
 def test_no_histograms_no_heatmap(tmp_path):

@@ -12,7 +12,9 @@ from kmix.report.findings import HEADROOM_WARN_BITS, UNDERFLOW_WARN_FRACTION
 from kmix.report.read import KmixLog
 from kmix.report.summary import TREND_TAGS, Summary
 
-PLOT_FILES = ("loss_scale.png", "health.png", "grad_exponents.png")
+PLOT_FILES = ("loss_scale.png", "health.png", "grad_exponents.png", "activations.png")
+MAX_LAYERS_PLOTTED = 12
+"""The activation plot draws the layers with the least headroom, at most this many."""
 
 _MARKERS = (  # kind, marker, colour
     ("backoff", "v", "tab:red"),
@@ -31,7 +33,10 @@ def write_plots(log: KmixLog, summary: Summary, out_dir: str) -> list[str]:
     * ``health.png``: overflow headroom, underflow fraction (and its subnormal
       part) and gradient norm, those that were logged;
     * ``grad_exponents.png``: a heatmap of the latest gradient exponents per
-      variable with float16's limits drawn as lines (only with histograms).
+      variable with float16's limits drawn as lines (only with histograms);
+    * ``activations.png``: activation headroom per float16 layer over steps (the
+      :data:`MAX_LAYERS_PLOTTED` tightest), with float16's max at 0 bits and the
+      warning line (only when activation statistics were recorded).
 
     Args:
         log: what :func:`kmix.report.read_log` returned.
@@ -50,7 +55,9 @@ def write_plots(log: KmixLog, summary: Summary, out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     written = []
     for name, plot in zip(
-        PLOT_FILES, (_plot_loss_scale, _plot_health, _plot_exponents), strict=True
+        PLOT_FILES,
+        (_plot_loss_scale, _plot_health, _plot_exponents, _plot_activations),
+        strict=True,
     ):
         figure = Figure(figsize=(9, 6), layout="constrained")
         if plot(figure, log, summary):
@@ -160,4 +167,27 @@ def _plot_exponents(figure: Any, log: KmixLog, summary: Summary) -> bool:
     steps = sorted({log.histograms[v][-1][0] for v in variables})
     ax.set_title(f"Gradient exponents per variable at step {', '.join(map(str, steps))}")
     ax.legend(fontsize="small", loc="upper left")
+    return True
+
+
+def _plot_activations(figure: Any, log: KmixLog, summary: Summary) -> bool:
+    series = {
+        tag[len(tags.ACTIVATION_HEADROOM_BITS) :]: values
+        for tag, values in log.scalars.items()
+        if tag.startswith(tags.ACTIVATION_HEADROOM_BITS)
+    }
+    if not series:
+        return False
+    tightest = sorted(series, key=lambda layer: np.nanmin(series[layer].values))
+    ax = figure.add_subplot()
+    for layer in tightest[:MAX_LAYERS_PLOTTED]:
+        ax.plot(series[layer].steps, series[layer].values, label=layer, linewidth=1.2)
+    ax.axhline(0, color="black", linewidth=1.0, label="float16 max (65504)")
+    ax.axhline(HEADROOM_WARN_BITS, color="tab:red", linestyle="--", label="warning")
+    ax.set_xlabel("step")
+    ax.set_ylabel("headroom to 65504 (bits)")
+    shown = min(len(tightest), MAX_LAYERS_PLOTTED)
+    ax.set_title(f"Activation headroom: the {shown} tightest of {len(tightest)} float16 layers")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="x-small", ncol=2)
     return True
