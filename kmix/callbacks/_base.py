@@ -116,6 +116,18 @@ def _finish_runs_when_fit_raises() -> None:
 _finish_runs_when_fit_raises()
 
 
+def warn_user(message: str) -> None:
+    """Warns once, pointing at the user's code (the first frame outside Keras, TF, kmix)."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in {
+        "kmix",
+        "keras",
+        "tensorflow",
+    }:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)
+
+
 class StepCallback(keras.callbacks.Callback):
     """Counts attempted optimizer steps in Python and calls ``_on_read`` every ``every``.
 

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from kmix._checks import check_choice, check_int, check_real
-from kmix.callbacks._base import GUARD_RAISED, STOPPED_BY_GUARD, StepCallback, end_run
+from kmix.callbacks._base import GUARD_RAISED, STOPPED_BY_GUARD, StepCallback, end_run, warn_user
+from kmix.callbacks._forecast import HeadroomForecast, headroom_series
 from kmix.callbacks._source import STOCK_MIN_SCALE  # noqa: F401  (the 0.1.0 name)
 
 _OWNER = "kmix.callbacks.LossScaleGuard"
@@ -126,6 +127,8 @@ class LossScaleGuard(StepCallback):
         state = self._read_state()
         self._history = collections.deque([(state.attempted_steps, state.skipped_steps)])
         self._skip_streak = self._loss_streak = 0
+        self._health_step = state.health_step
+        self._forecast = HeadroomForecast()
 
     # ------------------------------------------------------------------ checks
     def _on_read(self, logs: dict) -> None:
@@ -146,6 +149,7 @@ class LossScaleGuard(StepCallback):
             self._loss_streak = self._loss_streak + steps if bad_loss else 0
             loss_streak, skip_streak = self._loss_streak, self._skip_streak
         self._history.append((step, skipped))
+        self._warn_on_forecast(state)
         while len(self._history) > 1 and self._history[1][0] <= step - self.window:
             self._history.popleft()
         if loss_streak >= self.patience:
@@ -167,6 +171,15 @@ class LossScaleGuard(StepCallback):
                         step,
                         self._skip_rate_text(step, step - first_step, skipped - first_skipped),
                     )
+
+    def _warn_on_forecast(self, state: Any) -> None:
+        """Warns (never stops) when a headroom is forecast to reach float16's max."""
+        if not self._source.measures_health or state.health_step <= self._health_step:
+            return
+        self._health_step = state.health_step
+        series = headroom_series(state.health, self._source.per_layer())
+        for message in self._forecast.add(state.health_step, series):
+            warn_user(f"{_OWNER}: {message}")
 
     def _trip(self, reason: str, step: int, message: str) -> None:
         self.diagnosis, self.reason, self.step = message, reason, step

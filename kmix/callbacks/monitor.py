@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from typing import Any
 
 import keras
@@ -13,7 +12,8 @@ import numpy as np
 from kmix import tags
 from kmix._checks import check_choice, check_int
 from kmix._layers import walk_layers
-from kmix.callbacks._base import StepCallback
+from kmix.callbacks._base import StepCallback, warn_user
+from kmix.callbacks._forecast import HeadroomForecast, headroom_series
 from kmix.record import Snapshot
 
 _OWNER = "kmix.callbacks.MixedPrecisionMonitor"
@@ -165,20 +165,6 @@ def _scalar(tag: str, value: float, step: int) -> None:
     tf.summary.scalar(tag, value, step=step, description=tags.description(tag) or None)
 
 
-def _warn_user(message: str) -> None:
-    """Warns once, pointing at the user's code (the first frame outside Keras, TF, kmix)."""
-    import sys
-
-    frame, level = sys._getframe(1), 2
-    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in {
-        "kmix",
-        "keras",
-        "tensorflow",
-    }:
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, stacklevel=level)
-
-
 class MixedPrecisionMonitor(StepCallback):
     """Writes loss scale, every scale event and gradient health to TensorBoard.
 
@@ -232,7 +218,8 @@ class MixedPrecisionMonitor(StepCallback):
             default) switches them off. Needs ``kmix.LossScaleOptimizer``. If it is
             below ``update_freq``, the optimizer is read every ``histogram_freq``
             steps. With ``steps_per_execution=k``, use multiples of ``k``.
-        verbose: 1 prints the ``tensorboard --logdir`` command at train begin; 0 is quiet.
+        verbose: 1 prints the ``tensorboard --logdir`` command at train begin, the first
+            forward overflow of each layer, and headroom forecasts; 0 is quiet.
 
     Raises:
         TypeError: ``log_dir`` is not a path.
@@ -258,6 +245,8 @@ class MixedPrecisionMonitor(StepCallback):
         self.verbose = int(check_choice(_OWNER, "verbose", verbose, {0: "quiet", 1: "print"}))
         self._writer: Any = None
         self._warned: set[str] = set()
+        self._forecast = HeadroomForecast()
+        self._told_origins: set[str] = set()  # layers a forward overflow was printed for
 
     # ---------------------------------------------------------------- hooks
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -286,7 +275,7 @@ class MixedPrecisionMonitor(StepCallback):
         for note in notes:
             if note not in self._warned:
                 self._warned.add(note)
-                _warn_user(note)
+                warn_user(note)
         state = self._read_state()
         self._last_state = state
         self._event_index = state.event_count
@@ -467,6 +456,10 @@ class MixedPrecisionMonitor(StepCallback):
                     skipped_points[event.step] = skipped
                 self._write_health_values(measured, event.step)
             tf.summary.text(tags.EVENTS, tags.format_event(event), step=event.step)
+            origin = event.origin
+            if self.verbose and origin is not None and origin.layer not in self._told_origins:
+                self._told_origins.add(origin.layer)
+                print(f"kmix: {tags.format_event(event)}")
         self._event_index = state.event_count
 
     def _write_health_values(self, health: dict[str, float], step: int) -> None:
@@ -476,17 +469,17 @@ class MixedPrecisionMonitor(StepCallback):
                 _scalar(tag, health[key], step)
 
     def _write_health(self, state: Snapshot) -> None:
+        import tensorflow as tf
 
         step = state.health_step
         if step <= self._health_step or not state.health:
             return
         self._health_step = step
         self._write_health_values(state.health, step)
-        if "underflow_fraction" not in state.health:  # nothing float16 was measured
-            return
-        for statistic, values in self._source.per_variable().items():
-            for path, value in values.items():
-                _scalar(_PER_VARIABLE_TAGS[statistic] + path, value, step)
+        if "underflow_fraction" in state.health:  # float16 variables were measured
+            for statistic, values in self._source.per_variable().items():
+                for path, value in values.items():
+                    _scalar(_PER_VARIABLE_TAGS[statistic] + path, value, step)
         layers = self._source.per_layer()
         for path, values in layers.items():
             for statistic, prefix in _ACTIVATION_TAGS.items():
@@ -494,6 +487,10 @@ class MixedPrecisionMonitor(StepCallback):
         if layers:
             tightest = min(layers, key=lambda path: layers[path]["headroom_bits"])
             _scalar(tags.MIN_ACTIVATION_HEADROOM_BITS, layers[tightest]["headroom_bits"], step)
+        for message in self._forecast.add(step, headroom_series(state.health, layers)):
+            tf.summary.text(tags.NOTES, message, step=step)
+            if self.verbose:
+                print(f"kmix: {message}")
 
     def _write_histograms(self, step: int) -> None:
         import tensorflow as tf
