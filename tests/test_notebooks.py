@@ -82,3 +82,11 @@ def test_diagnose_overflow(tmp_path):
     assert float(result["scale_before"]) < float(result["scale_after"]) == 2.0**15
     for run in ("before", "after"):
         assert (tmp_path / "runs" / "overflow" / run / "train").is_dir()
+    forward = _result(notebook, "FORWARD")
+    assert forward == {
+        "origin": "sum_of_squares",
+        "inputs_finite": "True",
+        "kind": "forward_overflow",
+        "scale_kept": "True",
+        "skipped_after": "0",
+    }

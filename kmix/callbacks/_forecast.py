@@ -11,6 +11,12 @@ import numpy as np
 from kmix.report.findings import HEADROOM_WARN_BITS
 from kmix.report.summary import forecast_zero_crossing
 
+MIN_READINGS = 6
+"""Readings of a series before it is forecast during the run."""
+HORIZON = 4.0
+"""Forecasts further ahead than this many times the fitted span are not told (early
+training lowers headroom for a while; a distant extrapolation would only be noise)."""
+
 
 def headroom_series(
     health: dict[str, float], layers: dict[str, dict[str, float]]
@@ -45,8 +51,8 @@ class HeadroomForecast:
 
         Returns:
             A message for each series newly forecast to reach 0 bits (float16's max)
-            at its current rate; series already below the warning line are left to
-            the headroom warnings.
+            at its current rate, within :data:`HORIZON` fitted spans; series already
+            below the warning line are left to the headroom warnings.
         """
         messages = []
         for name, bits in series.items():
@@ -55,14 +61,16 @@ class HeadroomForecast:
             if name in self._told or not bits >= HEADROOM_WARN_BITS:
                 continue
             steps, values = np.asarray(points, dtype=np.float64).T
-            fit = forecast_zero_crossing(steps, values)
+            fit = forecast_zero_crossing(steps, values, min_points=MIN_READINGS)
             if fit is None:
                 continue
             zero, slope, fitted = fit
+            if zero - step > HORIZON * (step - steps[-fitted]):
+                continue
             self._told.add(name)
             messages.append(
                 f"headroom of the {name} is falling steadily ({bits:.2f} bits at step {step}, "
-                f"{-1000 * slope:.3g} bits lost per 1000 steps over the last {fitted} "
+                f"{-1000 * slope:.4g} bits lost per 1000 steps over the last {fitted} "
                 f"readings): at this rate it reaches 0 bits (float16's maximum, 65504) at "
                 f"about step {int(round(zero))}"
             )
