@@ -25,3 +25,49 @@ def reachable(tensor: Any) -> bool:
             return True
         graph = getattr(graph, "outer_graph", None)
     return False
+
+
+def rare_cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
+    """``ops.cond`` for a branch that seldom runs, kept as a function call in the graph.
+
+    TensorFlow lowers a graph's conditionals to switch/merge nodes, and then every node
+    of the branch not taken is still visited on every step (its inputs are "dead"):
+    a large rare branch costs each step nearly what running it would. Marked as not
+    lowered, the conditional calls only the branch it takes. XLA compiles either form
+    alike; eagerly it is a plain Python ``if``; under a strategy with several replicas
+    (variables on several devices) it stays lowered.
+
+    Args:
+        pred: boolean scalar tensor.
+        true_fn: the branch for True; returns a tensor (or nested tensors) or None.
+        false_fn: the branch for False, with outputs of the same structure.
+
+    Returns:
+        The taken branch's outputs (None when the branches return None).
+    """
+    import tensorflow as tf
+    from tensorflow.core.framework import attr_value_pb2
+
+    if tf.executing_eagerly():
+        return true_fn() if bool(pred) else false_fn()
+    if tf.distribute.get_strategy().num_replicas_in_sync > 1:
+        # A called branch cannot touch variables placed on several devices: lower it.
+        return tf.cond(pred, true_fn, false_fn)
+    returns = []
+
+    def branch(fn: Any) -> Any:
+        def run() -> Any:
+            out = fn()
+            returns.append(out is None)
+            return tf.constant(0) if out is None else (tf.constant(0), out)
+
+        return run
+
+    result = tf.cond(pred, branch(true_fn), branch(false_fn))
+    marker = result if returns[0] else result[0]
+    op = marker.op
+    while op.type not in ("If", "StatelessIf") and op.inputs:
+        op = op.inputs[0].op
+    if op.type in ("If", "StatelessIf"):
+        op._set_attr("_lower_using_switch_merge", attr_value_pb2.AttrValue(b=False))
+    return None if returns[0] else result[1]

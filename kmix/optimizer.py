@@ -23,7 +23,7 @@ from keras import ops
 from kmix import health, record, scaling
 from kmix._checks import check_int, check_real, invalid
 from kmix._cluster import worker_count
-from kmix._graph import reachable
+from kmix._graph import rare_cond, reachable
 from kmix._layers import forward_state_variables, variable_compute_dtypes
 from kmix.record import HEALTH_FIELDS, INT64_MAX, RecordedEvent, Snapshot  # noqa: F401
 from kmix.tags import ScaleEvent
@@ -483,8 +483,8 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             origin = ops.cond(loss_nonfinite, lambda: _forward_origin(records), lambda: no_origin)
             return origin, ops.cond(health_due, stats, lambda: unmeasured)
 
-        # One cond captures the activations: healthy steps between reads pay its switches.
-        return ops.cond(
+        # A rare branch: between reads and overflows, the activations cost nothing here.
+        return rare_cond(
             ops.logical_or(loss_nonfinite, health_due), measure, lambda: (no_origin, unmeasured)
         )
 
@@ -544,78 +544,110 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             ops.where(flags[n + 1] > 0, record.LOSS_UNKNOWN, record.LOSS_FINITE),
         )
         loss_finite = ops.logical_not(flags[n] > 0)
-        ops.cond(ops.logical_and(grads_finite, loss_finite), apply_inner, _noop)
+        applies = ops.logical_and(grads_finite, loss_finite)
+        ops.cond(applies, apply_inner, _noop)
 
-        old = record.StepRecord(ops.copy(self.dynamic_scale), record.unpack(self.counters))
+        scale = ops.copy(self.dynamic_scale)
+        counters = record.unpack(self.counters)
         settings = self._settings.variables
-        new, outcome = record.advance(
-            old,
-            grads_finite,
-            loss_state,
-            self.config.rule,
-            settings["health_every"],
-            settings["histogram_every"],
+        health_due, histogram_due = record.schedule(
+            counters, settings["health_every"], settings["histogram_every"]
         )
-        self.dynamic_scale.assign(new.scale)
-        self.counters.assign(record.pack(new.counters))
-        if forward_state:  # the batch never happened: undo what the forward pass assigned
-            ops.cond(outcome.skipped, lambda: _restore(forward_state), _noop)
+        statistics_due = ops.logical_or(health_due, ops.logical_not(applies))
+        unmeasured = ops.full((len(HEALTH_FIELDS),), np.nan, "float32")
 
         def statistics() -> Any:
             measured = ops.cond(
-                outcome.statistics_due,
-                lambda: self._record_health(outcome, aligned, old.scale),
-                lambda: ops.full((len(HEALTH_FIELDS),), np.nan, "float32"),
+                statistics_due,
+                lambda: self._record_health(health_due, aligned, scale),
+                lambda: unmeasured,
             )
-            ops.cond(outcome.histogram_due, lambda: self._record_histograms(aligned), _noop)
+            ops.cond(histogram_due, lambda: self._record_histograms(aligned), _noop)
             return measured
 
-        def unmeasured() -> Any:
-            return ops.full((len(HEALTH_FIELDS),), np.nan, "float32")
-
-        # One cond that captures the gradients: without XLA each costs a switch per gradient.
+        # One cond that captures the gradients: without XLA each costs a switch per step.
         measured = ops.cond(
-            ops.logical_or(outcome.statistics_due, outcome.histogram_due), statistics, unmeasured
+            ops.logical_or(statistics_due, histogram_due), statistics, lambda: unmeasured
         )
 
-        origin = record.NO_ORIGIN
-        if forward is not None:
-            origin = record.EventOrigin(*ops.unstack(forward[0]))
-            rows = ops.shape(forward[1])[0]
-            padded = ops.concatenate(
-                [
-                    forward[1],
-                    ops.full((ACTIVATION_CAPACITY - rows, len(ACTIVATION_FIELDS)), np.nan),
-                ]
-            )
+        def quiet() -> None:  # the common step: one constant added, nothing else moves
+            self.counters.assign_add(record.pack(record.QUIET_DELTA))
 
-            def keep_statistics() -> None:
-                self.activation_stats.assign(padded)
-
-            ops.cond(outcome.health_due, keep_statistics, _noop)
-
-        def write_event() -> None:
-            ints, floats = record.encode_event(
-                outcome.step,
-                outcome.event,
-                (old.scale, new.scale),
-                var_bad,
+        def full() -> None:
+            new, outcome = record.advance(
+                record.StepRecord(scale, counters),
+                grads_finite,
                 loss_state,
-                measured,
-                origin,
+                self.config.rule,
+                settings["health_every"],
+                settings["histogram_every"],
             )
-            ring = record.write_event(
-                record.EventRing(self.event_ints, self.event_floats),
-                new.counters.event_count,
-                ints,
-                floats,
+            self.dynamic_scale.assign(new.scale)
+            self.counters.assign(record.pack(new.counters))
+            if forward_state:  # the batch never happened: undo what the forward pass assigned
+                ops.cond(outcome.skipped, lambda: _restore(forward_state), _noop)
+            origin = self._keep_forward_statistics(forward, outcome)
+            ops.cond(
+                ops.not_equal(outcome.event, scaling.NONE),
+                lambda: self._write_event(
+                    outcome, (scale, new), var_bad, loss_state, measured, origin
+                ),
+                _noop,
             )
-            self.event_ints.assign(ring.ints)
-            self.event_floats.assign(ring.floats)
 
-        ops.cond(ops.not_equal(outcome.event, scaling.NONE), write_event, _noop)
+        quiet_step = record.is_quiet(
+            counters, applies, loss_state, self.config.rule, health_due, histogram_due
+        )
+        # The full update is a rare branch: as a called function it costs nothing when idle.
+        rare_cond(quiet_step, quiet, full)
 
-    def _record_health(self, outcome: record.StepOutcome, aligned: list, scale: Any) -> Any:
+    def _keep_forward_statistics(
+        self, forward: tuple[Any, Any] | None, outcome: record.StepOutcome
+    ) -> record.EventOrigin:
+        """Keeps the activation statistics when due; returns the forward origin, if any."""
+        if forward is None:
+            return record.NO_ORIGIN
+        rows = ops.shape(forward[1])[0]
+        padded = ops.concatenate(
+            [forward[1], ops.full((ACTIVATION_CAPACITY - rows, len(ACTIVATION_FIELDS)), np.nan)]
+        )
+
+        def keep_statistics() -> None:
+            self.activation_stats.assign(padded)
+
+        ops.cond(outcome.health_due, keep_statistics, _noop)
+        return record.EventOrigin(*ops.unstack(forward[0]))
+
+    def _write_event(
+        self,
+        outcome: record.StepOutcome,
+        scales: tuple[Any, Any],
+        var_bad: Any,
+        loss_state: Any,
+        measured: Any,
+        origin: record.EventOrigin,
+    ) -> None:
+        """Writes this step's event into the ring (the rare branch)."""
+        old_scale, new = scales
+        ints, floats = record.encode_event(
+            outcome.step,
+            outcome.event,
+            (old_scale, new.scale),
+            var_bad,
+            loss_state,
+            measured,
+            origin,
+        )
+        ring = record.write_event(
+            record.EventRing(self.event_ints, self.event_floats),
+            new.counters.event_count,
+            ints,
+            floats,
+        )
+        self.event_ints.assign(ring.ints)
+        self.event_floats.assign(ring.floats)
+
+    def _record_health(self, health_due: Any, aligned: list, scale: Any) -> Any:
         stats = health.gradient_health(aligned, scale, self._settings.variables["float16_mask"])
         vector = ops.stack([ops.cast(getattr(stats, f), "float32") for f in HEALTH_FIELDS])
 
@@ -624,14 +656,11 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             self.underflow_per_variable.assign(stats.underflow_per_variable)
             self.subnormal_per_variable.assign(stats.subnormal_per_variable)
 
-        ops.cond(outcome.health_due, periodic, _noop)
+        ops.cond(health_due, periodic, _noop)
         return vector
 
     def _record_histograms(self, aligned: list) -> None:
-        empty = ops.zeros((health.NUM_EXPONENT_BINS,), "int32")
-        self.exponent_histograms.assign(
-            ops.stack([empty if g is None else health.exponent_histogram(g) for g in aligned])
-        )
+        self.exponent_histograms.assign(health.exponent_histograms(aligned))
 
     def _take_loss_state(self) -> Any:
         """What ``scale_loss`` saw in this step's graph: finite, non-finite or unknown."""
@@ -793,8 +822,12 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         mask = self._settings.base["float16_mask"]
         return np.asarray([] if mask is None else mask, "float32")
 
-    def read_state(self) -> Snapshot:
+    def read_state(self, counters_only: bool = False) -> Snapshot:
         """Reads the whole record with two host transfers.
+
+        Args:
+            counters_only: read the counters alone, with one transfer (what a check on
+                every step needs); ``loss_scale`` is then None and ``health`` empty.
 
         Returns:
             A :class:`kmix.record.Snapshot`. Before the optimizer is built: the
@@ -803,6 +836,9 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if not self.built:
             counters = record.initial_counters(self.config.rule.hysteresis)
             return record.snapshot(self.initial_scale, list(counters), None)
+        if counters_only:
+            counters = ops.convert_to_numpy(self.counters).tolist()
+            return dataclasses.replace(record.snapshot(0.0, counters, None), loss_scale=None)
         floats = ops.convert_to_numpy(
             ops.concatenate([ops.reshape(self.dynamic_scale, (1,)), self.health])
         )

@@ -186,6 +186,57 @@ def advance(
     return StepRecord(scale_state.scale, counters), outcome
 
 
+QUIET_DELTA = Counters(
+    **(dict.fromkeys(Counters._fields, 0) | {"attempted_steps": 1, "good_steps": 1})
+)
+"""What a quiet step adds to the counters (nothing else changes, the scale included)."""
+
+
+def schedule(counters: Counters, health_every: Any, histogram_every: Any) -> tuple[Any, Any]:
+    """``(health_due, histogram_due)`` for the step after ``counters`` (as :func:`advance`)."""
+    step = counters.attempted_steps + 1
+    return due(step, health_every), due(step, histogram_every)
+
+
+def is_quiet(
+    counters: Counters,
+    applies: Any,
+    loss_state: Any,
+    config: scaling.ScaleConfig,
+    health_due: Any,
+    histogram_due: Any,
+) -> Any:
+    """True when :func:`advance` would only add :data:`QUIET_DELTA`: the common step.
+
+    A quiet step applies its update (finite gradients and loss), follows a quiet step
+    (no skip or non-finite loss streak, the loss known finite), does not grow the scale,
+    and is not a statistics step. The optimizer then adds one constant vector instead
+    of running the whole rule (``tests/test_record.py`` checks the two agree).
+
+    Args:
+        counters: the counters before the step.
+        applies: boolean scalar, True when the gradients and the loss are finite.
+        loss_state: this step's loss code.
+        config: the scale rule's constants.
+        health_due: health statistics are due at this step.
+        histogram_due: histograms are due at this step.
+    """
+    conditions = (
+        applies,
+        ops.equal(ops.cast(loss_state, "int64"), LOSS_FINITE),
+        ops.equal(counters.loss_state, LOSS_FINITE),
+        ops.equal(counters.consecutive_skips, 0),
+        ops.equal(counters.consecutive_nonfinite_loss, 0),
+        counters.good_steps + 1 < config.growth_steps,
+        counters.attempted_steps < INT64_MAX - 1,
+        ops.logical_not(ops.logical_or(health_due, histogram_due)),
+    )
+    quiet = conditions[0]
+    for condition in conditions[1:]:
+        quiet = ops.logical_and(quiet, condition)
+    return quiet
+
+
 # ------------------------------------------------------------------ event ring
 EVENT_INT_FIELDS = (
     "step",

@@ -489,6 +489,9 @@ DESCRIPTIONS = {
     LOSS_FINITE: "1 if the unscaled loss was finite at the read, 0 if the forward pass made "
     "inf/NaN (no loss scale fixes that).",
     UNDERFLOW_BY_VARIABLE: "kmix/underflow_fraction for one variable.",
+    GRAD_EXPONENT: "log2 of |scaled gradient| of one variable, one bin per power of two; "
+    f"float16 holds 2**{FLOAT16_MIN_SUBNORMAL_EXPONENT} to 65504 (2**{FLOAT16_MAX_EXPONENT + 1}); "
+    f"zero is drawn at {EXPONENT_MIN - 2}, inf/NaN at {EXPONENT_MAX + 2}.",
     ACTIVATION_MAX_ABS: "Largest finite |output| of one float16 layer at the measured step; "
     "float16 overflows above 65504.",
     ACTIVATION_HEADROOM_BITS: "log2(65504 ÷ max |output|) of one float16 layer: doublings "

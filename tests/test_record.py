@@ -180,3 +180,62 @@ def test_no_headroom_is_claimed_when_every_nonzero_value_was_nonfinite():
         ]
         == 40.0
     )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.booleans(), st.sampled_from(list(LOSS))), min_size=1, max_size=10),
+    st.integers(1, 4),
+    st.integers(0, 3),
+)
+def test_a_quiet_step_is_exactly_the_constant_delta(steps, health_every, histogram_every):
+    """Where the optimizer adds QUIET_DELTA instead of running the rule, the rule agrees."""
+    state = record.StepRecord(
+        ops.convert_to_tensor(8.0, "float32"),
+        record.unpack(
+            ops.convert_to_tensor(list(record.initial_counters(CONFIG.hysteresis)), "int64")
+        ),
+    )
+    for grads_finite, loss in steps:
+        health_due, histogram_due = record.schedule(state.counters, health_every, histogram_every)
+        applies = grads_finite and loss == "finite"
+        quiet = record.is_quiet(
+            state.counters, applies, LOSS[loss], CONFIG, health_due, histogram_due
+        )
+        new, outcome = record.advance(
+            state,
+            ops.convert_to_tensor(grads_finite),
+            LOSS[loss],
+            CONFIG,
+            health_every,
+            histogram_every,
+        )
+        assert bool(health_due) == bool(outcome.health_due)
+        assert bool(histogram_due) == bool(outcome.histogram_due)
+        if bool(quiet):
+            before = ops.convert_to_numpy(record.pack(state.counters))
+            after = ops.convert_to_numpy(record.pack(new.counters))
+            np.testing.assert_array_equal(after - before, list(record.QUIET_DELTA))
+            assert float(new.scale) == float(state.scale) and int(outcome.event) == scaling.NONE
+        state = new
+
+
+def test_which_steps_are_quiet():
+    counters = record.unpack(
+        ops.convert_to_tensor(list(record.initial_counters(CONFIG.hysteresis)), "int64")
+    )
+
+    def quiet(applies=True, loss="finite", health_every=4, histogram_every=0, **changes):
+        c = counters._replace(**{k: ops.convert_to_tensor(v, "int64") for k, v in changes.items()})
+        due = record.schedule(c, health_every, histogram_every)
+        return bool(record.is_quiet(c, applies, LOSS[loss], CONFIG, *due))
+
+    assert quiet()
+    assert not quiet(applies=False)  # a skip
+    assert not quiet(loss="unknown")  # the loss state changes
+    assert not quiet(health_every=1)  # statistics are due
+    assert not quiet(histogram_every=1)
+    assert not quiet(good_steps=CONFIG.growth_steps - 1)  # the scale grows
+    assert not quiet(consecutive_skips=1)  # a streak ends
+    assert not quiet(consecutive_nonfinite_loss=2)
+    assert not quiet(loss_state=record.LOSS_UNKNOWN)

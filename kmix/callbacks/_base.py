@@ -211,6 +211,6 @@ class StepCallback(keras.callbacks.Callback):
     def _on_read(self, logs: dict) -> None:
         raise NotImplementedError
 
-    def _read_state(self) -> Snapshot:
-        """Reads the source once (the host sync)."""
-        return self._source.read(self._steps_seen)
+    def _read_state(self, counters_only: bool = False) -> Snapshot:
+        """Reads the source once (the host sync); see :meth:`Source.read`."""
+        return self._source.read(self._steps_seen, counters_only)

@@ -13,6 +13,8 @@ from kmix.report.summary import forecast_zero_crossing
 
 MIN_READINGS = 6
 """Readings of a series before it is forecast during the run."""
+HISTORY = 128
+"""Readings kept per series (the fit uses the latest half, at least MIN_READINGS)."""
 HORIZON = 4.0
 """Forecasts further ahead than this many times the fitted span are not told (early
 training lowers headroom for a while; a distant extrapolation would only be noise)."""
@@ -58,6 +60,7 @@ class HeadroomForecast:
         for name, bits in series.items():
             points = self._points.setdefault(name, [])
             points.append((step, bits))
+            del points[:-HISTORY]
             if name in self._told or not bits >= HEADROOM_WARN_BITS:
                 continue
             steps, values = np.asarray(points, dtype=np.float64).T

@@ -53,11 +53,13 @@ class Source:
         built = getattr(self.optimizer, "built", False)
         return int(ops.convert_to_numpy(self.optimizer.iterations)) if built else 0
 
-    def read(self, steps_seen: int) -> Snapshot:
+    def read(self, steps_seen: int, counters_only: bool = False) -> Snapshot:
         """Reads the state (the host sync).
 
         Args:
             steps_seen: optimizer steps the callback counted since train begin.
+            counters_only: the counters suffice (kmix reads them with one transfer,
+                leaving ``loss_scale`` None and ``health`` empty).
         """
         return Snapshot(
             loss_scale=None, attempted_steps=self._start_step + steps_seen, skipped_steps=0
@@ -93,7 +95,7 @@ class KerasSource(Source):
     scales_loss = True
     min_scale = STOCK_MIN_SCALE
 
-    def read(self, steps_seen: int) -> Snapshot:
+    def read(self, steps_seen: int, counters_only: bool = False) -> Snapshot:
         opt = self.optimizer
         applied = self._iterations() - self._start_step
         scale = opt.dynamic_scale if opt.built else opt.initial_scale
@@ -121,8 +123,8 @@ class KmixSource(Source):
     def begin(self, model: keras.Model) -> None:
         self.optimizer.watch(model)
 
-    def read(self, steps_seen: int) -> Snapshot:
-        return self.optimizer.read_state()
+    def read(self, steps_seen: int, counters_only: bool = False) -> Snapshot:
+        return self.optimizer.read_state(counters_only=counters_only)
 
     def events(self, since: int) -> list[RecordedEvent]:
         return self.optimizer.recorded_events(since)

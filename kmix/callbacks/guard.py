@@ -135,11 +135,13 @@ class LossScaleGuard(StepCallback):
         if self.diagnosis is not None:
             return
         source = self._source
-        state = self._read_state()
+        state = self._read_state(counters_only=True)  # one small transfer per check
         step, skipped = state.attempted_steps, state.skipped_steps
         if source.knows_loss:
             loss_streak = state.consecutive_nonfinite_loss
             skip_streak = state.consecutive_skips
+            if skip_streak >= self.patience or state.health_step > self._health_step:
+                state = self._read_state()  # the scale and the health too
         else:  # inferred from the steps applied and the logged loss
             steps = step - self._history[-1][0]
             new_skips = skipped - self._history[-1][1]
@@ -154,8 +156,8 @@ class LossScaleGuard(StepCallback):
             self._history.popleft()
         if loss_streak >= self.patience:
             self._trip("nonfinite_loss", step, self._nonfinite_loss_text(step, loss_streak))
-        elif source.scales_loss and state.loss_scale <= source.min_scale:
-            if skip_streak >= self.patience:
+        elif skip_streak >= self.patience and source.scales_loss:
+            if state.loss_scale <= source.min_scale:
                 self._trip(
                     "overflow_at_floor",
                     step,

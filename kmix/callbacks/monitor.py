@@ -13,6 +13,7 @@ from kmix import tags
 from kmix._checks import check_choice, check_int
 from kmix._layers import walk_layers
 from kmix.callbacks._base import StepCallback, warn_user
+from kmix.callbacks._batch import SummaryBatch
 from kmix.callbacks._forecast import HeadroomForecast, headroom_series
 from kmix.record import Snapshot
 
@@ -158,13 +159,6 @@ def _layout() -> Any:
     )
 
 
-def _scalar(tag: str, value: float, step: int) -> None:
-    """Writes one scalar point with the tag's description (kmix.tags.DESCRIPTIONS)."""
-    import tensorflow as tf
-
-    tf.summary.scalar(tag, value, step=step, description=tags.description(tag) or None)
-
-
 class MixedPrecisionMonitor(StepCallback):
     """Writes loss scale, every scale event and gradient health to TensorBoard.
 
@@ -246,6 +240,7 @@ class MixedPrecisionMonitor(StepCallback):
         self._writer: Any = None
         self._warned: set[str] = set()
         self._forecast = HeadroomForecast()
+        self._batch = SummaryBatch()  # one write per step per read, not one per value
         self._told_origins: set[str] = set()  # layers a forward overflow was printed for
 
     # ---------------------------------------------------------------- hooks
@@ -405,22 +400,25 @@ class MixedPrecisionMonitor(StepCallback):
                 self._write_health(state)
                 self._write_histograms(state.histogram_step)
             if source.knows_loss and state.loss_finite is not None:
-                _scalar(tags.LOSS_FINITE, float(state.loss_finite), step)
+                self._scalar(tags.LOSS_FINITE, float(state.loss_finite), step)
             if step > self._scale_step:
                 scale_points[step] = state.loss_scale
                 skipped_points[step] = state.skipped_steps
                 attempted = step - self._last_state.attempted_steps
                 skipped = state.skipped_steps - self._last_state.skipped_steps
-                _scalar(tags.SKIP_RATE, skipped / max(attempted, 1), step)
+                self._scalar(tags.SKIP_RATE, skipped / max(attempted, 1), step)
             for tag, points in (
                 (tags.LOSS_SCALE, scale_points),
                 (tags.SKIPPED_STEPS, skipped_points),
             ):
                 for point_step in sorted(points):
-                    _scalar(tag, points[point_step], point_step)
+                    self._scalar(tag, points[point_step], point_step)
             for point_step in sorted(scale_points):
                 if scale_points[point_step] > 0:
-                    _scalar(tags.LOSS_SCALE_LOG2, math.log2(scale_points[point_step]), point_step)
+                    self._scalar(
+                        tags.LOSS_SCALE_LOG2, math.log2(scale_points[point_step]), point_step
+                    )
+            self._batch.write()
         self._scale_step = max(self._scale_step, step)
         self._last_state = state
         self._writer.flush()
@@ -462,11 +460,15 @@ class MixedPrecisionMonitor(StepCallback):
                 print(f"kmix: {tags.format_event(event)}")
         self._event_index = state.event_count
 
+    def _scalar(self, tag: str, value: float, step: int) -> None:
+        """Adds one scalar point, with the tag's description, to this read's batch."""
+        self._batch.scalar(tag, value, step, tags.description(tag))
+
     def _write_health_values(self, health: dict[str, float], step: int) -> None:
 
         for key, tag in _HEALTH_TAGS.items():
             if key in health:
-                _scalar(tag, health[key], step)
+                self._scalar(tag, health[key], step)
 
     def _write_health(self, state: Snapshot) -> None:
         import tensorflow as tf
@@ -479,39 +481,28 @@ class MixedPrecisionMonitor(StepCallback):
         if "underflow_fraction" in state.health:  # float16 variables were measured
             for statistic, values in self._source.per_variable().items():
                 for path, value in values.items():
-                    _scalar(_PER_VARIABLE_TAGS[statistic] + path, value, step)
+                    self._scalar(_PER_VARIABLE_TAGS[statistic] + path, value, step)
         layers = self._source.per_layer()
         for path, values in layers.items():
             for statistic, prefix in _ACTIVATION_TAGS.items():
-                _scalar(prefix + path, values[statistic], step)
+                self._scalar(prefix + path, values[statistic], step)
         if layers:
             tightest = min(layers, key=lambda path: layers[path]["headroom_bits"])
-            _scalar(tags.MIN_ACTIVATION_HEADROOM_BITS, layers[tightest]["headroom_bits"], step)
+            self._scalar(tags.MIN_ACTIVATION_HEADROOM_BITS, layers[tightest]["headroom_bits"], step)
         for message in self._forecast.add(step, headroom_series(state.health, layers)):
             tf.summary.text(tags.NOTES, message, step=step)
             if self.verbose:
                 print(f"kmix: {message}")
 
     def _write_histograms(self, step: int) -> None:
-        import tensorflow as tf
-        from tensorboard.plugins.histogram import metadata
-
         if step <= self._histogram_step:
             return
         self._histogram_step = step
         edges = np.asarray(tags.exponent_bucket_edges(), dtype=np.float64)
         for path, counts in self._source.histograms().items():
-            tf.summary.write(
+            self._batch.histogram(
                 tags.GRAD_EXPONENT + path,
                 np.column_stack([edges, np.asarray(counts, np.float64)]),
-                step=step,
-                metadata=metadata.create_summary_metadata(
-                    display_name=tags.GRAD_EXPONENT + path,
-                    description=(
-                        "log2 of |scaled gradient|, one bin per power of two; float16 "
-                        f"holds 2**{tags.FLOAT16_MIN_SUBNORMAL_EXPONENT} to 65504 "
-                        f"(2**{tags.FLOAT16_MAX_EXPONENT + 1}); zero is drawn at "
-                        f"{tags.EXPONENT_MIN - 2}, inf/NaN at {tags.EXPONENT_MAX + 2}."
-                    ),
-                ),
+                step,
+                tags.description(tags.GRAD_EXPONENT),
             )
