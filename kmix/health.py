@@ -173,7 +173,8 @@ def flatten_all(grads: list[Any]) -> tuple[Any, Any, Any]:
         for g in grads
     ]
     counts = ops.stack([ops.shape(f)[0] for f in flat])
-    ids = ops.repeat(ops.arange(len(flat), dtype="int32"), counts)
+    # ids shaped like each gradient (not `repeat`, whose size XLA cannot bound exactly).
+    ids = ops.concatenate([ops.zeros_like(f, dtype="int32") + i for i, f in enumerate(flat)])
     return ops.concatenate(flat), ids, ops.cast(counts, "float32")
 
 

@@ -548,7 +548,8 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         ops.cond(applies, apply_inner, _noop)
 
         scale = ops.copy(self.dynamic_scale)
-        counters = record.unpack(self.counters)
+        packed = ops.copy(self.counters)
+        counters = record.unpack(packed)
         settings = self._settings.variables
         health_due, histogram_due = record.schedule(
             counters, settings["health_every"], settings["histogram_every"]
@@ -565,8 +566,8 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             ops.cond(histogram_due, lambda: self._record_histograms(aligned), _noop)
             return measured
 
-        # One cond that captures the gradients: without XLA each costs a switch per step.
-        measured = ops.cond(
+        # A called conditional: between statistics steps the gradients pass by reference.
+        measured = rare_cond(
             ops.logical_or(statistics_due, histogram_due), statistics, lambda: unmeasured
         )
 
@@ -575,7 +576,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
         def full() -> None:
             new, outcome = record.advance(
-                record.StepRecord(scale, counters),
+                record.StepRecord(scale, record.unpack(packed)),  # sliced where used
                 grads_finite,
                 loss_state,
                 self.config.rule,

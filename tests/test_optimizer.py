@@ -177,13 +177,14 @@ def test_sgd_lr1_gives_known_weights_with_unscaled_gradients():
     assert opt.read_state()["consecutive_nonfinite_loss"] == 0
 
 
-def test_health_statistics_in_fit_match_numpy():
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_health_statistics_in_fit_match_numpy(jit_compile):
     """The stored statistics equal a NumPy reference on the same scaled gradients."""
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(4096), keras.layers.Dense(1)])
     opt = kmix.LossScaleOptimizer("sgd", initial_scale=256.0, health_every=1, histogram_every=1)
-    model.compile(optimizer=opt, loss="mse")
+    model.compile(optimizer=opt, loss="mse", jit_compile=jit_compile)
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((8, 4)).astype("float32")
+    x = rng.standard_normal((8, 64)).astype("float32")
     y = rng.standard_normal((8, 1)).astype("float32")
     initial = model.get_weights()
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0, epochs=1)  # one step
