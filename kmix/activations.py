@@ -53,6 +53,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import keras
+import numpy as np
 from keras import ops
 
 from kmix import _layers
@@ -60,6 +61,8 @@ from kmix._graph import reachable
 from kmix.health import FLOAT16_MAX, FLOAT16_SMALLEST_NORMAL, FLOAT16_SMALLEST_SUBNORMAL
 
 __all__ = [
+    "ACTIVATION_CAPACITY",
+    "ACTIVATION_FIELDS",
     "ActivationStats",
     "ActivationTap",
     "ForwardOriginTensors",
@@ -67,10 +70,23 @@ __all__ = [
     "Record",
     "activation_stats",
     "forward_origin",
+    "measure_forward",
     "tapped_layers",
 ]
 
 _LOG2_FLOAT16_MAX = math.log2(FLOAT16_MAX)
+
+ACTIVATION_CAPACITY = 512
+"""Layer calls per step whose statistics the optimizer keeps (the rest are left out)."""
+ACTIVATION_FIELDS = (
+    "max_abs",
+    "headroom_bits",
+    "nonfinite_fraction",
+    "underflow_fraction",
+    "zero_fraction",
+    "subnormal_fraction",
+)
+"""Columns of the per-layer statistics the optimizer keeps (:class:`ActivationStats`)."""
 
 
 # ------------------------------------------------------------------ typed values
@@ -521,3 +537,47 @@ class ActivationTap:
         if usable:
             self.last_taken = tuple(LayerCall(r.path, r.class_name) for r in usable)
         return usable
+
+
+def measure_forward(records: list[Record], loss_nonfinite: Any, health_due: Any) -> tuple[Any, Any]:
+    """What the optimizer keeps of one step's forward pass, computed only when needed.
+
+    Args:
+        records: the tap's records of this step (in this graph).
+        loss_nonfinite: boolean scalar: the step's unscaled loss was inf/NaN.
+        health_due: boolean scalar: statistics are due at this step.
+
+    Returns:
+        ``(origin, stats)``: ``origin`` is ``[layer index, inputs finite, max |input|]``
+        (float32; ``[-1, 1, NaN]`` unless the loss was non-finite, see
+        :func:`forward_origin`); ``stats`` is ``[len(records), len(ACTIVATION_FIELDS)]``
+        (NaN unless due). On other steps a called conditional skips all of it.
+    """
+    from kmix._graph import rare_cond
+
+    no_origin = ops.convert_to_tensor([-1.0, 1.0, np.nan], "float32")
+    unmeasured = ops.full((len(records), len(ACTIVATION_FIELDS)), np.nan, "float32")
+
+    def origin() -> Any:
+        found = forward_origin([r.inputs for r in records], [r.outputs for r in records])
+        return ops.stack(
+            [
+                ops.cast(found.layer_index, "float32"),
+                ops.cast(found.inputs_finite, "float32"),
+                ops.cast(found.max_abs_input, "float32"),
+            ]
+        )
+
+    def stats() -> Any:
+        measured = activation_stats([r.outputs for r in records])
+        return ops.stack([getattr(measured, f) for f in ACTIVATION_FIELDS], axis=1)
+
+    def measure() -> tuple[Any, Any]:
+        return (
+            ops.cond(loss_nonfinite, origin, lambda: no_origin),
+            ops.cond(health_due, stats, lambda: unmeasured),
+        )
+
+    return rare_cond(
+        ops.logical_or(loss_nonfinite, health_due), measure, lambda: (no_origin, unmeasured)
+    )

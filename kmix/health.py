@@ -131,10 +131,11 @@ def gradient_health(
         return ops.segment_sum(data, ids, num_segments=n)
 
     finite = ops.isfinite(values)
-    magnitude = ops.where(finite, ops.abs(values), 0.0)
+    absolute = ops.abs(values)
+    magnitude = ops.where(finite, absolute, 0.0)
     # NaN compares False, so only finite tiny values and zeros count as tiny.
-    tiny = per_variable(ops.cast(ops.abs(values) < FLOAT16_SMALLEST_NORMAL, "float32"))
-    exact_zero = per_variable(ops.cast(ops.equal(values, 0.0), "float32"))
+    tiny = per_variable(ops.cast(absolute < FLOAT16_SMALLEST_NORMAL, "float32"))
+    exact_zero = per_variable(ops.cast(ops.equal(absolute, 0.0), "float32"))
     largest = ops.maximum(ops.segment_max(magnitude, ids, num_segments=n), 0.0)
     max_abs = ops.max(largest * mask)
     size = ops.sum(sizes * mask)
@@ -179,14 +180,15 @@ def flatten_all(grads: list[Any]) -> tuple[Any, Any, Any]:
 
 
 def exact_exponent(x: Any) -> Any:
-    """Returns ``floor(log2(x))`` for positive finite float32 ``x``, exact at powers of two.
+    """Returns ``floor(log2(x))`` for positive finite float32 ``x``, exactly.
 
-    ``log2`` is computed as ``log(x) / log(2)``, which can land just below an
-    integer; one correction step each way makes the result exact.
+    Read from the float's exponent bits (no logarithm, so no rounding): float32 normal
+    numbers give their exact exponent; subnormals (below ``2**-126``) give -127.
     """
-    estimate = ops.floor(ops.log2(x))
-    estimate = ops.where(ops.power(2.0, estimate + 1.0) <= x, estimate + 1.0, estimate)
-    return ops.where(ops.power(2.0, estimate) > x, estimate - 1.0, estimate)
+    import tensorflow as tf  # a bit cast: keras.ops.view cannot run inside a graph
+
+    bits = tf.bitcast(tf.cast(x, tf.float32), tf.int32)
+    return tf.bitwise.right_shift(bits, 23) - 127
 
 
 def exponent_histograms(grads: list[Any]) -> Any:
@@ -199,7 +201,7 @@ def exponent_histograms(grads: list[Any]) -> Any:
         An int32 matrix ``[len(grads), NUM_EXPONENT_BINS]`` (layout in ``kmix.tags``).
     """
     values, ids, _ = flatten_all(grads)
-    combined = ids * NUM_EXPONENT_BINS + ops.cast(_exponent_bins(values), "int32")
+    combined = ids * NUM_EXPONENT_BINS + _exponent_bins(values)
     counts = ops.segment_sum(
         ops.ones_like(combined), combined, num_segments=len(grads) * NUM_EXPONENT_BINS
     )
@@ -207,18 +209,16 @@ def exponent_histograms(grads: list[Any]) -> Any:
 
 
 def _exponent_bins(values: Any) -> Any:
-    """The exponent bin of every value of a float32 vector (float32 bin numbers)."""
+    """The exponent bin of every value of a float32 vector (int32 bin numbers)."""
     magnitude = ops.abs(values)
-    finite = ops.isfinite(values)
-    safe = ops.where(ops.logical_and(finite, magnitude > 0), magnitude, 1.0)
     # kmix.tags.exponent_bin, with tensors: the offset and the clipping are the same.
     exponent_bin = ops.clip(
-        exact_exponent(safe) + tags.EXPONENT_BIN_OFFSET, 1, NUM_EXPONENT_BINS - 2
+        exact_exponent(magnitude) + tags.EXPONENT_BIN_OFFSET, 1, NUM_EXPONENT_BINS - 2
     )
     return ops.where(
-        finite,
-        ops.where(magnitude > 0, exponent_bin, 0.0),
-        float(NUM_EXPONENT_BINS - 1),
+        ops.isfinite(values),
+        ops.where(magnitude > 0, exponent_bin, 0),
+        NUM_EXPONENT_BINS - 1,
     )
 
 

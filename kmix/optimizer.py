@@ -21,175 +21,27 @@ import numpy as np
 from keras import ops
 
 from kmix import health, record, scaling
-from kmix._checks import check_int, check_real, invalid
+from kmix._checks import check_int, invalid
 from kmix._cluster import worker_count
+from kmix._config import OptimizerConfig, RunSettings
 from kmix._graph import rare_cond, reachable
 from kmix._layers import forward_state_variables, variable_compute_dtypes
+from kmix.activations import (
+    ACTIVATION_CAPACITY,
+    ACTIVATION_FIELDS,
+    ActivationTap,
+    measure_forward,
+)
 from kmix.record import HEALTH_FIELDS, INT64_MAX, RecordedEvent, Snapshot  # noqa: F401
 from kmix.tags import ScaleEvent
 
 __all__ = ["LossScaleOptimizer", "OptimizerConfig", "ScaleEvent", "Snapshot"]
 
-ACTIVATION_CAPACITY = 512
-"""Layer calls per step whose activation statistics are kept (the rest are left out)."""
-ACTIVATION_FIELDS = (
-    "max_abs",
-    "headroom_bits",
-    "nonfinite_fraction",
-    "underflow_fraction",
-    "zero_fraction",
-    "subnormal_fraction",
-)
-"""Columns of the per-layer activation statistics (kmix.activations.ActivationStats)."""
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 _OWNER = "kmix.LossScaleOptimizer"
 
 
 def _invalid(name: str, value: Any, valid: str) -> ValueError:
     return invalid(_OWNER, name, value, valid)
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    """kmix's own arguments of :class:`LossScaleOptimizer`, validated on creation.
-
-    Attributes:
-        rule: the scale rule's constants (:class:`kmix.scaling.ScaleConfig`).
-        initial_scale: the starting scale, in ``[min_scale, max_scale]``.
-        health_every: steps between gradient health statistics, >= 1.
-        histogram_every: steps between exponent histograms, 0 for never.
-        event_capacity: events the in-graph ring keeps, >= 1.
-
-    Raises:
-        ValueError: an argument is outside its range (the message names it).
-    """
-
-    rule: scaling.ScaleConfig
-    initial_scale: float
-    health_every: int
-    histogram_every: int
-    event_capacity: int
-
-    def __post_init__(self) -> None:
-        rule = self.rule
-        # The scale is a float32 variable: its bounds must be float32 normal numbers.
-        min_scale = check_real(
-            _OWNER,
-            "min_scale",
-            rule.min_scale,
-            FLOAT32_TINY,
-            FLOAT32_MAX,
-            f"a number in [{FLOAT32_TINY:.9g}, {FLOAT32_MAX:.9g}] (the scale is float32)",
-        )
-        max_scale = check_real(
-            _OWNER,
-            "max_scale",
-            rule.max_scale,
-            min_scale,
-            FLOAT32_MAX,
-            f"a number in [min_scale, {FLOAT32_MAX:.9g}] = [{min_scale:.9g}, "
-            f"{FLOAT32_MAX:.9g}] (the scale is float32)",
-        )
-        checked = {
-            "initial_scale": check_real(
-                _OWNER,
-                "initial_scale",
-                self.initial_scale,
-                min_scale,
-                max_scale,
-                f"a finite number in [min_scale, max_scale] = [{min_scale}, {max_scale}]",
-            ),
-            "health_every": check_int(_OWNER, "health_every", self.health_every, 1),
-            "histogram_every": check_int(_OWNER, "histogram_every", self.histogram_every, 0),
-            "event_capacity": check_int(_OWNER, "event_capacity", self.event_capacity, 1),
-            "rule": dataclasses.replace(
-                rule,
-                min_scale=min_scale,
-                max_scale=max_scale,
-                growth_factor=check_real(
-                    _OWNER,
-                    "growth_factor",
-                    rule.growth_factor,
-                    1.0,
-                    math.inf,
-                    "a finite number > 1",
-                    open_low=True,
-                ),
-                backoff_factor=check_real(
-                    _OWNER,
-                    "backoff_factor",
-                    rule.backoff_factor,
-                    0.0,
-                    1.0,
-                    open_low=True,
-                    open_high=True,
-                ),
-                growth_steps=check_int(_OWNER, "dynamic_growth_steps", rule.growth_steps, 1),
-                hysteresis=check_int(_OWNER, "hysteresis", rule.hysteresis, 1),
-                backoff_on_forward_overflow=_check_bool(
-                    "backoff_on_forward_overflow", rule.backoff_on_forward_overflow
-                ),
-            ),
-        }
-        for name, value in checked.items():
-            object.__setattr__(self, name, value)
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool | np.bool_):
-        raise _invalid(name, value, "True or False")
-    return bool(value)
-
-
-class _Settings:
-    """Run-time settings read in-graph: what to compute, and for whom.
-
-    They steer the step but are not training state: kept out of the optimizer's
-    tracked variables, they are never saved. Callbacks *request* statistics every
-    N steps and release their request at train end; the value in force is the
-    greatest common divisor of the open requests (0 = never for histograms), or the
-    optimizer's own setting when there is none, so several monitors compose, each
-    gets its steps, and the last release restores the optimizer's setting.
-    """
-
-    def __init__(self, **base: Any) -> None:
-        self.base = dict(base)
-        self.requests: dict[int, dict[str, int]] = {}
-        self.variables: dict[str, Any] = {}
-
-    def value(self, name: str) -> Any:
-        if name == "float16_mask":
-            return self.base[name]
-        requested = [r[name] for r in self.requests.values()]
-        return math.gcd(*requested) if requested else self.base[name]
-
-    def create(self) -> None:
-        for name in self.base:
-            value = np.asarray(self.value(name))
-            self.variables[name] = keras.Variable(
-                value,
-                dtype="int64" if value.dtype.kind in "iu" else "float32",
-                trainable=False,
-                aggregation="only_first_replica",
-                name=name,
-            )
-
-    def _sync(self) -> None:
-        for name, variable in self.variables.items():
-            variable.assign(self.value(name))
-
-    def set_base(self, name: str, value: Any) -> None:
-        self.base[name] = value
-        self._sync()
-
-    def request(self, owner: Any, **values: int) -> None:
-        self.requests[id(owner)] = values
-        self._sync()
-
-    def release(self, owner: Any) -> None:
-        self.requests.pop(id(owner), None)
-        self._sync()
 
 
 def _resolve_inner(inner_optimizer: Any) -> keras.optimizers.Optimizer:
@@ -315,7 +167,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             **kwargs,
         )
         self.config = config
-        self._settings = _Settings(
+        self._settings = RunSettings(
             health_every=self.config.health_every,
             histogram_every=self.config.histogram_every,
             float16_mask=None,
@@ -451,14 +303,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             )
 
     def _forward_statistics(self, loss_nonfinite: Any) -> tuple[Any, Any] | None:
-        """This replica's forward pass, from the tap: ``(origin, activation stats)``.
-
-        Only when due: the origin when the loss is non-finite (``[layer, inputs finite,
-        max |input|]``), the per-layer statistics when health is due (``[layers,
-        len(ACTIVATION_FIELDS)]``, NaN otherwise). None without a tap or records.
-        """
-        from kmix.activations import activation_stats
-
+        """This replica's forward pass, from the tap (see :func:`activations.measure_forward`)."""
         records = self._tap.take() if self._tap is not None else []
         if len(records) > ACTIVATION_CAPACITY:
             warnings.warn(
@@ -472,21 +317,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             return None
         step = record.unpack(self.counters).attempted_steps + 1
         health_due = record.due(step, self._settings.variables["health_every"])
-        no_origin = ops.convert_to_tensor([-1.0, 1.0, np.nan], "float32")
-        unmeasured = ops.full((len(records), len(ACTIVATION_FIELDS)), np.nan, "float32")
-
-        def stats() -> Any:
-            measured = activation_stats([r.outputs for r in records])
-            return ops.stack([getattr(measured, f) for f in ACTIVATION_FIELDS], axis=1)
-
-        def measure() -> tuple[Any, Any]:
-            origin = ops.cond(loss_nonfinite, lambda: _forward_origin(records), lambda: no_origin)
-            return origin, ops.cond(health_due, stats, lambda: unmeasured)
-
-        # A rare branch: between reads and overflows, the activations cost nothing here.
-        return rare_cond(
-            ops.logical_or(loss_nonfinite, health_due), measure, lambda: (no_origin, unmeasured)
-        )
+        return measure_forward(records, loss_nonfinite, health_due)
 
     def _apply_inner(self, grads: list, variables: list) -> None:
         """Unscales the gradients and applies the inner optimizer (replica context)."""
@@ -716,8 +547,6 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     def _tap_forward_pass(self, model: keras.Model) -> None:
         """Taps the float16 layers' calls, so a forward overflow can name its first layer."""
-        from kmix.activations import ActivationTap
-
         if self._tap is not None and self._tap.model is model:
             return
         if self._tap is not None:
@@ -1008,20 +837,6 @@ def _warn_if_fit_cannot_run_here() -> None:
 
 def _noop() -> None:
     return None
-
-
-def _forward_origin(records: list) -> Any:
-    """``[layer index, inputs finite, max |input|]`` of the first layer that went non-finite."""
-    from kmix.activations import forward_origin
-
-    found = forward_origin([r.inputs for r in records], [r.outputs for r in records])
-    return ops.stack(
-        [
-            ops.cast(found.layer_index, "float32"),
-            ops.cast(found.inputs_finite, "float32"),
-            ops.cast(found.max_abs_input, "float32"),
-        ]
-    )
 
 
 def _restore(forward_state: list) -> None:

@@ -1,0 +1,163 @@
+"""kmix.LossScaleOptimizer's own arguments (validated) and its run-time settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import keras
+import numpy as np
+
+from kmix import scaling
+from kmix._checks import check_int, check_real, invalid
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+_OWNER = "kmix.LossScaleOptimizer"
+
+
+def _invalid(name: str, value: Any, valid: str) -> ValueError:
+    return invalid(_OWNER, name, value, valid)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """kmix's own arguments of :class:`LossScaleOptimizer`, validated on creation.
+
+    Attributes:
+        rule: the scale rule's constants (:class:`kmix.scaling.ScaleConfig`).
+        initial_scale: the starting scale, in ``[min_scale, max_scale]``.
+        health_every: steps between gradient health statistics, >= 1.
+        histogram_every: steps between exponent histograms, 0 for never.
+        event_capacity: events the in-graph ring keeps, >= 1.
+
+    Raises:
+        ValueError: an argument is outside its range (the message names it).
+    """
+
+    rule: scaling.ScaleConfig
+    initial_scale: float
+    health_every: int
+    histogram_every: int
+    event_capacity: int
+
+    def __post_init__(self) -> None:
+        rule = self.rule
+        # The scale is a float32 variable: its bounds must be float32 normal numbers.
+        min_scale = check_real(
+            _OWNER,
+            "min_scale",
+            rule.min_scale,
+            FLOAT32_TINY,
+            FLOAT32_MAX,
+            f"a number in [{FLOAT32_TINY:.9g}, {FLOAT32_MAX:.9g}] (the scale is float32)",
+        )
+        max_scale = check_real(
+            _OWNER,
+            "max_scale",
+            rule.max_scale,
+            min_scale,
+            FLOAT32_MAX,
+            f"a number in [min_scale, {FLOAT32_MAX:.9g}] = [{min_scale:.9g}, "
+            f"{FLOAT32_MAX:.9g}] (the scale is float32)",
+        )
+        checked = {
+            "initial_scale": check_real(
+                _OWNER,
+                "initial_scale",
+                self.initial_scale,
+                min_scale,
+                max_scale,
+                f"a finite number in [min_scale, max_scale] = [{min_scale}, {max_scale}]",
+            ),
+            "health_every": check_int(_OWNER, "health_every", self.health_every, 1),
+            "histogram_every": check_int(_OWNER, "histogram_every", self.histogram_every, 0),
+            "event_capacity": check_int(_OWNER, "event_capacity", self.event_capacity, 1),
+            "rule": dataclasses.replace(
+                rule,
+                min_scale=min_scale,
+                max_scale=max_scale,
+                growth_factor=check_real(
+                    _OWNER,
+                    "growth_factor",
+                    rule.growth_factor,
+                    1.0,
+                    math.inf,
+                    "a finite number > 1",
+                    open_low=True,
+                ),
+                backoff_factor=check_real(
+                    _OWNER,
+                    "backoff_factor",
+                    rule.backoff_factor,
+                    0.0,
+                    1.0,
+                    open_low=True,
+                    open_high=True,
+                ),
+                growth_steps=check_int(_OWNER, "dynamic_growth_steps", rule.growth_steps, 1),
+                hysteresis=check_int(_OWNER, "hysteresis", rule.hysteresis, 1),
+                backoff_on_forward_overflow=_check_bool(
+                    "backoff_on_forward_overflow", rule.backoff_on_forward_overflow
+                ),
+            ),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool | np.bool_):
+        raise _invalid(name, value, "True or False")
+    return bool(value)
+
+
+class RunSettings:
+    """Run-time settings read in-graph: what to compute, and for whom.
+
+    They steer the step but are not training state: kept out of the optimizer's
+    tracked variables, they are never saved. Callbacks *request* statistics every
+    N steps and release their request at train end; the value in force is the
+    greatest common divisor of the open requests (0 = never for histograms), or the
+    optimizer's own setting when there is none, so several monitors compose, each
+    gets its steps, and the last release restores the optimizer's setting.
+    """
+
+    def __init__(self, **base: Any) -> None:
+        self.base = dict(base)
+        self.requests: dict[int, dict[str, int]] = {}
+        self.variables: dict[str, Any] = {}
+
+    def value(self, name: str) -> Any:
+        if name == "float16_mask":
+            return self.base[name]
+        requested = [r[name] for r in self.requests.values()]
+        return math.gcd(*requested) if requested else self.base[name]
+
+    def create(self) -> None:
+        for name in self.base:
+            value = np.asarray(self.value(name))
+            self.variables[name] = keras.Variable(
+                value,
+                dtype="int64" if value.dtype.kind in "iu" else "float32",
+                trainable=False,
+                aggregation="only_first_replica",
+                name=name,
+            )
+
+    def _sync(self) -> None:
+        for name, variable in self.variables.items():
+            variable.assign(self.value(name))
+
+    def set_base(self, name: str, value: Any) -> None:
+        self.base[name] = value
+        self._sync()
+
+    def request(self, owner: Any, **values: int) -> None:
+        self.requests[id(owner)] = values
+        self._sync()
+
+    def release(self, owner: Any) -> None:
+        self.requests.pop(id(owner), None)
+        self._sync()
