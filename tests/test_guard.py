@@ -195,7 +195,12 @@ def test_a_run_the_guard_ends_keeps_every_event_and_says_why(tmp_path, guard_fir
     assert "no problems found" not in report.format_summary(summary)
 
 
-def test_a_forward_overflow_is_named_at_its_layer_and_the_scale_is_kept():
+@pytest.mark.parametrize(
+    ("jit_compile", "steps_per_execution"), [(False, 1), (True, 1), (False, 2)]
+)
+def test_a_forward_overflow_is_named_at_its_layer_and_the_scale_is_kept(
+    jit_compile, steps_per_execution
+):
     """Dense `big` outputs 2 * 40000 > 65504 in float16 from step 3: its inputs are finite."""
     keras.config.set_dtype_policy("mixed_float16")
     inputs = keras.Input((2,))
@@ -203,7 +208,7 @@ def test_a_forward_overflow_is_named_at_its_layer_and_the_scale_is_kept():
     outputs = keras.layers.Dense(1, dtype="float32", name="head")(hidden)
     model = keras.Model(inputs, outputs)
     opt = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=16.0)
-    model.compile(opt, "mse")
+    model.compile(opt, "mse", jit_compile=jit_compile, steps_per_execution=steps_per_execution)
     x = np.ones((6, 2), np.float32)
     x[2:] = 40000.0
     guard = LossScaleGuard(patience=3, verbose=0)
@@ -211,10 +216,9 @@ def test_a_forward_overflow_is_named_at_its_layer_and_the_scale_is_kept():
         x, np.zeros((6, 1), np.float32), batch_size=1, shuffle=False, verbose=0, callbacks=[guard]
     )
     events = opt.scale_events()
+    last = 5 if steps_per_execution == 1 else 6  # the guard checks after each execution
     assert [(e.step, e.kind) for e in events] == [
-        (3, "forward_overflow"),
-        (4, "forward_overflow"),
-        (5, "forward_overflow"),
+        (step, "forward_overflow") for step in range(3, last + 1)
     ]
     assert opt.loss_scale == 16.0  # no scale can fix the forward pass
     origin = events[0].origin
