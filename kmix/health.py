@@ -118,42 +118,59 @@ def gradient_health(
     Returns:
         A :class:`GradientHealth` of float32 tensors.
     """
-    n = len(scaled_grads)
-    if n == 0:
+    if not scaled_grads:
         empty = ops.zeros((0,), "float32")
         zero = ops.zeros((), "float32")
         headroom = ops.convert_to_tensor(MAX_HEADROOM_BITS, "float32")
         return GradientHealth(zero, zero, headroom, zero, zero, zero, zero, zero, empty, empty)
-    values, ids, sizes = flatten_all(scaled_grads)
+    scale = ops.cast(scale, "float32")
+    # One row of per-variable sums each: plain reductions, fast on large tensors.
+    size, sum_sq, largest, tiny, exact_zero, finite = ops.unstack(
+        ops.stack([_variable_sums(g, scale) for g in scaled_grads]), axis=1
+    )
+    n = len(scaled_grads)
     mask = ops.ones((n,), "float32") if float16_mask is None else ops.cast(float16_mask, "float32")
-
-    def per_variable(data: Any) -> Any:
-        return ops.segment_sum(data, ids, num_segments=n)
-
-    finite = ops.isfinite(values)
-    absolute = ops.abs(values)
-    magnitude = ops.where(finite, absolute, 0.0)
-    # NaN compares False, so only finite tiny values and zeros count as tiny.
-    tiny = per_variable(ops.cast(absolute < FLOAT16_SMALLEST_NORMAL, "float32"))
-    exact_zero = per_variable(ops.cast(ops.equal(absolute, 0.0), "float32"))
-    largest = ops.maximum(ops.segment_max(magnitude, ids, num_segments=n), 0.0)
     max_abs = ops.max(largest * mask)
-    size = ops.sum(sizes * mask)
+    counted_size = ops.sum(size * mask)
     zeros, subnormal = ops.sum(exact_zero * mask), ops.sum((tiny - exact_zero) * mask)
     headroom = math.log2(FLOAT16_MAX) - ops.log2(ops.maximum(max_abs, FLOAT16_SMALLEST_SUBNORMAL))
-    counted = ops.maximum(size, 1.0)
+    counted = ops.maximum(counted_size, 1.0)
     return GradientHealth(
-        grad_norm=ops.sqrt(ops.sum(ops.square(magnitude / ops.cast(scale, "float32")))),
+        grad_norm=ops.sqrt(ops.sum(sum_sq)),
         max_abs_scaled=max_abs,
         headroom_bits=headroom,
         underflow_fraction=(zeros + subnormal) / counted,
         zero_fraction=zeros / counted,
         subnormal_fraction=subnormal / counted,
-        nonfinite_elements=ops.cast(ops.size(values), "float32")
-        - ops.sum(ops.cast(finite, "float32")),
-        float16_elements=size,
-        underflow_per_variable=tiny / ops.maximum(sizes, 1.0),
-        subnormal_per_variable=(tiny - exact_zero) / ops.maximum(sizes, 1.0),
+        nonfinite_elements=ops.sum(size - finite),
+        float16_elements=counted_size,
+        underflow_per_variable=tiny / ops.maximum(size, 1.0),
+        subnormal_per_variable=(tiny - exact_zero) / ops.maximum(size, 1.0),
+    )
+
+
+def _variable_sums(grad: Any, scale: Any) -> Any:
+    """``[size, sum of (|g|/scale)^2, max |g|, tiny, zeros, finite]`` over one gradient's
+    finite values (tiny: zero or below float16's smallest normal; NaN is never tiny)."""
+    if grad is None:
+        return ops.zeros((6,), "float32")
+    values = row_values(grad)
+    finite = ops.isfinite(values)
+    absolute = ops.abs(values)
+    magnitude = ops.where(finite, absolute, 0.0)
+
+    def count(condition: Any) -> Any:
+        return ops.sum(ops.cast(condition, "float32"))
+
+    return ops.stack(
+        [
+            ops.cast(ops.size(values), "float32"),
+            ops.sum(ops.square(magnitude / scale)),
+            ops.max(magnitude, initial=0.0),
+            count(absolute < FLOAT16_SMALLEST_NORMAL),
+            count(ops.equal(absolute, 0.0)),
+            count(finite),
+        ]
     )
 
 
