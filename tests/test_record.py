@@ -50,13 +50,14 @@ def reference(steps: list[tuple[bool, str]], health_every: int, histogram_every:
     return trace
 
 
+def initial_record() -> record.StepRecord:
+    """An optimizer's record before its first step, scale 8, as tensors."""
+    counters = ops.convert_to_tensor(list(record.initial_counters(CONFIG.hysteresis)), "int64")
+    return record.StepRecord(ops.convert_to_tensor(8.0, "float32"), record.unpack(counters))
+
+
 def run_graph(steps, health_every, histogram_every) -> list:
-    state = record.StepRecord(
-        ops.convert_to_tensor(8.0, "float32"),
-        record.unpack(
-            ops.convert_to_tensor(list(record.initial_counters(CONFIG.hysteresis)), "int64")
-        ),
-    )
+    state = initial_record()
     trace = []
     for grads_finite, loss in steps:
         state, outcome = record.advance(
@@ -84,12 +85,16 @@ def test_exact_trace_with_forward_overflows_and_unknown_losses():
     assert trace[-1][1]["skipped_steps"] == 3 and trace[-1][1]["loss_state"] == -1
 
 
-@settings(max_examples=25, deadline=None)
-@given(
+STEP_SEQUENCES = (
     st.lists(st.tuples(st.booleans(), st.sampled_from(list(LOSS))), min_size=1, max_size=12),
     st.integers(1, 4),
     st.integers(0, 3),
 )
+"""(grads finite, loss) per step, health_every, histogram_every."""
+
+
+@settings(max_examples=25, deadline=None)
+@given(*STEP_SEQUENCES)
 def test_graph_update_matches_reference(steps, health_every, histogram_every):
     assert run_graph(steps, health_every, histogram_every) == reference(
         steps, health_every, histogram_every
@@ -183,19 +188,10 @@ def test_no_headroom_is_claimed_when_every_nonzero_value_was_nonfinite():
 
 
 @settings(max_examples=40, deadline=None)
-@given(
-    st.lists(st.tuples(st.booleans(), st.sampled_from(list(LOSS))), min_size=1, max_size=10),
-    st.integers(1, 4),
-    st.integers(0, 3),
-)
+@given(*STEP_SEQUENCES)
 def test_a_quiet_step_is_exactly_the_constant_delta(steps, health_every, histogram_every):
     """Where the optimizer adds QUIET_DELTA instead of running the rule, the rule agrees."""
-    state = record.StepRecord(
-        ops.convert_to_tensor(8.0, "float32"),
-        record.unpack(
-            ops.convert_to_tensor(list(record.initial_counters(CONFIG.hysteresis)), "int64")
-        ),
-    )
+    state = initial_record()
     for grads_finite, loss in steps:
         health_due, histogram_due = record.schedule(state.counters, health_every, histogram_every)
         applies = grads_finite and loss == "finite"
@@ -221,9 +217,7 @@ def test_a_quiet_step_is_exactly_the_constant_delta(steps, health_every, histogr
 
 
 def test_which_steps_are_quiet():
-    counters = record.unpack(
-        ops.convert_to_tensor(list(record.initial_counters(CONFIG.hysteresis)), "int64")
-    )
+    counters = initial_record().counters
 
     def quiet(applies=True, loss="finite", health_every=4, histogram_every=0, **changes):
         c = counters._replace(**{k: ops.convert_to_tensor(v, "int64") for k, v in changes.items()})
