@@ -556,7 +556,8 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             model.make_train_function(force=True)
 
     def _wrap_train_step(self, model: keras.Model) -> None:
-        if getattr(model, "_kmix_train_step_of", None) is self:
+        wrapped_for = getattr(model, "_kmix_train_step_of", None)
+        if wrapped_for is not None and wrapped_for() is self:
             return
         original = type(model).train_step.__get__(model)
         optimizer = weakref.ref(self)
@@ -572,7 +573,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             return original(data)
 
         model.train_step = train_step
-        model._kmix_train_step_of = self
+        model._kmix_train_step_of = weakref.ref(self)  # a weak link: the model is not saved with it
         if getattr(model, "train_function", None) is not None:
             model.make_train_function(force=True)
 

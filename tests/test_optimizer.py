@@ -180,11 +180,12 @@ def test_sgd_lr1_gives_known_weights_with_unscaled_gradients():
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_health_statistics_in_fit_match_numpy(jit_compile):
     """The stored statistics equal a NumPy reference on the same scaled gradients."""
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(4096), keras.layers.Dense(1)])
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
     opt = kmix.LossScaleOptimizer("sgd", initial_scale=256.0, health_every=1, histogram_every=1)
     model.compile(optimizer=opt, loss="mse", jit_compile=jit_compile)
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((8, 64)).astype("float32")
+    x = rng.standard_normal((8, 4)).astype("float32")
     y = rng.standard_normal((8, 1)).astype("float32")
     initial = model.get_weights()
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0, epochs=1)  # one step
@@ -212,6 +213,32 @@ def test_health_statistics_in_fit_match_numpy(jit_compile):
     assert list(hist) == opt.variable_paths()
     for counts, grad in zip(hist.values(), ref, strict=True):
         np.testing.assert_array_equal(counts, reference_bins(grad.ravel()))
+
+
+def test_health_statistics_under_jit_on_a_large_kernel():
+    """XLA once failed on large kernels (segment ids of unbounded size): 262,144 elements.
+
+    Sums over that many float32 values carry about sqrt(n) * 2**-24 relative error.
+    """
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(4096), keras.layers.Dense(1)])
+    opt = kmix.LossScaleOptimizer("sgd", initial_scale=256.0, health_every=1, histogram_every=1)
+    model.compile(optimizer=opt, loss="mse", jit_compile=True)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((8, 64)).astype("float32")
+    y = rng.standard_normal((8, 1)).astype("float32")
+    initial = model.get_weights()
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0, epochs=1)
+    state = opt.read_state()
+    model.set_weights(initial)
+    with tf.GradientTape() as tape:
+        scaled = keras.losses.MeanSquaredError()(y, model(x)) * 256.0
+    ref = [g.numpy().astype(np.float64) for g in tape.gradient(scaled, model.trainable_variables)]
+    flat = np.concatenate([g.ravel() for g in ref])
+    np.testing.assert_allclose(state.health["grad_norm"], np.linalg.norm(flat / 256.0), rtol=1e-4)
+    np.testing.assert_allclose(state.health["max_abs_scaled"], np.abs(flat).max(), rtol=1e-5)
+    for counts, grad in zip(opt.exponent_histograms_by_variable().values(), ref, strict=True):
+        assert counts.sum() == grad.size
 
 
 def test_float32_layers_do_not_count_against_float16_headroom():
