@@ -194,51 +194,52 @@ class LossScaleGuard(StepCallback):
             print(f"\n{message}")
 
     # -------------------------------------------------------------- messages
-    def _first_variable(self) -> str:
+    def _recent_events(self) -> list:
+        """The events of the last ``patience`` indices, newest first (one ring read)."""
+        if not self._source.records_events:
+            return []
+        count = self._read_state(counters_only=True).event_count
+        return [event for event, _ in reversed(self._source.events(max(count - self.patience, 0)))]
+
+    def _first_variable(self, events: list) -> str:
         """Where the last recorded event says the gradients first went non-finite."""
         if not self._source.records_events:
             return (
                 "unknown (the stock Keras optimizer does not record it; "
                 "kmix.LossScaleOptimizer does)"
             )
-        count = self._read_state().event_count
-        for event, _ in reversed(self._source.events(max(count - self.patience, 0))):
+        for event in events:
             if event.variable is not None:
                 return f"`{event.variable}`"
         return "none (the gradients stayed finite)"
 
-    def _forward_origin(self) -> str:
+    @staticmethod
+    def _forward_origin(events: list) -> str:
         """Where the last recorded event says the forward pass first went non-finite."""
-        if not self._source.records_events:
+        origin = next((event.origin for event in events if event.origin is not None), None)
+        if origin is None:
             return ""
-        count = self._read_state().event_count
-        for event, _ in reversed(self._source.events(max(count - self.patience, 0))):
-            origin = event.origin
-            if origin is None:
-                continue
-            if not origin.inputs_finite:
-                return (
-                    f" The first non-finite layer output is in `{origin.layer}` "
-                    f"({origin.layer_class}), whose inputs were already non-finite: the "
-                    "NaN/Inf comes with the data or from outside the tapped layers."
-                )
-            max_abs = (
-                "" if origin.max_abs_input is None else f", max |input| {origin.max_abs_input:g}"
-            )
+        if not origin.inputs_finite:
             return (
-                f" Forward overflow in `{origin.layer}` ({origin.layer_class}): inputs finite"
-                f"{max_abs}; keep this layer in float32 with `kmix.policy_scope('float32')` "
-                "or `dtype='float32'`."
+                f" The first non-finite layer output is in `{origin.layer}` "
+                f"({origin.layer_class}), whose inputs were already non-finite: the "
+                "NaN/Inf comes with the data or from outside the tapped layers."
             )
-        return ""
+        max_abs = "" if origin.max_abs_input is None else f", max |input| {origin.max_abs_input:g}"
+        return (
+            f" Forward overflow in `{origin.layer}` ({origin.layer_class}): inputs finite"
+            f"{max_abs}; keep this layer in float32 with `kmix.policy_scope('float32')` "
+            "or `dtype='float32'`."
+        )
 
     def _nonfinite_loss_text(self, step: int, streak: int) -> str:
+        events = self._recent_events()
         return (
             f"kmix.LossScaleGuard stopped training at step {step}: the loss has been "
             f"NaN/Inf before any loss scaling for {streak} consecutive steps (since step "
             f"{step - streak + 1}; patience={self.patience}). The forward pass produces "
-            f"it, so lowering the loss scale cannot help.{self._forward_origin()} First "
-            f"non-finite gradient: {self._first_variable()}. Usual causes: NaN/Inf in the "
+            f"it, so lowering the loss scale cannot help.{self._forward_origin(events)} First "
+            f"non-finite gradient: {self._first_variable(events)}. Usual causes: NaN/Inf in the "
             "input data or labels; a learning rate so high that the weights diverged; log, sqrt or "
             "division of zero or negative values in the model or the loss; an "
             "activation or reduction (softmax, exp, large sums) overflowing float16 — "
@@ -246,14 +247,15 @@ class LossScaleGuard(StepCallback):
         )
 
     def _floor_text(self, step: int, streak: int, scale: float) -> str:
+        first = self._first_variable(self._recent_events())
         return (
             f"kmix.LossScaleGuard stopped training at step {step}: the loss scale is "
             f"{scale:g}, at or below its floor {self._source.min_scale:g}, and the gradients "
             f"have overflowed for {streak} consecutive steps (since step "
             f"{step - streak + 1}; patience={self.patience}), so every step is skipped. "
-            f"First non-finite gradient: {self._first_variable()}. Float16 cannot hold "
-            "these gradients even unscaled. Usual causes: exploding gradients (lower the "
-            "learning rate or clip, e.g. clipnorm=1.0); a layer whose float16 output "
+            f"First non-finite gradient: {first}. Float16 cannot hold these gradients even "
+            "unscaled. Usual causes: exploding gradients (lower the learning rate or clip, "
+            "e.g. clipnorm=1.0); a layer whose float16 output "
             "overflows (run kmix.audit(model) and keep it in float32). 'mixed_bfloat16' "
             "has float32's range, where the hardware supports it."
         )
