@@ -177,25 +177,37 @@ def test_sgd_lr1_gives_known_weights_with_unscaled_gradients():
     assert opt.read_state()["consecutive_nonfinite_loss"] == 0
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
-def test_health_statistics_in_fit_match_numpy(jit_compile):
-    """The stored statistics equal a NumPy reference on the same scaled gradients."""
+def one_measured_step(inputs: int, units: int, jit_compile: bool):
+    """One fit step of Dense(units) -> Dense(1) with statistics and histograms due (scale 256).
+
+    Returns:
+        The optimizer, its state after the step, and the same step's scaled gradients
+        recomputed eagerly from the initial weights (float64), the reference.
+    """
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    model = keras.Sequential(
+        [keras.Input((inputs,)), keras.layers.Dense(units), keras.layers.Dense(1)]
+    )
     opt = kmix.LossScaleOptimizer("sgd", initial_scale=256.0, health_every=1, histogram_every=1)
     model.compile(optimizer=opt, loss="mse", jit_compile=jit_compile)
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((8, 4)).astype("float32")
+    x = rng.standard_normal((8, inputs)).astype("float32")
     y = rng.standard_normal((8, 1)).astype("float32")
     initial = model.get_weights()
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0, epochs=1)  # one step
     state = opt.read_state()
-    assert state["health_step"] == 1 and state.histogram_step == 1
-
     model.set_weights(initial)  # the reference: the same step's scaled gradients
     with tf.GradientTape() as tape:
         scaled = keras.losses.MeanSquaredError()(y, model(x)) * 256.0
     ref = [g.numpy().astype(np.float64) for g in tape.gradient(scaled, model.trainable_variables)]
+    return opt, state, ref
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_health_statistics_in_fit_match_numpy(jit_compile):
+    """The stored statistics equal a NumPy reference on the same scaled gradients."""
+    opt, state, ref = one_measured_step(4, 3, jit_compile)
+    assert state["health_step"] == 1 and state.histogram_step == 1
     flat = np.concatenate([g.ravel() for g in ref])
     np.testing.assert_allclose(state["grad_norm"], np.linalg.norm(flat / 256.0), rtol=1e-5)
     np.testing.assert_allclose(state["max_abs_scaled"], np.abs(flat).max(), rtol=1e-5)
@@ -220,20 +232,7 @@ def test_health_statistics_under_jit_on_a_large_kernel():
 
     Sums over that many float32 values carry about sqrt(n) * 2**-24 relative error.
     """
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(4096), keras.layers.Dense(1)])
-    opt = kmix.LossScaleOptimizer("sgd", initial_scale=256.0, health_every=1, histogram_every=1)
-    model.compile(optimizer=opt, loss="mse", jit_compile=True)
-    rng = np.random.default_rng(1)
-    x = rng.standard_normal((8, 64)).astype("float32")
-    y = rng.standard_normal((8, 1)).astype("float32")
-    initial = model.get_weights()
-    model.fit(x, y, batch_size=8, shuffle=False, verbose=0, epochs=1)
-    state = opt.read_state()
-    model.set_weights(initial)
-    with tf.GradientTape() as tape:
-        scaled = keras.losses.MeanSquaredError()(y, model(x)) * 256.0
-    ref = [g.numpy().astype(np.float64) for g in tape.gradient(scaled, model.trainable_variables)]
+    opt, state, ref = one_measured_step(64, 4096, jit_compile=True)
     flat = np.concatenate([g.ravel() for g in ref])
     np.testing.assert_allclose(state.health["grad_norm"], np.linalg.norm(flat / 256.0), rtol=1e-4)
     np.testing.assert_allclose(state.health["max_abs_scaled"], np.abs(flat).max(), rtol=1e-5)
