@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -35,29 +36,8 @@ from keras import ops  # noqa: E402
 
 from kmix import activations  # noqa: E402
 
-BATCH = 256
-
-
-def mlp() -> tuple[keras.Model, np.ndarray]:
-    model = keras.Sequential(
-        [
-            keras.Input((784,)),
-            keras.layers.Dense(1024, activation="relu"),
-            keras.layers.Dense(1024, activation="relu"),
-            keras.layers.Dense(10, dtype="float32"),
-        ]
-    )
-    return model, np.random.rand(BATCH, 784).astype("float32")
-
-
-def deep() -> tuple[keras.Model, np.ndarray]:
-    """40 small float16 layers: per-layer overhead dominates, the worst case."""
-    model = keras.Sequential(
-        [keras.Input((16,))]
-        + [keras.layers.Dense(16, activation="relu") for _ in range(40)]
-        + [keras.layers.Dense(10, dtype="float32")]
-    )
-    return model, np.random.rand(BATCH, 16).astype("float32")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_optimizer import BATCH, deep, mlp  # noqa: E402  (the same models, one definition)
 
 
 class TapOptimizer(keras.mixed_precision.LossScaleOptimizer):
