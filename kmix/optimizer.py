@@ -32,6 +32,7 @@ from kmix.activations import (
     ActivationTap,
     measure_forward,
 )
+from kmix.callbacks import _base as _runs  # noqa: F401  (wraps fit: runs end with evidence)
 from kmix.record import HEALTH_FIELDS, INT64_MAX, RecordedEvent, Snapshot  # noqa: F401
 from kmix.tags import ScaleEvent
 

@@ -419,3 +419,43 @@ def test_a_steadily_falling_headroom_is_forecast_before_the_overflow(tmp_path, c
     notes = [text for step, text in texts(data, tags.NOTES) if "falling steadily" in text]
     assert len(notes) == 1 and "at about step 17" in notes[0]
     assert "kmix: headroom of the activations of sequential/grow" in capsys.readouterr().out
+
+
+def test_a_monitor_built_inside_the_fit_call_still_records_how_the_run_ended(tmp_path):
+    """`model.fit(..., callbacks=[kmix.callbacks.MixedPrecisionMonitor(...)])` in a fresh
+    process: `fit` is looked up before `kmix.callbacks` is first imported."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import keras, numpy as np, kmix
+        keras.config.set_dtype_policy("mixed_float16")
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, dtype="float32")])
+        model.compile(kmix.LossScaleOptimizer("sgd"), "mse")
+
+        class Boom(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch == 2:
+                    raise RuntimeError("disk full")
+
+        try:
+            model.fit(np.ones((8, 2), "float32"), np.zeros((8, 1), "float32"), batch_size=1,
+                      verbose=0, callbacks=[kmix.callbacks.MixedPrecisionMonitor(
+                          {str(tmp_path)!r}, update_freq=100, verbose=0), Boom()])
+        except RuntimeError:
+            pass
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    ((step, text),) = texts(read_back(tmp_path), tags.RUN_END)
+    run_end = tags.parse_run_end(text)
+    assert (step, run_end.reason, run_end.message) == (
+        3,
+        "exception",
+        "training ended by RuntimeError: disk full",
+    )
