@@ -535,6 +535,18 @@ def test_demo_run_small(tmp_path):
     assert result.guard_diagnosis is None
 
 
+def test_demo_at_its_defaults_warns_of_nothing(tmp_path):
+    """The README's `kmix demo` trains a healthy model: early training lowers the activations'
+    headroom for ~100 steps before it levels off at ~12 bits, which is no overflow to come."""
+    logdir = str(tmp_path / "demo")
+    result = kmix("demo", "--logdir", logdir, timeout=300, env=USER_ENV)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stderr == ""  # no warnings: no guard forecast, no TensorFlow lines
+    assert "falling steadily" not in result.stdout
+    assert "  - no problems found; notes for information:" in result.stdout
+    assert not report.summarize(report.read_log(logdir)).forecasts
+
+
 def test_demo_command_one_epoch(tmp_path):
     logdir = str(tmp_path / "demo")
     result = kmix("demo", "--epochs", "1", "--logdir", logdir, timeout=240, env=USER_ENV)

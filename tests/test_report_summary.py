@@ -153,22 +153,25 @@ def test_subnormals_warn(variable):
 
 def test_activation_headroom_and_forecasts():
     steps = np.arange(10, 110, 10)
-    falling = 10.0 - 0.05 * steps  # 9.5 at step 10 ... 5.0 at 100: reaches 0 at step 200
+    falling = 7.0 - 0.05 * steps  # 6.5 at step 10 ... 2.0 at 100: reaches 0 at step 140
     log = hand_log(
         scalars={
             tags.ACTIVATION_HEADROOM_BITS + "ffn": (steps, falling),
+            # Falls as fast but reaches 0 at step 200: further ahead (100 steps) than the
+            # fitted readings span (50..100), so not told.
+            tags.ACTIVATION_HEADROOM_BITS + "mlp": (steps, falling + 3.0),
             tags.ACTIVATION_HEADROOM_BITS + "attn": (steps, np.full(10, 0.5)),
             tags.OVERFLOW_HEADROOM_BITS: (steps, np.full(10, 6.0)),
         },
         texts=text(tags.POLICY_RECORD, tags.format_policy_record(RECORD)),
     )
     summary = report.summarize(log)
-    assert list(summary.activation_headroom) == ["attn", "ffn"]  # tightest first
-    assert summary.activation_headroom["ffn"].last == 5.0
+    assert list(summary.activation_headroom) == ["attn", "ffn", "mlp"]  # tightest first
+    assert summary.activation_headroom["ffn"].last == 2.0
     (forecast,) = summary.forecasts
     assert (forecast.series, forecast.zero_step, forecast.last_step) == (
         "activations of ffn",
-        200,
+        140,
         100,
     )
     assert forecast.bits_per_step == pytest.approx(-0.05, rel=1e-12)
@@ -176,7 +179,7 @@ def test_activation_headroom_and_forecasts():
     assert summary.findings[0].message.startswith(
         "the outputs of layer attn came within 0.50 bits of float16's maximum (65504) at step 100"
     )
-    assert "at about step 200" in summary.findings[1].message
+    assert "at about step 140" in summary.findings[1].message
 
 
 def test_forecast_against_numpy():
@@ -188,7 +191,9 @@ def test_forecast_against_numpy():
     fit_slope, fit_intercept = np.polyfit(steps[-20:], values[-20:], 1)
     np.testing.assert_allclose(slope, fit_slope, rtol=1e-9)
     np.testing.assert_allclose(zero, -fit_intercept / fit_slope, rtol=1e-9)
-    assert report.forecast_zero_crossing(steps[:3], values[:3]) is None  # too few points
+    assert report.forecast_zero_crossing(steps[:5], values[:5]) is None  # too few points
+    # Reaches 0 at step 2000: 1000 steps after the last, beyond the 475 the fit spans.
+    assert report.forecast_zero_crossing(steps, values + 8.0) is None
     assert report.forecast_zero_crossing(steps, values[::-1]) is None  # rising
     assert report.forecast_zero_crossing(steps, rng.normal(5, 1, steps.size)) is None  # noise
     assert report.forecast_zero_crossing([1, 2, 3, 4], [3.0, 2.0, 1.0, 0.0]) is None  # at 0

@@ -11,13 +11,8 @@ import numpy as np
 from kmix.report.findings import HEADROOM_WARN_BITS
 from kmix.report.summary import forecast_zero_crossing
 
-MIN_READINGS = 6
-"""Readings of a series before it is forecast during the run."""
 HISTORY = 128
-"""Readings kept per series (the fit uses the latest half, at least MIN_READINGS)."""
-HORIZON = 4.0
-"""Forecasts further ahead than this many times the fitted span are not told (early
-training lowers headroom for a while; a distant extrapolation would only be noise)."""
+"""Readings kept per series (the fit uses the latest half, see the report's rule)."""
 
 
 def headroom_series(
@@ -53,8 +48,9 @@ class HeadroomForecast:
 
         Returns:
             A message for each series newly forecast to reach 0 bits (float16's max)
-            at its current rate, within :data:`HORIZON` fitted spans; series already
-            below the warning line are left to the headroom warnings.
+            at its current rate (the report's rule, :func:`forecast_zero_crossing`,
+            horizon included); series already below the warning line are left to
+            the headroom warnings.
         """
         messages = []
         for name, bits in series.items():
@@ -64,12 +60,10 @@ class HeadroomForecast:
             if name in self._told or not bits >= HEADROOM_WARN_BITS:
                 continue
             steps, values = np.asarray(points, dtype=np.float64).T
-            fit = forecast_zero_crossing(steps, values, min_points=MIN_READINGS)
+            fit = forecast_zero_crossing(steps, values)
             if fit is None:
                 continue
             zero, slope, fitted = fit
-            if zero - step > HORIZON * (step - steps[-fitted]):
-                continue
             self._told.add(name)
             messages.append(
                 f"headroom of the {name} is falling steadily ({bits:.2f} bits at step {step}, "

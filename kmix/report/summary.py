@@ -33,9 +33,14 @@ UNDERFLOW_SPLIT_TAGS = {
 }
 """Summary key -> scalar tag of the two parts of the underflow fraction."""
 
-FORECAST_MIN_POINTS = 4
+FORECAST_MIN_POINTS = 6
 FORECAST_MIN_R2 = 0.5
 """A forecast needs at least this many points, and a fit explaining this share of their variance."""
+FORECAST_HORIZON = 1.0
+"""A forecast reaches no further ahead of the last reading than this many times the span of
+the readings it was fitted on. Early training often lowers headroom quickly for a while
+and then levels off; a line through that stretch, carried far beyond it, would warn of an
+overflow that never comes."""
 
 _MODEL_POLICY = re.compile(r"model `[^`]*` policy `([^`]+)`")
 
@@ -454,7 +459,8 @@ def forecast_zero_crossing(
     The fit takes the latest half of the finite points, at least ``min_points``,
     and fits ``value = slope * step + intercept``. The series falls steadily when
     the slope is negative and the line explains at least :data:`FORECAST_MIN_R2`
-    of the points' variance.
+    of the points' variance. The crossing is told only when it lies within
+    :data:`FORECAST_HORIZON` times the fitted steps' span after the last of them.
 
     Args:
         steps: the steps, increasing.
@@ -464,8 +470,8 @@ def forecast_zero_crossing(
     Returns:
         ``(zero_step, slope, points)``: the step at which the line reaches 0
         (after the last step fitted), its slope and how many points were fitted;
-        None when there are too few points, the series is not falling steadily, or
-        the line is at or below 0 already.
+        None when there are too few points, the series is not falling steadily, the
+        line is at or below 0 already, or the crossing lies beyond the horizon.
     """
     steps = np.asarray(steps, dtype=np.float64)
     values = np.asarray(values, dtype=np.float64)
@@ -486,7 +492,7 @@ def forecast_zero_crossing(
     if slope >= 0 or total == 0.0 or 1.0 - residual / total < FORECAST_MIN_R2:
         return None
     zero = -intercept / slope
-    if zero <= x[-1]:
+    if zero <= x[-1] or zero - x[-1] > FORECAST_HORIZON * (x[-1] - x[0]):
         return None
     return zero, slope, int(count)
 
