@@ -1,8 +1,11 @@
-"""Which graph a tensor belongs to: the one TensorFlow-specific question kmix asks twice."""
+"""The TensorFlow-specific questions kmix asks: which graph a tensor belongs to, how to keep
+a rare branch out of the common step, how to read a variable on the host cheaply."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 
 def reachable(tensor: Any) -> bool:
@@ -71,3 +74,28 @@ def rare_cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
     if op.type in ("If", "StatelessIf"):
         op._set_attr("_lower_using_switch_merge", attr_value_pb2.AttrValue(b=False))
     return None if returns[0] else result[1]
+
+
+def host_value(variable: Any) -> np.ndarray:
+    """A Keras variable's value on the host, with one raw read.
+
+    ``keras.ops.convert_to_numpy`` on a variable goes through ``__array__``, an identity
+    op and a NumPy version check on every call: about three times the cost of the read
+    itself, which a callback checking after every step pays on every step. Variables
+    that are not plain resource variables (e.g. mirrored ones under a strategy) take
+    Keras's path.
+
+    Args:
+        variable: a Keras variable (or a TensorFlow variable).
+
+    Returns:
+        A NumPy array with the variable's current value.
+    """
+    import tensorflow as tf
+    from keras import ops
+    from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
+
+    value = getattr(variable, "value", variable)
+    if isinstance(value, BaseResourceVariable):
+        return tf.raw_ops.ReadVariableOp(resource=value.handle, dtype=value.dtype).numpy()
+    return np.asarray(ops.convert_to_numpy(variable))

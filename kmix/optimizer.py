@@ -9,7 +9,6 @@ This module is glue only: arguments -> a validated :class:`OptimizerConfig`,
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 import warnings
@@ -24,7 +23,7 @@ from kmix import health, record, scaling
 from kmix._checks import check_int, invalid
 from kmix._cluster import worker_count
 from kmix._config import OptimizerConfig, RunSettings
-from kmix._graph import rare_cond, reachable
+from kmix._graph import host_value, rare_cond, reachable
 from kmix._layers import forward_state_variables, variable_compute_dtypes
 from kmix.activations import (
     ACTIVATION_CAPACITY,
@@ -404,11 +403,11 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         )
 
         def quiet() -> None:  # the common step: one constant added, nothing else moves
-            self.counters.assign_add(record.pack(record.QUIET_DELTA))
+            self.counters.assign_add(np.asarray(record.QUIET_DELTA, "int64"))  # one constant
 
         def full() -> None:
             new, outcome = record.advance(
-                record.StepRecord(scale, record.unpack(packed)),  # sliced where used
+                record.StepRecord(scale, record.unpack(packed)),  # unstacked inside the branch
                 grads_finite,
                 loss_state,
                 self.config.rule,
@@ -655,10 +654,10 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         return np.asarray([] if mask is None else mask, "float32")
 
     def read_state(self, counters_only: bool = False) -> Snapshot:
-        """Reads the whole record with two host transfers.
+        """Reads the whole record: three variable reads.
 
         Args:
-            counters_only: read the counters alone, with one transfer (what a check on
+            counters_only: read the counters alone, with one read (what a check on
                 every step needs); ``loss_scale`` is then None and ``health`` empty.
 
         Returns:
@@ -668,14 +667,11 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if not self.built:
             counters = record.initial_counters(self.config.rule.hysteresis)
             return record.snapshot(self.initial_scale, list(counters), None)
+        counters = host_value(self.counters).tolist()
         if counters_only:
-            counters = ops.convert_to_numpy(self.counters).tolist()
-            return dataclasses.replace(record.snapshot(0.0, counters, None), loss_scale=None)
-        floats = ops.convert_to_numpy(
-            ops.concatenate([ops.reshape(self.dynamic_scale, (1,)), self.health])
-        )
+            return record.snapshot(None, counters, None)
         return record.snapshot(
-            float(floats[0]), ops.convert_to_numpy(self.counters).tolist(), floats[1:]
+            float(host_value(self.dynamic_scale)), counters, host_value(self.health)
         )
 
     def variable_paths(self) -> list[str]:
@@ -685,7 +681,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     def _by_variable(self, attribute: str) -> dict[str, Any]:
         if not self.built:
             return {}
-        values = ops.convert_to_numpy(getattr(self, attribute))
+        values = host_value(getattr(self, attribute))
         return dict(zip(self.variable_paths(), values, strict=True))
 
     def underflow_by_variable(self) -> dict[str, float]:
@@ -710,7 +706,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """
         if not self.built or not self._layers:
             return {}
-        values = ops.convert_to_numpy(self.activation_stats)[: len(self._layers)]
+        values = host_value(self.activation_stats)[: len(self._layers)]
         return {
             path: dict(zip(ACTIVATION_FIELDS, map(float, row), strict=True))
             for (path, _), row in zip(self._layers, values, strict=True)
@@ -723,12 +719,12 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             raise _invalid("since", since, "an integer >= 0 (the index of the last event seen)")
         if not self.built:
             return []
-        count = self.read_state().event_count
+        count = self.read_state(counters_only=True).event_count
         if count == since:
             return []
         return record.decode_events(
-            ops.convert_to_numpy(self.event_ints),
-            ops.convert_to_numpy(self.event_floats),
+            host_value(self.event_ints),
+            host_value(self.event_floats),
             count,
             int(since),
             self.variable_paths(),

@@ -112,8 +112,8 @@ def pack(counters: Counters) -> Any:
 
 
 def unpack(vector: Any) -> Counters:
-    """Splits the int64 vector written by :func:`pack` into :class:`Counters`."""
-    return Counters(*(vector[i] for i in range(len(Counters._fields))))
+    """Splits the int64 vector written by :func:`pack` into :class:`Counters` (one op)."""
+    return Counters(*ops.unstack(vector, num=len(Counters._fields)))
 
 
 def saturating_add(counter: Any, amount: Any) -> Any:
@@ -470,17 +470,19 @@ def measured_health(values: Sequence[float]) -> dict[str, float]:
     return health
 
 
-def snapshot(scale: float, counters: Sequence[int], health: Sequence[float] | None) -> Snapshot:
+def snapshot(
+    scale: float | None, counters: Sequence[int], health: Sequence[float] | None
+) -> Snapshot:
     """Builds a :class:`Snapshot` from host copies of the record's variables.
 
     Args:
-        scale: the scale variable's value.
+        scale: the scale variable's value; None when it was not read.
         counters: the counters vector, laid out as :class:`Counters`.
         health: the periodic health vector, or None before the optimizer is built.
     """
     c = Counters(*(int(x) for x in counters))
     return Snapshot(
-        loss_scale=float(scale),
+        loss_scale=None if scale is None else float(scale),
         attempted_steps=c.attempted_steps,
         skipped_steps=c.skipped_steps,
         good_steps=c.good_steps,

@@ -15,52 +15,55 @@ import numpy as np
 
 
 class SummaryBatch:
-    """Collects scalar and histogram points by step; :meth:`write` flushes them."""
+    """Collects scalar and histogram points by step; :meth:`write` flushes them.
+
+    Each point is built in place in its step's summary proto (no intermediate protos
+    copied in): a read of a large model adds hundreds of points.
+    """
 
     def __init__(self) -> None:
-        self._values: dict[int, list[Any]] = defaultdict(list)
+        from tensorboard.compat.proto import summary_pb2
+
+        self._summaries: dict[int, Any] = defaultdict(summary_pb2.Summary)
         self._described: set[str] = set()
 
-    def _metadata(self, tag: str, plugin: Any, description: str) -> Any:
-        if tag in self._described:  # TensorBoard keeps the first metadata of a tag
-            return None
-        self._described.add(tag)
-        return plugin.create_summary_metadata(display_name="", description=description)
+    def _value(self, tag: str, step: int, plugin: Any, description: str) -> Any:
+        """A new value of the step's summary, with the tag's metadata the first time."""
+        value = self._summaries[int(step)].value.add(tag=tag)
+        if tag not in self._described:  # TensorBoard keeps the first metadata of a tag
+            self._described.add(tag)
+            value.metadata.CopyFrom(
+                plugin.create_summary_metadata(display_name="", description=description)
+            )
+        return value
 
     def scalar(self, tag: str, value: float, step: int, description: str = "") -> None:
         """Adds one scalar point (float32, as ``tf.summary.scalar`` writes it)."""
-        from tensorboard.compat.proto import tensor_pb2, types_pb2
+        from tensorboard.compat.proto import types_pb2
         from tensorboard.plugins.scalar import metadata
 
-        tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_FLOAT, float_val=[value])
+        tensor = self._value(tag, step, metadata, description).tensor
+        tensor.dtype = types_pb2.DT_FLOAT
+        tensor.float_val.append(value)
         tensor.tensor_shape.SetInParent()  # a scalar: shape []
-        self._add(tag, tensor, step, self._metadata(tag, metadata, description))
 
     def histogram(self, tag: str, buckets: np.ndarray, step: int, description: str = "") -> None:
         """Adds one histogram: ``[k, 3]`` rows of (left edge, right edge, count)."""
-        from tensorboard.compat.proto import tensor_pb2, types_pb2
+        from tensorboard.compat.proto import types_pb2
         from tensorboard.plugins.histogram import metadata
 
         values = np.ascontiguousarray(buckets, np.float64)
-        tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_DOUBLE, tensor_content=values.tobytes())
+        tensor = self._value(tag, step, metadata, description).tensor
+        tensor.dtype = types_pb2.DT_DOUBLE
+        tensor.tensor_content = values.tobytes()
         for size in values.shape:
             tensor.tensor_shape.dim.add(size=size)
-        self._add(tag, tensor, step, self._metadata(tag, metadata, description))
-
-    def _add(self, tag: str, tensor: Any, step: int, metadata: Any) -> None:
-        from tensorboard.compat.proto import summary_pb2
-
-        proto = summary_pb2.Summary.Value(tag=tag, tensor=tensor)
-        if metadata is not None:
-            proto.metadata.CopyFrom(metadata)
-        self._values[int(step)].append(proto)
 
     def write(self) -> None:
         """Writes what was added, one raw summary per step, to the default writer."""
         import tensorflow as tf
-        from tensorboard.compat.proto import summary_pb2
 
-        for step in sorted(self._values):
-            summary = summary_pb2.Summary(value=self._values[step])
-            tf.summary.experimental.write_raw_pb(summary.SerializeToString(), step=step)
-        self._values.clear()
+        for step in sorted(self._summaries):
+            summary = self._summaries[step].SerializeToString()
+            tf.summary.experimental.write_raw_pb(summary, step=step)
+        self._summaries.clear()

@@ -12,8 +12,8 @@ from typing import Any
 
 import keras
 import numpy as np
-from keras import ops
 
+from kmix._graph import host_value
 from kmix.record import RecordedEvent, Snapshot
 
 STOCK_MIN_SCALE = 1.0
@@ -51,7 +51,7 @@ class Source:
 
     def _iterations(self) -> int:
         built = getattr(self.optimizer, "built", False)
-        return int(ops.convert_to_numpy(self.optimizer.iterations)) if built else 0
+        return int(host_value(self.optimizer.iterations)) if built else 0
 
     def read(self, steps_seen: int, counters_only: bool = False) -> Snapshot:
         """Reads the state (the host sync).
@@ -98,9 +98,9 @@ class KerasSource(Source):
     def read(self, steps_seen: int, counters_only: bool = False) -> Snapshot:
         opt = self.optimizer
         applied = self._iterations() - self._start_step
-        scale = opt.dynamic_scale if opt.built else opt.initial_scale
+        scale = host_value(opt.dynamic_scale) if opt.built else opt.initial_scale
         return Snapshot(
-            loss_scale=float(ops.convert_to_numpy(scale)),
+            loss_scale=float(scale),
             attempted_steps=self._start_step + steps_seen,
             skipped_steps=max(steps_seen - applied, 0),
         )
