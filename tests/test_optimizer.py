@@ -348,6 +348,25 @@ def test_state_reads_before_the_optimizer_is_built():
     assert dataclasses.asdict(opt.read_state()).keys() == dataclasses.asdict(state).keys()
 
 
+def test_host_reads_equal_keras_reads():
+    """The callbacks' raw variable reads (kmix._graph.host_value) give Keras's values."""
+    from kmix._graph import host_value
+
+    w = keras.Variable(np.ones(3, "float16"))
+    opt = kmix.LossScaleOptimizer("sgd", initial_scale=8.0)
+    opt.apply([tf.constant([1.0, np.inf, 2.0], "float16")], [w])
+    opt.apply([tf.constant([1.0, 3.0, 2.0], "float16")], [w])
+    for variable in [*opt.variables, w, tf.Variable([1, 2], dtype=tf.int64)]:
+        got, want = host_value(variable), np.asarray(keras.ops.convert_to_numpy(variable))
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+    state = opt.read_state()
+    assert (state.loss_scale, state.attempted_steps, state.skipped_steps) == (4.0, 2, 1)
+    counters_only = opt.read_state(counters_only=True)
+    assert counters_only.loss_scale is None and counters_only.health == {}
+    assert dataclasses.replace(counters_only, loss_scale=4.0, health=state.health) == state
+
+
 def test_counters_saturate_instead_of_overflowing():
     w = keras.Variable(np.ones(2, "float32"))
     opt = kmix.LossScaleOptimizer("sgd")

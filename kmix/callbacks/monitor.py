@@ -240,7 +240,7 @@ class MixedPrecisionMonitor(StepCallback):
         self._writer: Any = None
         self._warned: set[str] = set()
         self._forecast = HeadroomForecast()
-        self._batch = SummaryBatch()  # one write per step per read, not one per value
+        self._batch = SummaryBatch(tags.description)  # one write per step per read
         self._told_origins: set[str] = set()  # layers a forward overflow was printed for
 
     # ---------------------------------------------------------------- hooks
@@ -462,7 +462,7 @@ class MixedPrecisionMonitor(StepCallback):
 
     def _scalar(self, tag: str, value: float, step: int) -> None:
         """Adds one scalar point, with the tag's description, to this read's batch."""
-        self._batch.scalar(tag, value, step, tags.description(tag))
+        self._batch.scalar(tag, value, step)
 
     def _write_health_values(self, health: dict[str, float], step: int) -> None:
 
@@ -504,5 +504,4 @@ class MixedPrecisionMonitor(StepCallback):
                 tags.GRAD_EXPONENT + path,
                 np.column_stack([edges, np.asarray(counts, np.float64)]),
                 step,
-                tags.description(tags.GRAD_EXPONENT),
             )
