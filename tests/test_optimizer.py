@@ -407,6 +407,42 @@ def test_defaults_follow_stock_keras_scale_trace(growth_steps):
     assert len(set(traces[0])) > 2  # the pattern made the scale move both ways
 
 
+def test_watching_changes_nothing_in_the_training_without_xla(tmp_path):
+    """Monitor (statistics every 2 steps, histograms every 4) and guard: the same weights,
+    bit for bit, as stock Keras's optimizer on a healthy run (jit_compile=False)."""
+    keras.config.set_dtype_policy("mixed_float16")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(96, 8)).astype("float32"), rng.integers(0, 4, 96)
+    weights = {}
+    for kind in ("stock", "kmix"):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.LayerNormalization(),
+                keras.layers.Dense(4, dtype="float32"),
+            ]
+        )
+        adam = keras.optimizers.Adam()
+        if kind == "stock":
+            opt, callbacks = keras.mixed_precision.LossScaleOptimizer(adam), []
+        else:
+            opt = kmix.LossScaleOptimizer(adam)
+            callbacks = [
+                kmix.callbacks.MixedPrecisionMonitor(
+                    tmp_path, update_freq=2, histogram_freq=4, verbose=0
+                ),
+                kmix.callbacks.LossScaleGuard(verbose=0),
+            ]
+        model.compile(opt, "sparse_categorical_crossentropy", jit_compile=False)
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+        weights[kind] = [w.numpy() for w in model.trainable_weights]
+    assert int(opt.read_state().health_step) == 12  # statistics were taken
+    for stock, watched in zip(weights["stock"], weights["kmix"], strict=True):
+        np.testing.assert_array_equal(watched, stock)
+
+
 def test_compile_does_not_wrap_it_again():
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
