@@ -45,12 +45,17 @@ Note: the timer is itself a callback with a batch hook and without ``async_safe`
 Keras dispatches batch hooks synchronously in every configuration, stock included;
 all configurations pay that alike, and it is what a user with any such callback gets.
 
+``--copies N`` builds N model copies per configuration that take turns round by round: a
+copy can stay a few percent faster or slower than an identical one for a whole run
+(memory placement), which the median over rounds of one copy cannot remove.
+
 Ratios mean something only on an otherwise idle machine: the 1-minute load average is
 printed before and after each model; judge on a quiet machine, twice (issue 13).
 
 Usage:
     python bench/bench_matrix.py [--model mlp,cnn16,rescnn,transformer,deep]
         [--config optimizer,monitor,everything] [--steps 300] [--rounds 5] [--jit]
+        [--copies 1]
 
 e.g. ``python bench/bench_matrix.py`` (everything, a long run) or
 ``python bench/bench_matrix.py --model deep --jit --steps 300 --rounds 5``.
@@ -284,22 +289,28 @@ def reason(error: Exception) -> str:
     return f"{type(error).__name__}: {line[:160]}"
 
 
-def bench(name: str, configs: list[str], steps: int, rounds: int, jit: bool, root: str) -> None:
+def bench(
+    name: str, configs: list[str], steps: int, rounds: int, jit: bool, root: str, copies: int = 1
+) -> None:
     title, make_model = MODELS[name]
     load_before = os.getloadavg()[0]
-    runs: dict[str, Run] = {}
+    runs: dict[str, list[Run]] = {}
     failed: dict[str, str] = {}
     for config in configs:
         try:
-            runs[config] = Run(make_model, config, os.path.join(root, name, config), jit)
+            runs[config] = [
+                Run(make_model, config, os.path.join(root, name, config, str(copy)), jit)
+                for copy in range(copies)
+            ]
         except Exception as error:  # reported in the table; the other configurations run on
             failed[config] = reason(error)
             if config == "stock":
                 print(f"\n### {title}\n\nstock Keras failed, nothing to compare: {failed[config]}")
                 return
     times: dict[str, list[float]] = {c: [] for c in runs}
-    for _ in range(rounds):
-        for config, run in list(runs.items()):
+    for round_index in range(rounds):
+        for config, copies_of_config in list(runs.items()):
+            run = copies_of_config[round_index % len(copies_of_config)]  # copies take turns
             try:
                 times[config].append(run.measure(steps))
             except Exception as error:
@@ -310,11 +321,12 @@ def bench(name: str, configs: list[str], steps: int, rounds: int, jit: bool, roo
                     return
     load_after = os.getloadavg()[0]
 
-    stock = runs["stock"]
+    stock = runs["stock"][0]
     print(
         f"\n### {title}\n\nbatch {stock.batch}, "
         f"{len(stock.model.trainable_variables)} trainable variables, mixed_float16, "
-        f"jit_compile={jit}, {rounds} rounds x {steps} steps; "
+        f"jit_compile={jit}, {rounds} rounds x {steps} steps, {copies} model copies per "
+        f"configuration; "
         f"load {load_before:.2f} before, {load_after:.2f} after\n"
     )
     print("| configuration | mean step (ms) | ratio to stock | target | met |")
@@ -366,7 +378,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="steps per round and config")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--jit", action="store_true", help="compile with jit_compile=True")
+    parser.add_argument(
+        "--copies", type=int, default=1, help="model copies per configuration, taking turns"
+    )
     args = parser.parse_args()
+    if args.copies < 1:
+        parser.error(f"argument --copies: expected an integer >= 1, got {args.copies}")
     configs = ["stock"] + [c for c in CONFIGS if c in args.config and c != "stock"]
 
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -379,7 +396,7 @@ def main() -> None:
     try:
         for name in MODELS:
             if name in args.model:
-                bench(name, configs, args.steps, args.rounds, args.jit, root)
+                bench(name, configs, args.steps, args.rounds, args.jit, root, args.copies)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
