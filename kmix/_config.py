@@ -14,11 +14,13 @@ from kmix._checks import check_int, check_real, invalid
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)
-_OWNER = "kmix.LossScaleOptimizer"
+OWNER = "kmix.LossScaleOptimizer"
+"""The name errors about the optimizer's arguments give."""
 
 
-def _invalid(name: str, value: Any, valid: str) -> ValueError:
-    return invalid(_OWNER, name, value, valid)
+def invalid_argument(name: str, value: Any, valid: str) -> ValueError:
+    """The optimizer's error for an invalid argument (see :func:`kmix._checks.invalid`)."""
+    return invalid(OWNER, name, value, valid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +48,7 @@ class OptimizerConfig:
         rule = self.rule
         # The scale is a float32 variable: its bounds must be float32 normal numbers.
         min_scale = check_real(
-            _OWNER,
+            OWNER,
             "min_scale",
             rule.min_scale,
             FLOAT32_TINY,
@@ -54,7 +56,7 @@ class OptimizerConfig:
             f"a number in [{FLOAT32_TINY:.9g}, {FLOAT32_MAX:.9g}] (the scale is float32)",
         )
         max_scale = check_real(
-            _OWNER,
+            OWNER,
             "max_scale",
             rule.max_scale,
             min_scale,
@@ -64,22 +66,22 @@ class OptimizerConfig:
         )
         checked = {
             "initial_scale": check_real(
-                _OWNER,
+                OWNER,
                 "initial_scale",
                 self.initial_scale,
                 min_scale,
                 max_scale,
                 f"a finite number in [min_scale, max_scale] = [{min_scale}, {max_scale}]",
             ),
-            "health_every": check_int(_OWNER, "health_every", self.health_every, 1),
-            "histogram_every": check_int(_OWNER, "histogram_every", self.histogram_every, 0),
-            "event_capacity": check_int(_OWNER, "event_capacity", self.event_capacity, 1),
+            "health_every": check_int(OWNER, "health_every", self.health_every, 1),
+            "histogram_every": check_int(OWNER, "histogram_every", self.histogram_every, 0),
+            "event_capacity": check_int(OWNER, "event_capacity", self.event_capacity, 1),
             "rule": dataclasses.replace(
                 rule,
                 min_scale=min_scale,
                 max_scale=max_scale,
                 growth_factor=check_real(
-                    _OWNER,
+                    OWNER,
                     "growth_factor",
                     rule.growth_factor,
                     1.0,
@@ -88,7 +90,7 @@ class OptimizerConfig:
                     open_low=True,
                 ),
                 backoff_factor=check_real(
-                    _OWNER,
+                    OWNER,
                     "backoff_factor",
                     rule.backoff_factor,
                     0.0,
@@ -96,8 +98,8 @@ class OptimizerConfig:
                     open_low=True,
                     open_high=True,
                 ),
-                growth_steps=check_int(_OWNER, "dynamic_growth_steps", rule.growth_steps, 1),
-                hysteresis=check_int(_OWNER, "hysteresis", rule.hysteresis, 1),
+                growth_steps=check_int(OWNER, "dynamic_growth_steps", rule.growth_steps, 1),
+                hysteresis=check_int(OWNER, "hysteresis", rule.hysteresis, 1),
                 backoff_on_forward_overflow=_check_bool(
                     "backoff_on_forward_overflow", rule.backoff_on_forward_overflow
                 ),
@@ -109,7 +111,7 @@ class OptimizerConfig:
 
 def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool | np.bool_):
-        raise _invalid(name, value, "True or False")
+        raise invalid_argument(name, value, "True or False")
     return bool(value)
 
 

@@ -20,9 +20,9 @@ import numpy as np
 from keras import ops
 
 from kmix import health, record, scaling
-from kmix._checks import check_int, invalid
+from kmix._checks import check_int
 from kmix._cluster import worker_count
-from kmix._config import OptimizerConfig, RunSettings
+from kmix._config import OWNER, OptimizerConfig, RunSettings, invalid_argument
 from kmix._graph import host_value, rare_cond, reachable
 from kmix._layers import forward_state_variables, variable_compute_dtypes
 from kmix.activations import (
@@ -37,19 +37,13 @@ from kmix.tags import ScaleEvent
 
 __all__ = ["LossScaleOptimizer", "OptimizerConfig", "ScaleEvent", "Snapshot"]
 
-_OWNER = "kmix.LossScaleOptimizer"
-
-
-def _invalid(name: str, value: Any, valid: str) -> ValueError:
-    return invalid(_OWNER, name, value, valid)
-
 
 def _resolve_inner(inner_optimizer: Any) -> keras.optimizers.Optimizer:
     if isinstance(inner_optimizer, str | dict):
         try:
             inner_optimizer = keras.optimizers.get(inner_optimizer)
         except ValueError:
-            raise _invalid(
+            raise invalid_argument(
                 "inner_optimizer",
                 inner_optimizer,
                 "a keras.optimizers.Optimizer instance (e.g. keras.optimizers.Adam(1e-3))"
@@ -57,14 +51,14 @@ def _resolve_inner(inner_optimizer: Any) -> keras.optimizers.Optimizer:
                 " 'rmsprop'",
             ) from None
     if isinstance(inner_optimizer, keras.mixed_precision.LossScaleOptimizer):
-        raise _invalid(
+        raise invalid_argument(
             "inner_optimizer",
             inner_optimizer,
             "a plain optimizer: this one already scales the loss; pass its"
             " `.inner_optimizer` instead",
         )
     if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-        raise _invalid(
+        raise invalid_argument(
             "inner_optimizer", inner_optimizer, "a keras.optimizers.Optimizer or its name"
         )
     return inner_optimizer
@@ -615,7 +609,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     @health_every.setter
     def health_every(self, value: int) -> None:
-        self._settings.set_base("health_every", check_int(_OWNER, "health_every", value, 1))
+        self._settings.set_base("health_every", check_int(OWNER, "health_every", value, 1))
 
     @property
     def histogram_every(self) -> int:
@@ -624,7 +618,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     @histogram_every.setter
     def histogram_every(self, value: int) -> None:
-        self._settings.set_base("histogram_every", check_int(_OWNER, "histogram_every", value, 0))
+        self._settings.set_base("histogram_every", check_int(OWNER, "histogram_every", value, 0))
 
     def request_statistics(self, owner: Any, health_every: int, histogram_every: int) -> None:
         """Asks for statistics at least every N steps until :meth:`release_statistics`.
@@ -639,8 +633,8 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """
         self._settings.request(
             owner,
-            health_every=check_int(_OWNER, "health_every", health_every, 1),
-            histogram_every=check_int(_OWNER, "histogram_every", histogram_every, 0),
+            health_every=check_int(OWNER, "health_every", health_every, 1),
+            histogram_every=check_int(OWNER, "histogram_every", histogram_every, 0),
         )
 
     def release_statistics(self, owner: Any) -> None:
@@ -716,7 +710,9 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     def recorded_events(self, since: int = 0) -> list[RecordedEvent]:
         """Like :meth:`scale_events`, each event with the health measured at its step."""
         if isinstance(since, bool) or not isinstance(since, int | np.integer) or since < 0:
-            raise _invalid("since", since, "an integer >= 0 (the index of the last event seen)")
+            raise invalid_argument(
+                "since", since, "an integer >= 0 (the index of the last event seen)"
+            )
         if not self.built:
             return []
         count = self.read_state(counters_only=True).event_count
@@ -786,14 +782,16 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 kmix one is refused: migrating would reset its counters and bounds).
         """
         if isinstance(optimizer, LossScaleOptimizer):
-            raise _invalid(
+            raise invalid_argument(
                 "optimizer",
                 optimizer,
                 "a stock keras.mixed_precision.LossScaleOptimizer; this one is already a "
                 "kmix.LossScaleOptimizer: use it as it is",
             )
         if not isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
-            raise _invalid("optimizer", optimizer, "a keras.mixed_precision.LossScaleOptimizer")
+            raise invalid_argument(
+                "optimizer", optimizer, "a keras.mixed_precision.LossScaleOptimizer"
+            )
         if "initial_scale" not in kwargs:
             scale = float(
                 ops.convert_to_numpy(optimizer.dynamic_scale)
