@@ -13,7 +13,7 @@ import math
 import threading
 import warnings
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
@@ -286,17 +286,34 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if context.num_replicas_in_sync > 1:
             flags = context.all_reduce(tf.distribute.ReduceOp.SUM, flags)
         forward_state = self._take_forward_state()
-        forward = self._forward_statistics(flags[len(aligned)] > 0)
+        before = self._before_step()
+        forward = self._forward_statistics(flags[len(aligned)] > 0, before.health_due)
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
             self._step(
-                aligned, flags, forward_state, lambda: self._apply_inner(grads, variables), forward
+                aligned,
+                flags,
+                before,
+                forward_state,
+                lambda: self._apply_inner(grads, variables),
+                forward,
             )
         else:  # the cross-replica step reads the first replica's forward statistics
             context.merge_call(
-                self._merged_step, args=(aligned, flags, forward_state, forward, grads, variables)
+                self._merged_step,
+                args=(aligned, flags, before, forward_state, forward, grads, variables),
             )
 
-    def _forward_statistics(self, loss_nonfinite: Any) -> tuple[Any, Any] | None:
+    def _before_step(self) -> _Before:
+        """The record before this step and what is due at it, read once per step."""
+        packed = ops.copy(self.counters)
+        counters = record.unpack(packed)
+        settings = self._settings.variables
+        health_due, histogram_due = record.schedule(
+            counters, settings["health_every"], settings["histogram_every"]
+        )
+        return _Before(packed, counters, health_due, histogram_due)
+
+    def _forward_statistics(self, loss_nonfinite: Any, health_due: Any) -> tuple[Any, Any] | None:
         """This replica's forward pass, from the tap (see :func:`activations.measure_forward`)."""
         records = self._tap.take() if self._tap is not None else []
         if len(records) > ACTIVATION_CAPACITY:
@@ -309,8 +326,6 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self._layers = [(r.path, r.class_name) for r in records]
         if not records:
             return None
-        step = record.unpack(self.counters).attempted_steps + 1
-        health_due = record.due(step, self._settings.variables["health_every"])
         return measure_forward(records, loss_nonfinite, health_due)
 
     def _apply_inner(self, grads: list, variables: list) -> None:
@@ -331,6 +346,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         distribution: Any,
         aligned: list,
         flags: Any,
+        before: _Before,
         forward_state: list,
         forward: tuple[Any, Any] | None,
         grads: list,
@@ -344,6 +360,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self._step(
             [first(g) for g in aligned],
             first(flags),
+            keras.tree.map_structure(first, before),
             [(v, first(old)) for v, old in forward_state],
             lambda: distribution.extended.call_for_each_replica(
                 self._apply_inner, args=(grads, variables)
@@ -355,6 +372,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self,
         aligned: list,
         flags: Any,
+        before: _Before,
         forward_state: list,
         apply_inner: Any,
         forward: tuple[Any, Any] | None = None,
@@ -373,12 +391,8 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         ops.cond(applies, apply_inner, _noop)
 
         scale = ops.copy(self.dynamic_scale)
-        packed = ops.copy(self.counters)
-        counters = record.unpack(packed)
+        packed, counters, health_due, histogram_due = before
         settings = self._settings.variables
-        health_due, histogram_due = record.schedule(
-            counters, settings["health_every"], settings["histogram_every"]
-        )
         statistics_due = ops.logical_or(health_due, ops.logical_not(applies))
         unmeasured = ops.full((len(HEALTH_FIELDS),), np.nan, "float32")
 
@@ -829,6 +843,15 @@ def _warn_if_fit_cannot_run_here() -> None:
         return
     if worker_count(strategy) > 1:  # one worker alone trains with fit fine
         warnings.warn(FIT_UNDER_MULTI_WORKER.format(version=keras.version()), stacklevel=3)
+
+
+class _Before(NamedTuple):
+    """The record before a step (``packed`` and unpacked) and what is due at the step."""
+
+    packed: Any
+    counters: record.Counters
+    health_due: Any
+    histogram_due: Any
 
 
 def _noop() -> None:
