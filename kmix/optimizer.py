@@ -273,21 +273,14 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         aligned = [None] * len(self._trainable_variables)
         for grad, variable in zip(grads, variables, strict=True):
             aligned[self._get_variable_index(variable)] = grad
-        loss_code = self._take_loss_state()
-        flags = ops.concatenate(
-            [
-                health.nonfinite_flags(aligned),
-                ops.reshape(ops.cast(loss_code == record.LOSS_NONFINITE, "float32"), (1,)),
-                ops.reshape(ops.cast(loss_code == record.LOSS_UNKNOWN, "float32"), (1,)),
-            ]
-        )
+        flags = ops.concatenate([health.nonfinite_flags(aligned), self._take_loss_flags()])
         # Replicas agree: every replica sees the same flags before any update.
         context = tf.distribute.get_replica_context()
         if context.num_replicas_in_sync > 1:
             flags = context.all_reduce(tf.distribute.ReduceOp.SUM, flags)
         forward_state = self._take_forward_state()
         before = self._before_step()
-        forward = self._forward_statistics(flags[len(aligned)] > 0, before.health_due)
+        forward = self._forward_statistics(flags[len(aligned)] > 0, before.due[0])
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
             self._step(
                 aligned,
@@ -304,14 +297,11 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             )
 
     def _before_step(self) -> _Before:
-        """The record before this step and what is due at it, read once per step."""
+        """The counters before this step and what is due at it, read once per step."""
         packed = ops.copy(self.counters)
-        counters = record.unpack(packed)
         settings = self._settings.variables
-        health_due, histogram_due = record.schedule(
-            counters, settings["health_every"], settings["histogram_every"]
-        )
-        return _Before(packed, counters, health_due, histogram_due)
+        every = ops.stack([settings["health_every"].value, settings["histogram_every"].value])
+        return _Before(packed, record.due_now(packed, every))
 
     def _forward_statistics(self, loss_nonfinite: Any, health_due: Any) -> tuple[Any, Any] | None:
         """This replica's forward pass, from the tap (see :func:`activations.measure_forward`)."""
@@ -377,51 +367,38 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         apply_inner: Any,
         forward: tuple[Any, Any] | None = None,
     ) -> None:
-        """Read the record, run the pure update, assign; rare work in conditionals."""
+        """Applies or skips; the record's update and statistics in one rare branch.
+
+        The common step (quiet: see :func:`record.is_quiet`) runs the finite check, the
+        update and one constant added to the counters; everything else (the rule,
+        statistics, events, restoring the forward pass's state) is a called branch, which
+        costs a quiet step only the passing of its arguments (the gradients among them).
+        """
         n = len(aligned)
-        var_bad = flags[:n] > 0
-        grads_finite = ops.logical_not(ops.any(var_bad))
-        loss_state = ops.where(
-            flags[n] > 0,
-            record.LOSS_NONFINITE,
-            ops.where(flags[n + 1] > 0, record.LOSS_UNKNOWN, record.LOSS_FINITE),
-        )
-        loss_finite = ops.logical_not(flags[n] > 0)
-        applies = ops.logical_and(grads_finite, loss_finite)
+        applies = ops.logical_not(ops.any(flags[: n + 1] > 0))  # gradients and loss finite
         ops.cond(applies, apply_inner, _noop)
-
-        scale = ops.copy(self.dynamic_scale)
-        packed, counters, health_due, histogram_due = before
-        settings = self._settings.variables
-        statistics_due = ops.logical_or(health_due, ops.logical_not(applies))
-        unmeasured = ops.full((len(HEALTH_FIELDS),), np.nan, "float32")
-
-        def statistics() -> Any:
-            measured = ops.cond(
-                statistics_due,
-                lambda: self._record_health(health_due, aligned, scale),
-                lambda: unmeasured,
-            )
-            ops.cond(histogram_due, lambda: self._record_histograms(aligned), _noop)
-            return measured
-
-        # A called conditional: between statistics steps the gradients pass by reference.
-        measured = rare_cond(
-            ops.logical_or(statistics_due, histogram_due), statistics, lambda: unmeasured
-        )
 
         def quiet() -> None:  # the common step: one constant added, nothing else moves
             self.counters.assign_add(np.asarray(record.QUIET_DELTA, "int64"))  # one constant
 
         def full() -> None:
+            scale = ops.copy(self.dynamic_scale)
+            settings = self._settings.variables
+            var_bad = flags[:n] > 0
+            loss_state = ops.where(
+                flags[n] > 0,
+                record.LOSS_NONFINITE,
+                ops.where(flags[n + 1] > 0, record.LOSS_UNKNOWN, record.LOSS_FINITE),
+            )
             new, outcome = record.advance(
-                record.StepRecord(scale, record.unpack(packed)),  # unstacked inside the branch
-                grads_finite,
+                record.StepRecord(scale, record.unpack(before.packed)),
+                ops.logical_not(ops.any(var_bad)),
                 loss_state,
                 self.config.rule,
                 settings["health_every"],
                 settings["histogram_every"],
             )
+            measured = self._record_statistics(aligned, scale, outcome)
             self.dynamic_scale.assign(new.scale)
             self.counters.assign(record.pack(new.counters))
             if forward_state:  # the batch never happened: undo what the forward pass assigned
@@ -435,11 +412,28 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 _noop,
             )
 
-        quiet_step = record.is_quiet(
-            counters, applies, loss_state, self.config.rule, health_due, histogram_due
-        )
-        # The full update is a rare branch: as a called function it costs nothing when idle.
+        quiet_step = record.is_quiet(before.packed, flags, before.due, self.config.rule)
         rare_cond(quiet_step, quiet, full)
+
+    def _record_statistics(self, aligned: list, scale: Any, outcome: record.StepOutcome) -> Any:
+        """Gradient health (and histograms) when due; returns the health vector (NaN if not)."""
+        unmeasured = ops.full((len(HEALTH_FIELDS),), np.nan, "float32")
+
+        def statistics() -> Any:
+            measured = ops.cond(
+                outcome.statistics_due,
+                lambda: self._record_health(outcome.health_due, aligned, scale),
+                lambda: unmeasured,
+            )
+            ops.cond(outcome.histogram_due, lambda: self._record_histograms(aligned), _noop)
+            return measured
+
+        # Called: between statistics steps the gradients pass by reference.
+        return rare_cond(
+            ops.logical_or(outcome.statistics_due, outcome.histogram_due),
+            statistics,
+            lambda: unmeasured,
+        )
 
     def _keep_forward_statistics(
         self, forward: tuple[Any, Any] | None, outcome: record.StepOutcome
@@ -502,13 +496,13 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     def _record_histograms(self, aligned: list) -> None:
         self.exponent_histograms.assign(health.exponent_histograms(aligned))
 
-    def _take_loss_state(self) -> Any:
-        """What ``scale_loss`` saw in this step's graph: finite, non-finite or unknown."""
+    def _take_loss_flags(self) -> Any:
+        """What ``scale_loss`` saw in this step's graph: ``[non-finite, unknown]`` as 1.0/0.0."""
         nonfinite = getattr(self._trace, "loss_nonfinite", None)
         self._trace.loss_nonfinite = None
         if nonfinite is None or not reachable(nonfinite):
-            return ops.convert_to_tensor(record.LOSS_UNKNOWN, "int64")
-        return ops.where(nonfinite, record.LOSS_NONFINITE, record.LOSS_FINITE)
+            return ops.convert_to_tensor([0.0, 1.0], "float32")
+        return ops.where(nonfinite, np.float32([1.0, 0.0]), np.float32([0.0, 0.0]))
 
     def _take_forward_state(self) -> list:
         """The forward-updated variables and their values before this step's forward pass."""
@@ -846,12 +840,10 @@ def _warn_if_fit_cannot_run_here() -> None:
 
 
 class _Before(NamedTuple):
-    """The record before a step (``packed`` and unpacked) and what is due at the step."""
+    """The packed counters before a step and ``[health_due, histogram_due]`` at it."""
 
     packed: Any
-    counters: record.Counters
-    health_due: Any
-    histogram_due: Any
+    due: Any
 
 
 def _noop() -> None:

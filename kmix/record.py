@@ -192,49 +192,66 @@ QUIET_DELTA = Counters(
 """What a quiet step adds to the counters (nothing else changes, the scale included)."""
 
 
-def schedule(counters: Counters, health_every: Any, histogram_every: Any) -> tuple[Any, Any]:
-    """``(health_due, histogram_due)`` for the step after ``counters`` (as :func:`advance`)."""
-    step = counters.attempted_steps + 1
-    return due(step, health_every), due(step, histogram_every)
+def due_now(packed: Any, every: Any) -> Any:
+    """``[health_due, histogram_due]`` for the step after the ``packed`` counters.
 
-
-def is_quiet(
-    counters: Counters,
-    applies: Any,
-    loss_state: Any,
-    config: scaling.ScaleConfig,
-    health_due: Any,
-    histogram_due: Any,
-) -> Any:
-    """True when :func:`advance` would only add :data:`QUIET_DELTA`: the common step.
-
-    A quiet step applies its update (finite gradients and loss), follows a quiet step
-    (no skip or non-finite loss streak, the loss known finite), does not grow the scale,
-    and is not a statistics step. The optimizer then adds one constant vector instead
-    of running the whole rule (``tests/test_record.py`` checks the two agree).
+    The same as :func:`advance`'s ``outcome.health_due`` and ``outcome.histogram_due``,
+    computed as one vector before the step (a few ops instead of two scalar chains).
 
     Args:
-        counters: the counters before the step.
-        applies: boolean scalar, True when the gradients and the loss are finite.
-        loss_state: this step's loss code.
-        config: the scale rule's constants.
-        health_due: health statistics are due at this step.
-        histogram_due: histograms are due at this step.
+        packed: the counters before the step, as :func:`pack` lays them out.
+        every: int64 vector ``[health_every, histogram_every]`` (0 means never).
+
+    Returns:
+        A boolean vector of two.
     """
-    conditions = (
-        applies,
-        ops.equal(ops.cast(loss_state, "int64"), LOSS_FINITE),
-        ops.equal(counters.loss_state, LOSS_FINITE),
-        ops.equal(counters.consecutive_skips, 0),
-        ops.equal(counters.consecutive_nonfinite_loss, 0),
-        counters.good_steps + 1 < config.growth_steps,
-        counters.attempted_steps < INT64_MAX - 1,
-        ops.logical_not(ops.logical_or(health_due, histogram_due)),
+    attempted = packed[Counters._fields.index("attempted_steps")]
+    step = ops.minimum(attempted, INT64_MAX - 1) + 1  # saturating, as advance counts
+    return due(step, every)
+
+
+def quiet_bounds(config: scaling.ScaleConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Per counter, the ``[low, high]`` inside which a clean step is quiet.
+
+    A quiet step follows a quiet step (the last loss known finite, no skip or
+    non-finite loss streak), does not grow the scale and does not reach int64's end.
+
+    Returns:
+        ``(low, high)``: int64 vectors in :func:`pack`'s layout.
+    """
+    low = dict.fromkeys(Counters._fields, -INT64_MAX - 1)
+    high = dict.fromkeys(Counters._fields, INT64_MAX)
+    exact = {"loss_state": LOSS_FINITE, "consecutive_skips": 0, "consecutive_nonfinite_loss": 0}
+    low |= exact
+    high |= exact | {"good_steps": config.growth_steps - 2, "attempted_steps": INT64_MAX - 2}
+    return (
+        np.asarray(list(Counters(**low)), "int64"),
+        np.asarray(list(Counters(**high)), "int64"),
     )
-    quiet = conditions[0]
-    for condition in conditions[1:]:
-        quiet = ops.logical_and(quiet, condition)
-    return quiet
+
+
+def is_quiet(packed: Any, flags: Any, due_vector: Any, config: scaling.ScaleConfig) -> Any:
+    """True when :func:`advance` would only add :data:`QUIET_DELTA`: the common step.
+
+    A quiet step is clean (every flag 0: gradients finite, the loss finite and known),
+    lies inside :func:`quiet_bounds` and is not a statistics step. The optimizer then
+    adds one constant vector instead of running the whole rule (``tests/test_record.py``
+    checks the two agree).
+
+    Args:
+        packed: the counters before the step, as :func:`pack` lays them out.
+        flags: float vector, 0.0 for each clean item: one per gradient (non-finite),
+            then the loss non-finite, then the loss unknown.
+        due_vector: :func:`due_now`'s ``[health_due, histogram_due]``.
+        config: the scale rule's constants.
+
+    Returns:
+        A boolean scalar.
+    """
+    low, high = quiet_bounds(config)
+    inside = ops.all(ops.logical_and(packed >= low, packed <= high))
+    clean = ops.logical_not(ops.any(flags > 0))
+    return ops.logical_and(ops.logical_and(clean, inside), ops.logical_not(ops.any(due_vector)))
 
 
 # ------------------------------------------------------------------ event ring

@@ -193,10 +193,12 @@ def test_a_quiet_step_is_exactly_the_constant_delta(steps, health_every, histogr
     """Where the optimizer adds QUIET_DELTA instead of running the rule, the rule agrees."""
     state = initial_record()
     for grads_finite, loss in steps:
-        health_due, histogram_due = record.schedule(state.counters, health_every, histogram_every)
-        applies = grads_finite and loss == "finite"
+        packed = record.pack(state.counters)
+        health_due, histogram_due = ops.convert_to_numpy(
+            record.due_now(packed, np.asarray([health_every, histogram_every], "int64"))
+        )
         quiet = record.is_quiet(
-            state.counters, applies, LOSS[loss], CONFIG, health_due, histogram_due
+            packed, flags(grads_finite, loss), np.asarray([health_due, histogram_due]), CONFIG
         )
         new, outcome = record.advance(
             state,
@@ -209,23 +211,30 @@ def test_a_quiet_step_is_exactly_the_constant_delta(steps, health_every, histogr
         assert bool(health_due) == bool(outcome.health_due)
         assert bool(histogram_due) == bool(outcome.histogram_due)
         if bool(quiet):
-            before = ops.convert_to_numpy(record.pack(state.counters))
+            before = ops.convert_to_numpy(packed)
             after = ops.convert_to_numpy(record.pack(new.counters))
             np.testing.assert_array_equal(after - before, list(record.QUIET_DELTA))
             assert float(new.scale) == float(state.scale) and int(outcome.event) == scaling.NONE
         state = new
 
 
+def flags(grads_finite: bool, loss: str) -> np.ndarray:
+    """The optimizer's flags for one variable: [gradient non-finite, loss non-finite, unknown]."""
+    return np.float32([not grads_finite, loss == "nonfinite", loss == "unknown"])
+
+
 def test_which_steps_are_quiet():
     counters = initial_record().counters
 
-    def quiet(applies=True, loss="finite", health_every=4, histogram_every=0, **changes):
+    def quiet(grads_finite=True, loss="finite", health_every=4, histogram_every=0, **changes):
         c = counters._replace(**{k: ops.convert_to_tensor(v, "int64") for k, v in changes.items()})
-        due = record.schedule(c, health_every, histogram_every)
-        return bool(record.is_quiet(c, applies, LOSS[loss], CONFIG, *due))
+        packed = record.pack(c)
+        due = record.due_now(packed, np.asarray([health_every, histogram_every], "int64"))
+        return bool(record.is_quiet(packed, flags(grads_finite, loss), due, CONFIG))
 
     assert quiet()
-    assert not quiet(applies=False)  # a skip
+    assert not quiet(grads_finite=False)  # a skip
+    assert not quiet(loss="nonfinite")  # a forward overflow
     assert not quiet(loss="unknown")  # the loss state changes
     assert not quiet(health_every=1)  # statistics are due
     assert not quiet(histogram_every=1)
@@ -233,3 +242,17 @@ def test_which_steps_are_quiet():
     assert not quiet(consecutive_skips=1)  # a streak ends
     assert not quiet(consecutive_nonfinite_loss=2)
     assert not quiet(loss_state=record.LOSS_UNKNOWN)
+    assert quiet(good_steps=CONFIG.growth_steps - 2)  # the last step before growth
+    assert quiet(attempted_steps=record.INT64_MAX - 2, health_every=1000, histogram_every=0)
+    assert not quiet(attempted_steps=record.INT64_MAX - 1)  # the counter saturates next
+
+
+def test_due_now_is_what_advance_finds_due():
+    every = np.asarray([3, 4], "int64")
+    for attempted in (0, 2, 3, 11, record.INT64_MAX - 1, record.INT64_MAX):
+        c = initial_record().counters._replace(
+            attempted_steps=ops.convert_to_tensor(attempted, "int64")
+        )
+        step = min(attempted + 1, record.INT64_MAX)
+        expected = [step % 3 == 0, step % 4 == 0]
+        assert ops.convert_to_numpy(record.due_now(record.pack(c), every)).tolist() == expected
