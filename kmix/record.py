@@ -216,6 +216,9 @@ def quiet_bounds(config: scaling.ScaleConfig) -> tuple[np.ndarray, np.ndarray]:
     A quiet step follows a quiet step (the last loss known finite, no skip or
     non-finite loss streak), does not grow the scale and does not reach int64's end.
 
+    Args:
+        config: the scale rule's constants (its ``growth_steps``).
+
     Returns:
         ``(low, high)``: int64 vectors in :func:`pack`'s layout.
     """
