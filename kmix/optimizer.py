@@ -13,7 +13,6 @@ import math
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import keras
@@ -282,14 +281,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         forward_state = self._take_forward_state()
         before = self._before_step()
         forward = self._forward_statistics(flags[len(aligned)] > 0, before.due[0])
-        no_merge = tf.__internal__.distribute.strategy_supports_no_merge_call()
-        if forward is not None and not (no_merge and self._compiled_by_xla()):
-            # Measured at once: the conditional runs after the forward pass and lets go
-            # of the activations. Under XLA it goes inside the rare branch instead: a
-            # conditional of its own costs the compiled step about 10 % (82 variables).
-            measured = forward()
-            forward = lambda: measured  # noqa: E731
-        if no_merge:
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
             self._step(
                 aligned,
                 flags,
@@ -301,15 +293,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         else:  # the cross-replica step reads the first replica's forward statistics
             context.merge_call(
                 self._merged_step,
-                args=(
-                    aligned,
-                    flags,
-                    before,
-                    forward_state,
-                    None if forward is None else forward(),
-                    grads,
-                    variables,
-                ),
+                args=(aligned, flags, before, forward_state, forward, grads, variables),
             )
 
     def _before_step(self) -> _Before:
@@ -319,13 +303,8 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         every = ops.stack([settings["health_every"].value, settings["histogram_every"].value])
         return _Before(packed, record.due_now(packed, every))
 
-    def _forward_statistics(self, loss_nonfinite: Any, health_due: Any) -> Forward | None:
-        """This replica's forward pass, from the tap (see :func:`activations.measure_forward`).
-
-        Returns:
-            None without tapped layers; else a function building the measurement
-            where it is called.
-        """
+    def _forward_statistics(self, loss_nonfinite: Any, health_due: Any) -> tuple[Any, Any] | None:
+        """This replica's forward pass, from the tap (see :func:`activations.measure_forward`)."""
         records = self._tap.take() if self._tap is not None else []
         if len(records) > ACTIVATION_CAPACITY:
             warnings.warn(
@@ -337,12 +316,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self._layers = [(r.path, r.class_name) for r in records]
         if not records:
             return None
-        return lambda: measure_forward(records, loss_nonfinite, health_due)
-
-    def _compiled_by_xla(self) -> bool:
-        """True when the watched model's step is compiled with XLA (``jit_compile``)."""
-        model = self._model_ref() if self._model_ref is not None else None
-        return bool(getattr(model, "jit_compile", False))
+        return measure_forward(records, loss_nonfinite, health_due)
 
     def _apply_inner(self, grads: list, variables: list) -> None:
         """Unscales the gradients and applies the inner optimizer (replica context)."""
@@ -381,7 +355,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             lambda: distribution.extended.call_for_each_replica(
                 self._apply_inner, args=(grads, variables)
             ),
-            None if forward is None else lambda: tuple(first(t) for t in forward),
+            None if forward is None else tuple(first(t) for t in forward),
         )
 
     def _step(
@@ -391,7 +365,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         before: _Before,
         forward_state: list,
         apply_inner: Any,
-        forward: Forward | None = None,
+        forward: tuple[Any, Any] | None = None,
     ) -> None:
         """Applies or skips; the record's update and statistics in one rare branch.
 
@@ -429,7 +403,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             self.counters.assign(record.pack(new.counters))
             if forward_state:  # the batch never happened: undo what the forward pass assigned
                 ops.cond(outcome.skipped, lambda: _restore(forward_state), _noop)
-            origin = self._keep_forward_statistics(None if forward is None else forward(), outcome)
+            origin = self._keep_forward_statistics(forward, outcome)
             ops.cond(
                 ops.not_equal(outcome.event, scaling.NONE),
                 lambda: self._write_event(
@@ -863,10 +837,6 @@ def _warn_if_fit_cannot_run_here() -> None:
         return
     if worker_count(strategy) > 1:  # one worker alone trains with fit fine
         warnings.warn(FIT_UNDER_MULTI_WORKER.format(version=keras.version()), stacklevel=3)
-
-
-Forward = Callable[[], tuple[Any, Any]]
-"""Builds a step's forward measurement, ``(origin, stats)``, where it is called."""
 
 
 class _Before(NamedTuple):

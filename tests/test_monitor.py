@@ -356,7 +356,7 @@ def functional_net():
     [
         (functional_net, ["up"], False),
         (Net, ["net/block/up", "net/block"], False),
-        (Net, ["net/block/up", "net/block"], True),  # measured inside the rare branch
+        (Net, ["net/block/up", "net/block"], True),  # compiled by XLA
     ],
 )
 def test_activation_headroom_per_layer_is_exact(tmp_path, make, layers, jit_compile):
