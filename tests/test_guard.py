@@ -14,6 +14,7 @@ from spiky import spiky_data, spiky_model
 
 import kmix
 from kmix.callbacks import LossScaleGuard, LossScaleGuardError
+from kmix.callbacks.guard import first_possible_trip
 
 
 class CountSteps(keras.callbacks.Callback):
@@ -88,6 +89,114 @@ def test_skip_rate_over_the_window_raises_in_raise_mode():
     assert isinstance(caught.value, RuntimeError)
     assert (caught.value.reason, caught.value.step) == ("skip_rate", 10)
     assert str(caught.value) == guard.diagnosis
+    assert "5 of the last 10 steps (50%)" in guard.diagnosis
+
+
+def test_first_possible_trip_is_where_a_run_of_bad_steps_would_trip():
+    """Against plain Python: every step after the read skipped with a NaN loss."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        patience, window = int(rng.integers(1, 8)), int(rng.integers(1, 15))
+        rate = float(rng.choice([0.2, 0.5, 0.9, 1.0]))
+        step = int(rng.integers(0, 30))
+        skips = list(rng.random(step) < rng.random())
+        skip_streak = next((i for i, s in enumerate(reversed(skips)) if not s), step)
+        loss_streak = int(rng.integers(0, min(skip_streak, patience - 1) + 1))
+        skip_streak = min(skip_streak, patience - 1 + int(rng.integers(0, 2)))
+        points = [(0, 0)] + [(k + 1, sum(skips[: k + 1])) for k in range(step) if skips[k]]
+        points.append((step, sum(skips)))
+        expected, bad = None, skips[:]
+        while expected is None:
+            bad.append(True)
+            t, d = len(bad), len(bad) - step
+            rated = t >= window and sum(bad[t - window : t]) / window > rate
+            if loss_streak + d >= patience or skip_streak + d >= patience or rated:
+                expected = t
+        found = first_possible_trip(
+            points,
+            loss_streak,
+            skip_streak,
+            patience=patience,
+            max_skip_rate=rate,
+            window=window,
+            rate_from=window,
+        )
+        assert found == expected, (points, loss_streak, skip_streak, patience, window, rate)
+
+
+def counted_reads(optimizer) -> list[int]:
+    """The step of each read of the optimizer's state (the guard's host syncs) from now on."""
+    reads = []
+    original = optimizer.read_state
+
+    def read_state(counters_only=False):
+        state = original(counters_only=counters_only)
+        reads.append(state.attempted_steps)
+        return state
+
+    optimizer.read_state = read_state
+    return reads
+
+
+def first_trip_by_rule(skips: list[bool], patience: int, window: int, rate: float) -> int | None:
+    """The skip-rate and floor rules checked after every step, in plain Python (at the floor)."""
+    for t in range(1, len(skips) + 1):
+        streak = next((i for i, s in enumerate(reversed(skips[:t])) if not s), t)
+        if streak >= patience or (t >= window and sum(skips[t - window : t]) / window > rate):
+            return t
+    return None
+
+
+@pytest.mark.parametrize(
+    ("seed", "patience", "reason"),
+    [
+        (0, 6, "skip_rate"),
+        (1, 6, "skip_rate"),
+        (1, 4, "overflow_at_floor"),
+        (3, 4, "overflow_at_floor"),
+    ],
+)
+def test_sparse_reads_trip_at_the_same_step_as_a_check_after_every_step(seed, patience, reason):
+    """Irregular skips at the floor: the guard reads a few times, and trips where the rules say."""
+    rng = np.random.default_rng(seed)
+    skips = list(rng.random(60) < np.linspace(0.1, 0.9, 60))  # more and more often
+    expected = first_trip_by_rule(skips, patience, window=12, rate=0.5)
+    optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64)
+    model = spiky_model(optimizer)
+    reads = counted_reads(optimizer)
+    guard = LossScaleGuard(patience=patience, window=12, max_skip_rate=0.5, verbose=0)
+    rows = [i + 1 for i, s in enumerate(skips) if s]
+    steps = fit(model, spiky_data(60, spikes=rows), guard)
+    assert (guard.reason, guard.step, steps) == (reason, expected, expected)
+    if reason == "skip_rate":
+        skipped = sum(skips[expected - 12 : expected])
+        assert f"{skipped} of the last 12 steps" in guard.diagnosis
+    assert len(reads) < expected  # a check after every step reads at least once per step
+
+
+def test_a_healthy_run_reads_once_per_patience_steps():
+    optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64)
+    model = spiky_model(optimizer)
+    reads = counted_reads(optimizer)
+    guard = LossScaleGuard(patience=10, window=50, verbose=0)
+    assert fit(model, spiky_data(100, spikes=[3, 40]), guard) == 100
+    assert guard.reason is None
+    # At train begin, then where a streak could first reach 10: every 10 steps, but 9
+    # after step 40, whose skip starts a streak (the window never nears 25 skips of 50);
+    # the events of the skips at 3 and 40 when the next read finds them; the health
+    # measured at step 100 (health_every=100) read in full.
+    assert reads == [0, 10, 10, 20, 30, 40, 40, 49, 59, 69, 79, 89, 99, 100, 100]
+
+
+def test_events_lost_between_checks_fall_back_to_the_span_read():
+    """A ring of 4 read every 10 steps loses events: the rate is the reads' (as before)."""
+    optimizer = kmix.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64, event_capacity=4
+    )
+    model = spiky_model(optimizer)
+    guard = LossScaleGuard(patience=5, window=10, max_skip_rate=0.4, check_freq=10, verbose=0)
+    fit(model, spiky_data(40, spikes=range(2, 41, 2)), guard)
+    assert (guard.reason, guard.step) == ("skip_rate", 10)
     assert "5 of the last 10 steps (50%)" in guard.diagnosis
 
 

@@ -31,6 +31,7 @@ class Source:
         knows_loss: the snapshot says whether each step's loss was finite.
         min_scale: the scale's floor, None without loss scaling.
         max_scale: the scale's ceiling, None when there is none or it is unknown.
+        event_capacity: how many recent events the source keeps (0: none).
     """
 
     kind = "none"
@@ -40,6 +41,7 @@ class Source:
     knows_loss = False
     min_scale: float | None = None
     max_scale: float | None = None
+    event_capacity = 0
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
@@ -68,6 +70,11 @@ class Source:
     def events(self, since: int) -> list[RecordedEvent]:
         """Events with index > ``since`` still held (none without kmix)."""
         return []
+
+    @property
+    def health_every(self) -> int:
+        """Steps between gradient health measurements in force now (0: none)."""
+        return 0
 
     def request_statistics(self, owner: Any, health_every: int, histogram_every: int) -> None:
         """Asks for statistics every N steps (nothing to ask without kmix)."""
@@ -119,6 +126,7 @@ class KmixSource(Source):
         super().__init__(optimizer)
         self.min_scale = optimizer.config.rule.min_scale
         self.max_scale = optimizer.config.rule.max_scale
+        self.event_capacity = optimizer.event_capacity
 
     def begin(self, model: keras.Model) -> None:
         self.optimizer.watch(model)
@@ -128,6 +136,10 @@ class KmixSource(Source):
 
     def events(self, since: int) -> list[RecordedEvent]:
         return self.optimizer.recorded_events(since)
+
+    @property
+    def health_every(self) -> int:
+        return self.optimizer.health_every
 
     def request_statistics(self, owner: Any, health_every: int, histogram_every: int) -> None:
         self.optimizer.request_statistics(owner, health_every, histogram_every)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from kmix import tags
 from kmix._checks import check_choice, check_int, check_real
 from kmix.callbacks._base import GUARD_RAISED, STOPPED_BY_GUARD, StepCallback, end_run, warn_user
 from kmix.callbacks._forecast import HeadroomForecast, headroom_series
@@ -42,6 +45,52 @@ def _is_nonfinite(value: Any) -> bool:
         return False
 
 
+def first_possible_trip(
+    points: Sequence[tuple[int, int]],
+    loss_streak: int,
+    skip_streak: int,
+    *,
+    patience: int,
+    max_skip_rate: float,
+    window: int,
+    rate_from: int,
+) -> int:
+    """The first step after the last read at which a rule could trip, whatever comes.
+
+    Each step adds at most one to each streak and to the skipped count. So
+    ``nonfinite_loss`` cannot trip before ``patience - loss_streak`` more steps,
+    ``overflow_at_floor`` before ``patience - skip_streak`` (or the next step, when
+    only the scale's floor is missing), and ``skip_rate`` at step ``t`` counts at most
+    the skips already made after ``t - window`` plus one per step still to come in
+    the window.
+
+    Args:
+        points: ``(step, skipped)`` pairs in step order, the last one the read just
+            made, such that the skipped count at any step ``u`` from the first point on
+            is at least that of the last point at or before ``u`` (exact where every
+            skip has its point).
+        loss_streak: consecutive non-finite losses at the last point.
+        skip_streak: consecutive skipped steps at the last point.
+        patience: the guard's ``patience``.
+        max_skip_rate: the guard's ``max_skip_rate``.
+        window: the guard's ``window``.
+        rate_from: the first step at which ``skip_rate`` applies (the fit's first
+            step + ``window``).
+
+    Returns:
+        A step after the last point's. E.g. no streaks and no skips, ``patience=20``:
+        the last point's step + 20.
+    """
+    step, skipped = points[-1]
+    streaks = min(step + patience - loss_streak, step + max(patience - skip_streak, 1))
+    steps = [p for p, _ in points]
+    for t in range(max(step + 1, rate_from), streaks):
+        before = points[max(bisect.bisect_right(steps, t - window) - 1, 0)][1]
+        if (skipped - before + min(t - step, window)) / window > max_skip_rate:
+            return t
+    return streaks
+
+
 class LossScaleGuard(StepCallback):
     """Stops training that loss scaling cannot save, with a diagnosis a user can act on.
 
@@ -54,8 +103,13 @@ class LossScaleGuard(StepCallback):
     * ``skip_rate``: more than ``max_skip_rate`` of the last ``window`` steps were
       skipped (checked once ``window`` steps have run in this ``fit``).
 
-    With ``kmix.LossScaleOptimizer`` it reads the optimizer's in-graph counters,
-    one read per check, and names the first non-finite variable. With the stock
+    With ``kmix.LossScaleOptimizer`` it reads the optimizer's in-graph counters and
+    names the first non-finite variable. It reads them only at the steps where a rule
+    could first trip (:func:`first_possible_trip`), at each health measurement and
+    before the event ring could overflow: a healthy run costs one small read every
+    ``patience`` steps, not one per step, and the guard trips at the same step as a
+    check after every step would. The skipped steps it counts over ``window`` are the
+    recorded events' steps, so the skip rate is exact too. With the stock
     Keras optimizer, which halves its scale down to 0.0 and trains on with NaN
     loss, it infers skipped steps from the optimizer's iterations, counts a step
     as a non-finite loss when it was skipped and the logged loss is NaN/Inf, and
@@ -74,9 +128,10 @@ class LossScaleGuard(StepCallback):
         window: steps over which the skip rate is measured, >= 1. Default 200.
         mode: ``"stop"`` sets ``model.stop_training`` and prints the diagnosis;
             ``"raise"`` raises :class:`LossScaleGuardError`.
-        check_freq: check every this many steps, >= 1. Default 1, so the guard
-            trips exactly after ``patience`` steps; larger values save host syncs
-            and trip up to ``check_freq - 1`` steps later.
+        check_freq: check at most every this many steps, >= 1. Default 1, so the
+            guard trips exactly after ``patience`` steps; larger values save host
+            syncs (with the stock optimizer, which is read at every check) and trip
+            up to ``check_freq - 1`` steps later.
         verbose: 1 prints the diagnosis when stopping; 0 is quiet.
 
     Attributes:
@@ -98,7 +153,8 @@ class LossScaleGuard(StepCallback):
         check_freq: int = 1,
         verbose: int = 1,
     ) -> None:
-        super().__init__(every=check_int(_OWNER, "check_freq", check_freq, 1))
+        self.check_freq = check_int(_OWNER, "check_freq", check_freq, 1)
+        super().__init__(every=self.check_freq)
         self.patience = check_int(_OWNER, "patience", patience, 1)
         self.max_skip_rate = check_real(
             _OWNER, "max_skip_rate", max_skip_rate, 0.0, 1.0, open_low=True
@@ -125,10 +181,17 @@ class LossScaleGuard(StepCallback):
                 stacklevel=2,
             )
         state = self._read_state()
+        # (step, skipped) at every read and, with kmix, at every skipped step.
         self._history = collections.deque([(state.attempted_steps, state.skipped_steps)])
+        self._rate_from = state.attempted_steps + self.window
+        self._events_seen = state.event_count
+        self._exact_from = state.attempted_steps  # every skip after it has its point
         self._skip_streak = self._loss_streak = 0
         self._health_step = state.health_step
         self._forecast = HeadroomForecast()
+        self._every = self.check_freq
+        if self._source.records_events:
+            self._schedule(state.consecutive_nonfinite_loss, state.consecutive_skips)
 
     # ------------------------------------------------------------------ checks
     def _on_read(self, logs: dict) -> None:
@@ -137,6 +200,8 @@ class LossScaleGuard(StepCallback):
         source = self._source
         state = self._read_state(counters_only=True)  # one small transfer per check
         step, skipped = state.attempted_steps, state.skipped_steps
+        if source.records_events:
+            self._note_skips(state)
         if source.knows_loss:
             loss_streak = state.consecutive_nonfinite_loss
             skip_streak = state.consecutive_skips
@@ -151,9 +216,9 @@ class LossScaleGuard(StepCallback):
             self._loss_streak = self._loss_streak + steps if bad_loss else 0
             loss_streak, skip_streak = self._loss_streak, self._skip_streak
         self._history.append((step, skipped))
-        self._warn_on_forecast(state)
         while len(self._history) > 1 and self._history[1][0] <= step - self.window:
             self._history.popleft()
+        self._warn_on_forecast(state)
         if loss_streak >= self.patience:
             self._trip("nonfinite_loss", step, self._nonfinite_loss_text(step, loss_streak))
         elif skip_streak >= self.patience and source.scales_loss:
@@ -164,7 +229,7 @@ class LossScaleGuard(StepCallback):
                     self._floor_text(step, skip_streak, state.loss_scale),
                 )
         if self.diagnosis is None and source.scales_loss:
-            first_step, first_skipped = self._history[0]
+            first_step, first_skipped = self._window_start(step)
             if first_step <= step - self.window:
                 rate = (skipped - first_skipped) / (step - first_step)
                 if rate > self.max_skip_rate:
@@ -173,6 +238,54 @@ class LossScaleGuard(StepCallback):
                         step,
                         self._skip_rate_text(step, step - first_step, skipped - first_skipped),
                     )
+
+        if self.diagnosis is None and source.records_events:
+            self._schedule(loss_streak, skip_streak)
+
+    def _note_skips(self, state: Any) -> None:
+        """Adds a history point at each skipped step recorded since the last read."""
+        if state.event_count == self._events_seen:
+            return
+        events = self._source.events(self._events_seen)
+        skipped = self._history[-1][1]
+        for recorded in events:
+            if recorded.event.kind in tags.SKIP_KINDS:
+                skipped += 1
+                self._history.append((recorded.event.step, skipped))
+        if len(events) < state.event_count - self._events_seen:  # the ring overflowed
+            self._exact_from = state.attempted_steps
+        self._events_seen = state.event_count
+
+    def _window_start(self, step: int) -> tuple[int, int]:
+        """``(step, skipped)`` where the skip-rate window ending at ``step`` starts.
+
+        Exactly ``window`` steps back where every skip since has its history point
+        (kmix); else the last read at least that far back.
+        """
+        target = step - self.window
+        first_step, first_skipped = self._history[0]
+        if self._source.records_events and first_step <= target and target >= self._exact_from:
+            return target, first_skipped  # no skip between the point and the target
+        return first_step, first_skipped
+
+    def _schedule(self, loss_streak: int, skip_streak: int) -> None:
+        """Sets the steps until the next read (kmix): until the first step at which a rule
+        could trip, the next health measurement (each is read before the next replaces
+        it), or before the event ring could overflow, whichever comes first."""
+        step = self._history[-1][0]
+        trip = first_possible_trip(
+            self._history,
+            loss_streak,
+            skip_streak,
+            patience=self.patience,
+            max_skip_rate=self.max_skip_rate,
+            window=self.window,
+            rate_from=self._rate_from,
+        )
+        every = self._source.health_every
+        health = step + every - step % every if every > 0 else trip
+        ring = step + max(self._source.event_capacity, 1)
+        self._every = max(self.check_freq, min(trip, health, ring) - step)
 
     def _warn_on_forecast(self, state: Any) -> None:
         """Warns (never stops) when a headroom is forecast to reach float16's max."""
