@@ -181,11 +181,11 @@ def test_a_healthy_run_reads_once_per_patience_steps():
     guard = LossScaleGuard(patience=10, window=50, verbose=0)
     assert fit(model, spiky_data(100, spikes=[3, 40]), guard) == 100
     assert guard.reason is None
-    # At train begin, then where a streak could first reach 10: every 10 steps, but 9
-    # after step 40, whose skip starts a streak (the window never nears 25 skips of 50);
-    # the events of the skips at 3 and 40 when the next read finds them; the health
-    # measured at step 100 (health_every=100) read in full.
-    assert reads == [0, 10, 10, 20, 30, 40, 40, 49, 59, 69, 79, 89, 99, 100, 100]
+    # At train begin and after the first step, then where a streak could first reach
+    # 10: every 10 steps (the two skips make no streak at a read, and the window never
+    # nears 25 skips of 50); the events of the skips at 3 and 40 when the next read
+    # finds them; the health measured at step 100 (health_every=100), read in full.
+    assert reads == [0, 1, 11, 11, 21, 31, 41, 41, 51, 61, 71, 81, 91, 100, 100]
 
 
 def test_events_lost_between_checks_fall_back_to_the_span_read():

@@ -189,9 +189,8 @@ class LossScaleGuard(StepCallback):
         self._skip_streak = self._loss_streak = 0
         self._health_step = state.health_step
         self._forecast = HeadroomForecast()
-        self._every = self.check_freq
-        if self._source.records_events:
-            self._schedule(state.consecutive_nonfinite_loss, state.consecutive_skips)
+        self._every = self.check_freq  # the first read schedules the next (once every
+        # callback has begun: the monitor may have asked for health more often)
 
     # ------------------------------------------------------------------ checks
     def _on_read(self, logs: dict) -> None:
