@@ -138,40 +138,44 @@ def counted_reads(optimizer) -> list[int]:
     return reads
 
 
-def first_trip_by_rule(skips: list[bool], patience: int, window: int, rate: float) -> int | None:
-    """The skip-rate and floor rules checked after every step, in plain Python (at the floor)."""
-    for t in range(1, len(skips) + 1):
+def first_trip_by_rule(
+    skips: list[bool], patience: int, window: int, rate: float, every: int = 1
+) -> tuple[str, int] | None:
+    """The floor and skip-rate rules checked every ``every`` steps, in plain Python."""
+    for t in range(every, len(skips) + 1, every):
         streak = next((i for i, s in enumerate(reversed(skips[:t])) if not s), t)
-        if streak >= patience or (t >= window and sum(skips[t - window : t]) / window > rate):
-            return t
+        if streak >= patience:
+            return "overflow_at_floor", t
+        if t >= window and sum(skips[t - window : t]) / window > rate:
+            return "skip_rate", t
     return None
 
 
 @pytest.mark.parametrize(
-    ("seed", "patience", "reason"),
-    [
-        (0, 6, "skip_rate"),
-        (1, 6, "skip_rate"),
-        (1, 4, "overflow_at_floor"),
-        (3, 4, "overflow_at_floor"),
-    ],
+    ("seed", "patience", "steps_per_execution"),
+    [(0, 6, 1), (1, 6, 1), (1, 4, 1), (3, 4, 1), (0, 6, 4), (3, 4, 4)],
 )
-def test_sparse_reads_trip_at_the_same_step_as_a_check_after_every_step(seed, patience, reason):
-    """Irregular skips at the floor: the guard reads a few times, and trips where the rules say."""
+def test_sparse_reads_trip_at_the_same_step_as_a_check_after_every_step(
+    seed, patience, steps_per_execution
+):
+    """Irregular skips at the floor: the guard reads a few times, and trips where the rules
+    checked after every execution say."""
     rng = np.random.default_rng(seed)
     skips = list(rng.random(60) < np.linspace(0.1, 0.9, 60))  # more and more often
-    expected = first_trip_by_rule(skips, patience, window=12, rate=0.5)
+    reason, step = first_trip_by_rule(skips, patience, 12, 0.5, steps_per_execution)
     optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64)
-    model = spiky_model(optimizer)
+    model = spiky_model(optimizer, steps_per_execution)
     reads = counted_reads(optimizer)
     guard = LossScaleGuard(patience=patience, window=12, max_skip_rate=0.5, verbose=0)
     rows = [i + 1 for i, s in enumerate(skips) if s]
-    steps = fit(model, spiky_data(60, spikes=rows), guard)
-    assert (guard.reason, guard.step, steps) == (reason, expected, expected)
+    executions = fit(model, spiky_data(60, spikes=rows), guard)
+    assert (guard.reason, guard.step) == (reason, step)
+    assert (optimizer.attempted_steps, executions) == (step, step // steps_per_execution)
     if reason == "skip_rate":
-        skipped = sum(skips[expected - 12 : expected])
-        assert f"{skipped} of the last 12 steps" in guard.diagnosis
-    assert len(reads) < expected  # a check after every step reads at least once per step
+        assert f"{sum(skips[step - 12 : step])} of the last 12 steps" in guard.diagnosis
+    checked = set(reads) - {0}  # steps with a read (events and health read at a check too)
+    if patience > steps_per_execution:  # else a streak could reach patience at every one
+        assert len(checked) < executions  # a check after every execution reads at each
 
 
 def test_a_healthy_run_reads_once_per_patience_steps():

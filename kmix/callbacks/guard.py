@@ -189,8 +189,10 @@ class LossScaleGuard(StepCallback):
         self._skip_streak = self._loss_streak = 0
         self._health_step = state.health_step
         self._forecast = HeadroomForecast()
-        self._every = self.check_freq  # the first read schedules the next (once every
-        # callback has begun: the monitor may have asked for health more often)
+        # Read after the first step, once every callback has begun (a monitor may ask
+        # for health more often than the optimizer's default); each read then
+        # schedules the next (kmix).
+        self._every = self.check_freq
 
     # ------------------------------------------------------------------ checks
     def _on_read(self, logs: dict) -> None:
@@ -215,9 +217,9 @@ class LossScaleGuard(StepCallback):
             self._loss_streak = self._loss_streak + steps if bad_loss else 0
             loss_streak, skip_streak = self._loss_streak, self._skip_streak
         self._history.append((step, skipped))
+        self._warn_on_forecast(state)
         while len(self._history) > 1 and self._history[1][0] <= step - self.window:
             self._history.popleft()
-        self._warn_on_forecast(state)
         if loss_streak >= self.patience:
             self._trip("nonfinite_loss", step, self._nonfinite_loss_text(step, loss_streak))
         elif skip_streak >= self.patience and source.scales_loss:
@@ -237,7 +239,6 @@ class LossScaleGuard(StepCallback):
                         step,
                         self._skip_rate_text(step, step - first_step, skipped - first_skipped),
                     )
-
         if self.diagnosis is None and source.records_events:
             self._schedule(loss_streak, skip_streak)
 
