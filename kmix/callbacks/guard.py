@@ -83,7 +83,10 @@ def first_possible_trip(
     """
     step, skipped = points[-1]
     streaks = min(step + patience - loss_streak, step + max(patience - skip_streak, 1))
+    if max_skip_rate >= 1.0:  # no share of skipped steps exceeds 1
+        return streaks
     steps = [p for p, _ in points]
+    # Returns within window + 1 steps: a whole window of skips exceeds any rate below 1.
     for t in range(max(step + 1, rate_from), streaks):
         before = points[max(bisect.bisect_right(steps, t - window) - 1, 0)][1]
         if (skipped - before + min(t - step, window)) / window > max_skip_rate:
