@@ -192,6 +192,18 @@ def test_a_healthy_run_reads_once_per_patience_steps():
     assert reads == [0, 1, 11, 11, 21, 31, 41, 41, 51, 61, 71, 81, 91, 100, 100]
 
 
+def test_a_check_after_the_ring_overflowed_counts_the_skips_it_kept_exactly():
+    """Skips at steps 1-6 and a ring of 4 read at step 10: it holds the skips at 3-6, each
+    counted back from the total, so the window (5, 10] holds one skip, not three."""
+    optimizer = kmix.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64, event_capacity=4
+    )
+    model = spiky_model(optimizer)
+    guard = LossScaleGuard(patience=50, window=5, max_skip_rate=0.5, check_freq=10, verbose=0)
+    assert fit(model, spiky_data(20, spikes=range(1, 7)), guard) == 20
+    assert (guard.reason, guard.diagnosis) == (None, None)
+
+
 def test_events_lost_between_checks_fall_back_to_the_span_read():
     """A ring of 4 read every 10 steps loses events: the rate is the reads' (as before)."""
     optimizer = kmix.LossScaleOptimizer(

@@ -246,17 +246,20 @@ class LossScaleGuard(StepCallback):
             self._schedule(loss_streak, skip_streak)
 
     def _note_skips(self, state: Any) -> None:
-        """Adds a history point at each skipped step recorded since the last read."""
+        """Adds a history point at each skipped step recorded since the last read.
+
+        The skipped count at each is counted back from the state's total, so it is
+        exact even when the ring no longer holds the oldest of them (then the points
+        are exact from the first event it still holds on).
+        """
         if state.event_count == self._events_seen:
             return
         events = self._source.events(self._events_seen)
-        skipped = self._history[-1][1]
-        for recorded in events:
-            if recorded.event.kind in tags.SKIP_KINDS:
-                skipped += 1
-                self._history.append((recorded.event.step, skipped))
+        skips = [r.event.step for r in events if r.event.kind in tags.SKIP_KINDS]
+        first = state.skipped_steps - len(skips)
+        self._history.extend((step, first + i) for i, step in enumerate(skips, start=1))
         if len(events) < state.event_count - self._events_seen:  # the ring overflowed
-            self._exact_from = state.attempted_steps
+            self._exact_from = events[0].event.step if events else state.attempted_steps
         self._events_seen = state.event_count
 
     def _window_start(self, step: int) -> tuple[int, int]:
