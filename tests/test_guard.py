@@ -204,6 +204,27 @@ def test_a_check_after_the_ring_overflowed_counts_the_skips_it_kept_exactly():
     assert (guard.reason, guard.diagnosis) == (None, None)
 
 
+def test_a_ring_that_kept_a_growth_first_counts_exactly_only_from_its_first_skip():
+    """Skips at 1, 2, 3 and 6, growths at 5 and 8, a ring of 3 read at step 10: it kept
+    the growth at 5, the skip at 6 and the growth at 8. Whether a skip was lost between
+    the start and step 6 is unknown, so the window (5, 10] is not counted as exact (it
+    would read 4 of 5): the guard falls back to the reads' span, 4 of 10 steps."""
+    optimizer = kmix.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0),
+        initial_scale=64,
+        min_scale=64,
+        max_scale=128,
+        dynamic_growth_steps=2,
+        event_capacity=3,
+    )
+    model = spiky_model(optimizer)
+    guard = LossScaleGuard(patience=50, window=5, max_skip_rate=0.5, check_freq=10, verbose=0)
+    assert fit(model, spiky_data(12, spikes=[1, 2, 3, 6]), guard) == 12
+    kinds = [(e.step, e.kind) for e in optimizer.scale_events()]
+    assert kinds == [(5, "growth"), (6, "backoff"), (8, "growth")]
+    assert (guard.reason, guard.diagnosis) == (None, None)
+
+
 def test_events_lost_between_checks_fall_back_to_the_span_read():
     """A ring of 4 read every 10 steps loses events: the rate is the reads' (as before)."""
     optimizer = kmix.LossScaleOptimizer(

@@ -249,8 +249,8 @@ class LossScaleGuard(StepCallback):
         """Adds a history point at each skipped step recorded since the last read.
 
         The skipped count at each is counted back from the state's total, so it is
-        exact even when the ring no longer holds the oldest of them (then the points
-        are exact from the first event it still holds on).
+        exact even when the ring no longer holds the oldest of them (then the history
+        is exact from the first skip it still holds on).
         """
         if state.event_count == self._events_seen:
             return
@@ -259,7 +259,7 @@ class LossScaleGuard(StepCallback):
         first = state.skipped_steps - len(skips)
         self._history.extend((step, first + i) for i, step in enumerate(skips, start=1))
         if len(events) < state.event_count - self._events_seen:  # the ring overflowed
-            self._exact_from = events[0].event.step if events else state.attempted_steps
+            self._exact_from = skips[0] if skips else state.attempted_steps
         self._events_seen = state.event_count
 
     def _window_start(self, step: int) -> tuple[int, int]:
