@@ -14,7 +14,7 @@ from spiky import spiky_data, spiky_model
 
 import kmix
 from kmix.callbacks import LossScaleGuard, LossScaleGuardError
-from kmix.callbacks.guard import first_possible_trip
+from kmix.callbacks.guard import first_possible_trip, first_window_over
 
 
 class CountSteps(keras.callbacks.Callback):
@@ -124,6 +124,40 @@ def test_first_possible_trip_is_where_a_run_of_bad_steps_would_trip():
         assert found == expected, (points, loss_streak, skip_streak, patience, window, rate)
 
 
+def test_first_window_over_is_the_first_window_plain_python_finds_over_the_rate():
+    """Against plain Python on random skips: a point at some reads and at every skip from
+    ``exact_from`` on (a point is there, as the guard's read or first kept skip)."""
+    rng = np.random.default_rng(1)
+    found_some = 0
+    for _ in range(300):
+        n, window = int(rng.integers(5, 40)), int(rng.integers(1, 10))
+        rate = float(rng.choice([0.2, 0.5, 0.8]))
+        skips = [False] + list(rng.random(n) < rng.random())  # skips[u]: step u skipped
+        exact_from = int(rng.integers(0, n + 1))
+        reads = {0, exact_from, n} | {int(r) for r in rng.integers(0, n + 1, 3)}
+        marks = sorted(reads | {u for u in range(exact_from, n + 1) if skips[u]})
+        points = [(u, sum(skips[: u + 1])) for u in marks]
+        first = int(rng.integers(0, n + 1))
+        expected = next(
+            (
+                (end, sum(skips[end - window + 1 : end + 1]))
+                for end in range(max(first, exact_from + window), n + 1)
+                if sum(skips[end - window + 1 : end + 1]) / window > rate
+            ),
+            None,
+        )
+        found = first_window_over(
+            points, first, n, window=window, max_skip_rate=rate, exact_from=exact_from
+        )
+        assert found == expected, (skips, points, first, window, rate, exact_from)
+        found_some += expected is not None
+    assert 50 < found_some < 250  # both answers were tested often
+    assert (
+        first_window_over([(0, 0), (9, 9)], 1, 9, window=3, max_skip_rate=0.5, exact_from=None)
+        is None
+    )
+
+
 def counted_reads(optimizer) -> list[int]:
     """The step of each read of the optimizer's state (the guard's host syncs) from now on."""
     reads = []
@@ -140,20 +174,26 @@ def counted_reads(optimizer) -> list[int]:
 
 def first_trip_by_rule(
     skips: list[bool], patience: int, window: int, rate: float, every: int = 1
-) -> tuple[str, int] | None:
-    """The floor and skip-rate rules checked every ``every`` steps, in plain Python."""
+) -> tuple[str, int, int] | None:
+    """The floor and skip-rate rules checked every ``every`` steps, in plain Python:
+    the streak at the check, and every window that ended since the last check.
+
+    Returns:
+        ``(reason, check step, last step of the window over the rate or the check's)``.
+    """
     for t in range(every, len(skips) + 1, every):
         streak = next((i for i, s in enumerate(reversed(skips[:t])) if not s), t)
         if streak >= patience:
-            return "overflow_at_floor", t
-        if t >= window and sum(skips[t - window : t]) / window > rate:
-            return "skip_rate", t
+            return "overflow_at_floor", t, t
+        for end in range(max(t - every + 1, window), t + 1):
+            if sum(skips[end - window : end]) / window > rate:
+                return "skip_rate", t, end
     return None
 
 
 @pytest.mark.parametrize(
     ("seed", "patience", "steps_per_execution"),
-    [(0, 6, 1), (1, 6, 1), (1, 4, 1), (3, 4, 1), (0, 6, 4), (3, 4, 4)],
+    [(0, 6, 1), (1, 6, 1), (1, 4, 1), (3, 4, 1), (0, 6, 4), (3, 4, 4), (5, 4, 8), (7, 4, 8)],
 )
 def test_sparse_reads_trip_at_the_same_step_as_a_check_after_every_step(
     seed, patience, steps_per_execution
@@ -162,7 +202,7 @@ def test_sparse_reads_trip_at_the_same_step_as_a_check_after_every_step(
     checked after every execution say."""
     rng = np.random.default_rng(seed)
     skips = list(rng.random(60) < np.linspace(0.1, 0.9, 60))  # more and more often
-    reason, step = first_trip_by_rule(skips, patience, 12, 0.5, steps_per_execution)
+    reason, step, end = first_trip_by_rule(skips, patience, 12, 0.5, steps_per_execution)
     optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64)
     model = spiky_model(optimizer, steps_per_execution)
     reads = counted_reads(optimizer)
@@ -172,7 +212,8 @@ def test_sparse_reads_trip_at_the_same_step_as_a_check_after_every_step(
     assert (guard.reason, guard.step) == (reason, step)
     assert (optimizer.attempted_steps, executions) == (step, step // steps_per_execution)
     if reason == "skip_rate":
-        assert f"{sum(skips[step - 12 : step])} of the last 12 steps" in guard.diagnosis
+        which = "the last 12 steps" if end == step else f"the 12 steps up to step {end}"
+        assert f"{sum(skips[end - 12 : end])} of {which} (" in guard.diagnosis
     checked = set(reads) - {0}  # steps with a read (events and health read at a check too)
     if patience > steps_per_execution:  # else a streak could reach patience at every one
         assert len(checked) < executions  # a check after every execution reads at each
@@ -192,16 +233,35 @@ def test_a_healthy_run_reads_once_per_patience_steps():
     assert reads == [0, 1, 11, 11, 21, 31, 41, 41, 51, 61, 71, 81, 91, 100, 100]
 
 
+def test_windows_between_reads_far_apart_are_each_counted():
+    """Skips at steps 1-4 of every 8, window 4, rate 0.4, read every 8 steps (by
+    check_freq, and by steps_per_execution): the window ending at each read skipped
+    none, but the one ending at step 4 skipped all four, so the first read trips."""
+    for check_freq, steps_per_execution in [(8, 1), (1, 8)]:
+        optimizer = kmix.LossScaleOptimizer(
+            keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64
+        )
+        model = spiky_model(optimizer, steps_per_execution)
+        guard = LossScaleGuard(
+            patience=50, window=4, max_skip_rate=0.4, check_freq=check_freq, verbose=0
+        )
+        spikes = [s for s in range(1, 33) if (s - 1) % 8 < 4]
+        fit(model, spiky_data(32, spikes=spikes), guard)
+        assert (guard.reason, guard.step) == ("skip_rate", 8)
+        assert "4 of the 4 steps up to step 4 (100%)" in guard.diagnosis
+
+
 def test_a_check_after_the_ring_overflowed_counts_the_skips_it_kept_exactly():
     """Skips at steps 1-6 and a ring of 4 read at step 10: it holds the skips at 3-6, each
-    counted back from the total, so the window (5, 10] holds one skip, not three."""
+    counted back from the total, so the window (3, 8] is counted exactly: three skips."""
     optimizer = kmix.LossScaleOptimizer(
         keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64, event_capacity=4
     )
     model = spiky_model(optimizer)
     guard = LossScaleGuard(patience=50, window=5, max_skip_rate=0.5, check_freq=10, verbose=0)
-    assert fit(model, spiky_data(20, spikes=range(1, 7)), guard) == 20
-    assert (guard.reason, guard.diagnosis) == (None, None)
+    assert fit(model, spiky_data(20, spikes=range(1, 7)), guard) == 10
+    assert (guard.reason, guard.step) == ("skip_rate", 10)
+    assert "3 of the 5 steps up to step 8 (60%)" in guard.diagnosis
 
 
 def test_a_ring_that_kept_a_growth_first_counts_exactly_only_from_its_first_skip():
@@ -225,16 +285,33 @@ def test_a_ring_that_kept_a_growth_first_counts_exactly_only_from_its_first_skip
     assert (guard.reason, guard.diagnosis) == (None, None)
 
 
-def test_events_lost_between_checks_fall_back_to_the_span_read():
-    """A ring of 4 read every 10 steps loses events: the rate is the reads' (as before)."""
+def test_windows_the_ring_lost_are_judged_by_the_span_since_the_last_count():
+    """Skips at steps 1-6 and a ring of 2 read at step 10: it holds the skips at 5 and 6,
+    so only the window (5, 10] is exact (one skip, under the rate); the windows before
+    it are unknown, and the share skipped since the start, 6 of 10, trips."""
     optimizer = kmix.LossScaleOptimizer(
-        keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64, event_capacity=4
+        keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64, event_capacity=2
     )
     model = spiky_model(optimizer)
-    guard = LossScaleGuard(patience=5, window=10, max_skip_rate=0.4, check_freq=10, verbose=0)
-    fit(model, spiky_data(40, spikes=range(2, 41, 2)), guard)
+    guard = LossScaleGuard(patience=50, window=5, max_skip_rate=0.5, check_freq=10, verbose=0)
+    assert fit(model, spiky_data(20, spikes=range(1, 7)), guard) == 10
     assert (guard.reason, guard.step) == ("skip_rate", 10)
-    assert "5 of the last 10 steps (50%)" in guard.diagnosis
+    assert "6 of the last 10 steps (60%)" in guard.diagnosis
+
+
+def test_a_ring_smaller_than_patience_is_read_before_it_overflows():
+    """A ring of 3, patience 10, no skip-rate rule: the guard reads at least every 3 steps,
+    before the ring could drop an event."""
+    optimizer = kmix.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64, event_capacity=3
+    )
+    model = spiky_model(optimizer)
+    reads = counted_reads(optimizer)
+    guard = LossScaleGuard(patience=10, max_skip_rate=1.0, verbose=0)
+    assert fit(model, spiky_data(16, spikes=[2, 3, 4, 9, 10, 11]), guard) == 16
+    assert guard.reason is None
+    # Counter reads every 3 steps from step 1; each that finds new events reads the ring.
+    assert reads == [0, 1, 4, 4, 7, 10, 10, 13, 13, 16]
 
 
 def test_stock_keras_scale_falls_to_zero_and_the_guard_stops_it_within_patience():

@@ -74,12 +74,12 @@ def first_possible_trip(
         patience: the guard's ``patience``.
         max_skip_rate: the guard's ``max_skip_rate``.
         window: the guard's ``window``.
-        rate_from: the first step at which ``skip_rate`` applies (the fit's first
-            step + ``window``).
+        rate_from: the first step at which ``skip_rate`` applies (the steps attempted
+            before the fit + ``window``: once ``window`` steps of the fit have run).
 
     Returns:
-        A step after the last point's. E.g. no streaks and no skips, ``patience=20``:
-        the last point's step + 20.
+        A step after the last point's. E.g. no streaks and a skip rate far from
+        ``max_skip_rate``, ``patience=20``: the last point's step + 20.
     """
     step, skipped = points[-1]
     streaks = min(step + patience - loss_streak, step + max(patience - skip_streak, 1))
@@ -94,6 +94,50 @@ def first_possible_trip(
     return streaks
 
 
+def first_window_over(
+    points: Sequence[tuple[int, int]],
+    first: int,
+    last: int,
+    *,
+    window: int,
+    max_skip_rate: float,
+    exact_from: int | None,
+) -> tuple[int, int] | None:
+    """The first window of ``window`` steps ending in ``[first, last]`` that skipped
+    more than ``max_skip_rate`` of its steps, among those the points count exactly.
+
+    The skipped count at step ``u`` is the last point's at or before ``u``; it is exact
+    from ``exact_from`` on (every later skip has its point). A window's count only
+    grows at a point, so the first window over the rate ends at ``first`` or at a point.
+
+    Args:
+        points: ``(step, skipped)`` pairs in step order.
+        first: the earliest window end to check.
+        last: the latest window end to check.
+        window: the guard's ``window``.
+        max_skip_rate: the guard's ``max_skip_rate``.
+        exact_from: the first step whose skipped count the points give exactly;
+            None when no step's is (they are reads some steps apart).
+
+    Returns:
+        ``(end, skipped)``: the window's last step and the steps it skipped; None when
+        no exactly counted window is over the rate.
+    """
+    if exact_from is None:
+        return None
+    steps = [p for p, _ in points]
+    start = max(first, exact_from + window, steps[0] + window)
+    ends = [start] + [p for p in steps if start < p <= last]
+    for end in ends:
+        if end > last:
+            break
+        at = points[bisect.bisect_right(steps, end) - 1][1]
+        before = points[bisect.bisect_right(steps, end - window) - 1][1]
+        if (at - before) / window > max_skip_rate:
+            return end, at - before
+    return None
+
+
 class LossScaleGuard(StepCallback):
     """Stops training that loss scaling cannot save, with a diagnosis a user can act on.
 
@@ -103,16 +147,21 @@ class LossScaleGuard(StepCallback):
       ``patience`` consecutive steps. The forward pass makes it, so no loss scale helps.
     * ``overflow_at_floor``: the loss scale is at its minimum and the gradients
       have overflowed for ``patience`` consecutive steps.
-    * ``skip_rate``: more than ``max_skip_rate`` of the last ``window`` steps were
+    * ``skip_rate``: more than ``max_skip_rate`` of ``window`` consecutive steps were
       skipped (checked once ``window`` steps have run in this ``fit``).
 
     With ``kmix.LossScaleOptimizer`` it reads the optimizer's in-graph counters and
     names the first non-finite variable. It reads them only at the steps where a rule
     could first trip (:func:`first_possible_trip`), at each health measurement and
     before the event ring could overflow: a healthy run costs one small read every
-    ``patience`` steps, not one per step, and the guard trips at the same step as a
-    check after every step would. The skipped steps it counts over ``window`` are the
-    recorded events' steps, so the skip rate is exact too. With the stock
+    ``patience`` steps (and a read of the events recorded since, if any), not one per
+    step, and with ``check_freq=1`` the guard trips at the same step as a check after
+    every step would. At each read it counts every window of ``window`` steps that
+    ended since the last read exactly, from the steps of the recorded skip events;
+    where the event ring has overflowed between reads (``check_freq`` or
+    ``steps_per_execution`` above ``event_capacity``), the windows it no longer covers
+    are judged by the share skipped since the last counted step at least ``window`` steps
+    back, as with the stock optimizer. With the stock
     Keras optimizer, which halves its scale down to 0.0 and trains on with NaN
     loss, it infers skipped steps from the optimizer's iterations, counts a step
     as a non-finite loss when it was skipped and the logged loss is NaN/Inf, and
@@ -134,7 +183,9 @@ class LossScaleGuard(StepCallback):
         check_freq: check at most every this many steps, >= 1. Default 1, so the
             guard trips exactly after ``patience`` steps; larger values save host
             syncs (with the stock optimizer, which is read at every check) and trip
-            up to ``check_freq - 1`` steps later.
+            at the first check after a rule is met. A streak counts only while it
+            lasts at a check. Keras calls callbacks once per ``steps_per_execution``
+            steps, so a check is at most that often.
         verbose: 1 prints the diagnosis when stopping; 0 is quiet.
 
     Attributes:
@@ -184,7 +235,8 @@ class LossScaleGuard(StepCallback):
                 stacklevel=2,
             )
         state = self._read_state()
-        # (step, skipped) at every read and, with kmix, at every skipped step.
+        # (step, skipped) at every read and, with kmix, at every skipped step the event
+        # ring kept, back to the points the next read's windows start from.
         self._history = collections.deque([(state.attempted_steps, state.skipped_steps)])
         self._rate_from = state.attempted_steps + self.window
         self._events_seen = state.event_count
@@ -204,6 +256,7 @@ class LossScaleGuard(StepCallback):
         source = self._source
         state = self._read_state(counters_only=True)  # one small transfer per check
         step, skipped = state.attempted_steps, state.skipped_steps
+        previous = self._history[-1][0]
         if source.records_events:
             self._note_skips(state)
         if source.knows_loss:
@@ -221,8 +274,6 @@ class LossScaleGuard(StepCallback):
             loss_streak, skip_streak = self._loss_streak, self._skip_streak
         self._history.append((step, skipped))
         self._warn_on_forecast(state)
-        while len(self._history) > 1 and self._history[1][0] <= step - self.window:
-            self._history.popleft()
         if loss_streak >= self.patience:
             self._trip("nonfinite_loss", step, self._nonfinite_loss_text(step, loss_streak))
         elif skip_streak >= self.patience and source.scales_loss:
@@ -233,15 +284,10 @@ class LossScaleGuard(StepCallback):
                     self._floor_text(step, skip_streak, state.loss_scale),
                 )
         if self.diagnosis is None and source.scales_loss:
-            first_step, first_skipped = self._window_start(step)
-            if first_step <= step - self.window:
-                rate = (skipped - first_skipped) / (step - first_step)
-                if rate > self.max_skip_rate:
-                    self._trip(
-                        "skip_rate",
-                        step,
-                        self._skip_rate_text(step, step - first_step, skipped - first_skipped),
-                    )
+            self._check_skip_rate(max(previous + 1, self._rate_from), step)
+        # Keep the points the next read's windows start from.
+        while len(self._history) > 1 and self._history[1][0] <= step + 1 - self.window:
+            self._history.popleft()
         if self.diagnosis is None and source.records_events:
             self._schedule(loss_streak, skip_streak)
 
@@ -262,17 +308,38 @@ class LossScaleGuard(StepCallback):
             self._exact_from = skips[0] if skips else state.attempted_steps
         self._events_seen = state.event_count
 
-    def _window_start(self, step: int) -> tuple[int, int]:
-        """``(step, skipped)`` where the skip-rate window ending at ``step`` starts.
-
-        Exactly ``window`` steps back where every skip since has its history point
-        (kmix); else the last read at least that far back.
-        """
-        target = step - self.window
-        first_step, first_skipped = self._history[0]
-        if self._source.records_events and first_step <= target and target >= self._exact_from:
-            return target, first_skipped  # no skip between the point and the target
-        return first_step, first_skipped
+    def _check_skip_rate(self, first: int, step: int) -> None:
+        """Trips on the first window of ``window`` steps ending in ``[first, step]`` that
+        skipped more than ``max_skip_rate``, each counted exactly where the history is
+        (kmix). Where it is not (the stock optimizer's reads; skips the event ring lost
+        between reads), on the share skipped since the last count before the unknown
+        steps and at least ``window`` steps back."""
+        if first > step:
+            return
+        history = self._history
+        exact_from = self._exact_from if self._source.records_events else None
+        over = first_window_over(
+            history,
+            first,
+            step,
+            window=self.window,
+            max_skip_rate=self.max_skip_rate,
+            exact_from=exact_from,
+        )
+        if over is not None:
+            end, skipped = over
+            self._trip("skip_rate", step, self._skip_rate_text(step, end, self.window, skipped))
+            return
+        last = step - self.window
+        if exact_from is not None:
+            if first - self.window >= exact_from:
+                return  # every window was counted exactly
+            last = min(last, exact_from - 1)
+        # _on_read keeps a point at or before first - window, so one is at or before last.
+        start, counted = history[bisect.bisect_right([p for p, _ in history], last) - 1]
+        skipped = history[-1][1] - counted
+        if skipped / (step - start) > self.max_skip_rate:
+            self._trip("skip_rate", step, self._skip_rate_text(step, step, step - start, skipped))
 
     def _schedule(self, loss_streak: int, skip_streak: int) -> None:
         """Sets the steps until the next read (kmix): until the first step at which a rule
@@ -379,10 +446,11 @@ class LossScaleGuard(StepCallback):
             "has float32's range, where the hardware supports it."
         )
 
-    def _skip_rate_text(self, step: int, steps: int, skipped: int) -> str:
+    def _skip_rate_text(self, step: int, end: int, steps: int, skipped: int) -> str:
+        which = f"the last {steps} steps" if end == step else f"the {steps} steps up to step {end}"
         return (
-            f"kmix.LossScaleGuard stopped training at step {step}: {skipped} of the last "
-            f"{steps} steps ({skipped / steps:.0%}) were skipped for non-finite gradients, "
+            f"kmix.LossScaleGuard stopped training at step {step}: {skipped} of {which} "
+            f"({skipped / steps:.0%}) were skipped for non-finite gradients, "
             f"more than max_skip_rate={self.max_skip_rate:g}, so the model barely trains. "
             "Usual causes: gradients that overflow float16 at every scale the optimizer "
             "tries (lower the learning rate or clip, e.g. clipnorm=1.0), or a scale that "
