@@ -314,6 +314,22 @@ def test_a_ring_smaller_than_patience_is_read_before_it_overflows():
     assert reads == [0, 1, 4, 4, 7, 10, 10, 13, 13, 16]
 
 
+def test_the_ring_is_read_in_time_when_keras_calls_back_once_per_execution():
+    """steps_per_execution=2, a ring of 3: a read asked for 3 steps on would come after
+    4, when 4 skips could have pushed the first out. Reading every 2 steps keeps them all,
+    so the window (4, 14], 6 skips of 10, is counted exactly."""
+    optimizer = kmix.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64, event_capacity=3
+    )
+    model = spiky_model(optimizer, steps_per_execution=2)
+    reads = counted_reads(optimizer)
+    guard = LossScaleGuard(patience=50, window=10, max_skip_rate=0.5, verbose=0)
+    assert fit(model, spiky_data(20, spikes=[8, 10, 11, 12, 13, 14]), guard) == 7
+    assert (guard.reason, guard.step) == ("skip_rate", 14)
+    assert "6 of the last 10 steps (60%)" in guard.diagnosis
+    assert sorted(set(reads)) == [0, 2, 4, 6, 8, 10, 12, 14]
+
+
 def test_stock_keras_scale_falls_to_zero_and_the_guard_stops_it_within_patience():
     data = spiky_data(200, nan_rows=range(1, 201))
 

@@ -153,15 +153,18 @@ class LossScaleGuard(StepCallback):
     With ``kmix.LossScaleOptimizer`` it reads the optimizer's in-graph counters and
     names the first non-finite variable. It reads them only at the steps where a rule
     could first trip (:func:`first_possible_trip`), at each health measurement and
-    before the event ring could overflow: a healthy run costs one small read every
-    ``patience`` steps (and a read of the events recorded since, if any), not one per
-    step, and with ``check_freq=1`` the guard trips at the same step as a check after
-    every step would. At each read it counts every window of ``window`` steps that
-    ended since the last read exactly, from the steps of the recorded skip events;
-    where the event ring has overflowed between reads (``check_freq`` or
-    ``steps_per_execution`` above ``event_capacity``), the windows it no longer covers
-    are judged by the share skipped since the last counted step at least ``window`` steps
-    back, as with the stock optimizer. With the stock
+    before the event ring could overflow: a healthy run with the defaults costs one
+    small read every ``patience`` steps (and a read of the events recorded since, if
+    any), not one per step; more often when ``window * max_skip_rate`` or
+    ``event_capacity`` is below ``patience``. With ``check_freq=1`` and one step per
+    execution it trips at the same step as a check after every step would. At each
+    read it counts every window of ``window`` steps that ended since the last read
+    exactly, from the steps of the recorded skip events. Only when reads are more than
+    ``event_capacity`` steps apart (``check_freq + steps_per_execution - 1`` above it)
+    can the ring lose events between them; the windows it no longer covers are then
+    judged by the share skipped since the last counted step at least ``window`` steps
+    back, as with the stock optimizer (a span longer than ``window`` can exceed the
+    rate where no single window does). With the stock
     Keras optimizer, which halves its scale down to 0.0 and trains on with NaN
     loss, it infers skipped steps from the optimizer's iterations, counts a step
     as a non-finite loss when it was skipped and the logged loss is NaN/Inf, and
@@ -357,7 +360,10 @@ class LossScaleGuard(StepCallback):
         )
         every = self._source.health_every
         health = step + every - step % every if every > 0 else trip
-        ring = step + max(self._source.event_capacity, 1)
+        # Keras calls back once per execution, so a read comes up to
+        # steps_per_execution - 1 steps after the step it was asked for.
+        late = max(int(getattr(self.model, "steps_per_execution", 1) or 1) - 1, 0)
+        ring = step + max(self._source.event_capacity - late, 1)
         self._every = max(self.check_freq, min(trip, health, ring) - step)
 
     def _warn_on_forecast(self, state: Any) -> None:
