@@ -127,10 +127,9 @@ def first_window_over(
         return None
     steps = [p for p, _ in points]
     start = max(first, exact_from + window, steps[0] + window)
-    ends = [start] + [p for p in steps if start < p <= last]
-    for end in ends:
-        if end > last:
-            break
+    if start > last:
+        return None
+    for end in [start] + [p for p in steps if start < p <= last]:
         at = points[bisect.bisect_right(steps, end) - 1][1]
         before = points[bisect.bisect_right(steps, end - window) - 1][1]
         if (at - before) / window > max_skip_rate:
