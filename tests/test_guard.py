@@ -26,6 +26,13 @@ class CountSteps(keras.callbacks.Callback):
         self.steps += 1
 
 
+def at_the_floor(**kwargs) -> kmix.LossScaleOptimizer:
+    """SGD at learning rate 0 whose scale starts at its floor, 64: every spike is skipped."""
+    return kmix.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64, **kwargs
+    )
+
+
 def fit(model, data, guard, epochs: int = 1):
     counter = CountSteps()
     x, y = data
@@ -81,7 +88,7 @@ def test_overflow_at_the_floor_stops_and_names_the_variable():
 
 
 def test_skip_rate_over_the_window_raises_in_raise_mode():
-    optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64)
+    optimizer = at_the_floor()
     model = spiky_model(optimizer)
     guard = LossScaleGuard(patience=5, window=10, max_skip_rate=0.4, mode="raise")
     with pytest.raises(LossScaleGuardError) as caught:
@@ -203,7 +210,7 @@ def test_sparse_reads_trip_at_the_same_step_as_a_check_after_every_step(
     rng = np.random.default_rng(seed)
     skips = list(rng.random(60) < np.linspace(0.1, 0.9, 60))  # more and more often
     reason, step, end = first_trip_by_rule(skips, patience, 12, 0.5, steps_per_execution)
-    optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64)
+    optimizer = at_the_floor()
     model = spiky_model(optimizer, steps_per_execution)
     reads = counted_reads(optimizer)
     guard = LossScaleGuard(patience=patience, window=12, max_skip_rate=0.5, verbose=0)
@@ -220,7 +227,7 @@ def test_sparse_reads_trip_at_the_same_step_as_a_check_after_every_step(
 
 
 def test_a_healthy_run_reads_once_per_patience_steps():
-    optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64)
+    optimizer = at_the_floor()
     model = spiky_model(optimizer)
     reads = counted_reads(optimizer)
     guard = LossScaleGuard(patience=10, window=50, verbose=0)
@@ -238,9 +245,7 @@ def test_windows_between_reads_far_apart_are_each_counted():
     check_freq, and by steps_per_execution): the window ending at each read skipped
     none, but the one ending at step 4 skipped all four, so the first read trips."""
     for check_freq, steps_per_execution in [(8, 1), (1, 8)]:
-        optimizer = kmix.LossScaleOptimizer(
-            keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64
-        )
+        optimizer = at_the_floor()
         model = spiky_model(optimizer, steps_per_execution)
         guard = LossScaleGuard(
             patience=50, window=4, max_skip_rate=0.4, check_freq=check_freq, verbose=0
@@ -251,17 +256,21 @@ def test_windows_between_reads_far_apart_are_each_counted():
         assert "4 of the 4 steps up to step 4 (100%)" in guard.diagnosis
 
 
-def test_a_check_after_the_ring_overflowed_counts_the_skips_it_kept_exactly():
-    """Skips at steps 1-6 and a ring of 4 read at step 10: it holds the skips at 3-6, each
-    counted back from the total, so the window (3, 8] is counted exactly: three skips."""
-    optimizer = kmix.LossScaleOptimizer(
-        keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64, event_capacity=4
-    )
-    model = spiky_model(optimizer)
+@pytest.mark.parametrize(
+    ("capacity", "counted"),
+    [(4, "3 of the 5 steps up to step 8 (60%)"), (2, "6 of the last 10 steps (60%)")],
+)
+def test_a_check_after_the_ring_overflowed_counts_what_it_can_exactly(capacity, counted):
+    """Skips at steps 1-6, read at step 10. A ring of 4 holds the skips at 3-6, each
+    counted back from the total, so the window (3, 8] is counted exactly: three skips.
+    A ring of 2 holds those at 5 and 6, so only the window (5, 10] is exact (one skip,
+    under the rate); the windows before it are unknown, and the share skipped since the
+    start, 6 of 10, trips."""
+    model = spiky_model(at_the_floor(event_capacity=capacity))
     guard = LossScaleGuard(patience=50, window=5, max_skip_rate=0.5, check_freq=10, verbose=0)
     assert fit(model, spiky_data(20, spikes=range(1, 7)), guard) == 10
     assert (guard.reason, guard.step) == ("skip_rate", 10)
-    assert "3 of the 5 steps up to step 8 (60%)" in guard.diagnosis
+    assert counted in guard.diagnosis
 
 
 def test_a_ring_that_kept_a_growth_first_counts_exactly_only_from_its_first_skip():
@@ -269,14 +278,7 @@ def test_a_ring_that_kept_a_growth_first_counts_exactly_only_from_its_first_skip
     the growth at 5, the skip at 6 and the growth at 8. Whether a skip was lost between
     the start and step 6 is unknown, so the window (5, 10] is not counted as exact (it
     would read 4 of 5): the guard falls back to the reads' span, 4 of 10 steps."""
-    optimizer = kmix.LossScaleOptimizer(
-        keras.optimizers.SGD(0.0),
-        initial_scale=64,
-        min_scale=64,
-        max_scale=128,
-        dynamic_growth_steps=2,
-        event_capacity=3,
-    )
+    optimizer = at_the_floor(max_scale=128, dynamic_growth_steps=2, event_capacity=3)
     model = spiky_model(optimizer)
     guard = LossScaleGuard(patience=50, window=5, max_skip_rate=0.5, check_freq=10, verbose=0)
     assert fit(model, spiky_data(12, spikes=[1, 2, 3, 6]), guard) == 12
@@ -285,26 +287,10 @@ def test_a_ring_that_kept_a_growth_first_counts_exactly_only_from_its_first_skip
     assert (guard.reason, guard.diagnosis) == (None, None)
 
 
-def test_windows_the_ring_lost_are_judged_by_the_span_since_the_last_count():
-    """Skips at steps 1-6 and a ring of 2 read at step 10: it holds the skips at 5 and 6,
-    so only the window (5, 10] is exact (one skip, under the rate); the windows before
-    it are unknown, and the share skipped since the start, 6 of 10, trips."""
-    optimizer = kmix.LossScaleOptimizer(
-        keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64, event_capacity=2
-    )
-    model = spiky_model(optimizer)
-    guard = LossScaleGuard(patience=50, window=5, max_skip_rate=0.5, check_freq=10, verbose=0)
-    assert fit(model, spiky_data(20, spikes=range(1, 7)), guard) == 10
-    assert (guard.reason, guard.step) == ("skip_rate", 10)
-    assert "6 of the last 10 steps (60%)" in guard.diagnosis
-
-
 def test_a_ring_smaller_than_patience_is_read_before_it_overflows():
     """A ring of 3, patience 10, no skip-rate rule: the guard reads at least every 3 steps,
     before the ring could drop an event."""
-    optimizer = kmix.LossScaleOptimizer(
-        keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64, event_capacity=3
-    )
+    optimizer = at_the_floor(event_capacity=3)
     model = spiky_model(optimizer)
     reads = counted_reads(optimizer)
     guard = LossScaleGuard(patience=10, max_skip_rate=1.0, verbose=0)
@@ -318,9 +304,7 @@ def test_the_ring_is_read_in_time_when_keras_calls_back_once_per_execution():
     """steps_per_execution=2, a ring of 3: a read asked for 3 steps on would come after
     4, when 4 skips could have pushed the first out. Reading every 2 steps keeps them all,
     so the window (4, 14], 6 skips of 10, is counted exactly."""
-    optimizer = kmix.LossScaleOptimizer(
-        keras.optimizers.SGD(0.0), initial_scale=64, min_scale=64, event_capacity=3
-    )
+    optimizer = at_the_floor(event_capacity=3)
     model = spiky_model(optimizer, steps_per_execution=2)
     reads = counted_reads(optimizer)
     guard = LossScaleGuard(patience=50, window=10, max_skip_rate=0.5, verbose=0)
