@@ -19,7 +19,12 @@ import keras
 import numpy as np
 from keras import ops
 
-from kmix import health, record, scaling
+from kmix import (
+    _runs,  # noqa: F401  (wraps fit: runs end with evidence)
+    health,
+    record,
+    scaling,
+)
 from kmix._checks import check_int
 from kmix._cluster import worker_count
 from kmix._config import OWNER, OptimizerConfig, RunSettings, invalid_argument
@@ -31,7 +36,6 @@ from kmix.activations import (
     ActivationTap,
     measure_forward,
 )
-from kmix.callbacks import _base as _runs  # noqa: F401  (wraps fit: runs end with evidence)
 from kmix.record import HEALTH_FIELDS, INT64_MAX, RecordedEvent, Snapshot  # noqa: F401
 from kmix.tags import ScaleEvent
 

@@ -107,7 +107,7 @@ def use(policy: str = "auto", *, detected: Hardware | None = None) -> PolicyChoi
     """
     import keras
 
-    from kmix.callbacks import _base  # noqa: F401  (wraps fit, so runs end with evidence)
+    from kmix import _runs  # noqa: F401  (wraps fit, so runs end with evidence)
 
     _check_policy_name(policy)
     detected = hardware() if detected is None else detected

@@ -12,6 +12,8 @@ import json
 import re
 from typing import Any
 
+from kmix._words import plural
+
 TRAIN_DIR = "train"
 PREFIX = "kmix/"
 
@@ -186,10 +188,6 @@ _EVENT_RE = re.compile(
 )
 
 
-def _plural(count: int, word: str) -> str:
-    return f"{count} {word}" + ("" if count == 1 else "s")
-
-
 def format_event(event: ScaleEvent) -> str:
     """Formats a :class:`ScaleEvent` as one markdown line for ``kmix/events``.
 
@@ -216,7 +214,7 @@ def format_event(event: ScaleEvent) -> str:
     if event.variable is not None:
         text += (
             f"; first non-finite gradient `{event.variable}` "
-            f"({_plural(event.nonfinite_variables, 'variable')})"
+            f"({plural(event.nonfinite_variables, 'variable')})"
         )
     if event.loss_finite is None:
         text += "; whether the loss was finite is unknown"
@@ -304,7 +302,7 @@ def format_events_lost(lost: EventsLost) -> str:
     """
     capacity = "" if lost.capacity is None else f" (event_capacity={lost.capacity})"
     return (
-        f"**{_plural(lost.count, 'scale event')} lost** between steps {lost.after_step} "
+        f"**{plural(lost.count, 'scale event')} lost** between steps {lost.after_step} "
         f"and {lost.upto_step}: more happened between two reads than the optimizer's "
         f"event ring holds{capacity}. Lower `update_freq` or raise `event_capacity` of "
         "kmix.LossScaleOptimizer."
@@ -413,9 +411,14 @@ def parse_policy_record(text: str) -> PolicyRecord | None:
     return PolicyRecord(**fields)
 
 
-RUN_END_REASONS = ("completed", "stopped_by_guard", "guard_raised", "exception", "interrupted")
+COMPLETED = "completed"
+STOPPED_BY_GUARD = "stopped_by_guard"
+GUARD_RAISED = "guard_raised"
+EXCEPTION = "exception"
+INTERRUPTED = "interrupted"
+RUN_END_REASONS = (COMPLETED, STOPPED_BY_GUARD, GUARD_RAISED, EXCEPTION, INTERRUPTED)
 """Why ``fit`` ended: it ran all its steps; ``LossScaleGuard`` stopped it or raised;
-another exception; ``KeyboardInterrupt``."""
+another exception; ``KeyboardInterrupt``. The only spelling of these reasons."""
 
 
 @dataclasses.dataclass(frozen=True)

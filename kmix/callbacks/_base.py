@@ -1,119 +1,23 @@
 """The shared base of kmix callbacks: count steps cheaply, read a source every N.
 
 Counting batches is plain Python; the only host synchronisation is the read that
-:meth:`StepCallback._read_state` makes every ``every`` optimizer steps.
-
-Ending a run: ``fit`` calls ``on_train_end`` only when it returns. So that a run
-ended any other way still leaves its evidence on disk, every kmix callback between
-train begin and train end is *open*, and :func:`end_run` finishes the open ones
-of a model with a reason: the guard calls it before it stops or raises,
-``LoopDriver`` when its loop raises, and a thin wrapper around ``keras.Model.fit``
-(installed when ``kmix.callbacks`` is imported) when ``fit`` raises — another
-callback's exception, Ctrl-C. What is still open when the process exits or, in
-IPython/Jupyter, when a cell ends, is finished then.
+:meth:`StepCallback._read_state` makes every ``every`` optimizer steps. Between train
+begin and train end a callback is open (:mod:`kmix._runs`), so a run that ``fit`` does
+not finish still ends with its evidence on disk.
 """
 
 from __future__ import annotations
 
-import atexit
-import functools
 import sys
 import warnings
-import weakref
-from typing import Any
 
 import keras
 
+from kmix import _runs
+from kmix._runs import end_run, reason_for  # noqa: F401  (re-exported for the callbacks)
 from kmix.callbacks._source import Source, source_for
 from kmix.record import Snapshot
-
-COMPLETED = "completed"
-STOPPED_BY_GUARD = "stopped_by_guard"
-GUARD_RAISED = "guard_raised"
-EXCEPTION = "exception"
-INTERRUPTED = "interrupted"
-"""Why a run ended (the reasons of ``kmix.tags.RunEnd``)."""
-
-_OPEN: weakref.WeakSet = weakref.WeakSet()
-_hooks_installed = False
-
-
-def end_run(model: Any, reason: str, message: str) -> None:
-    """Finishes every open kmix callback of ``model`` (all models if None).
-
-    Args:
-        model: the model whose run ends, or None for every open run.
-        reason: one of the reasons above.
-        message: what happened, in words (e.g. the guard's diagnosis).
-    """
-    for callback in list(_OPEN):
-        if model is None or callback.model is model:
-            try:
-                callback.finish(reason, message)
-            except Exception as error:  # never hide what ended the run behind our error
-                _OPEN.discard(callback)
-                warnings.warn(
-                    f"kmix: {type(callback).__name__} could not write the end of the run "
-                    f"({reason}): {type(error).__name__}: {error}",
-                    stacklevel=2,
-                )
-
-
-def reason_for(error: BaseException | None) -> tuple[str, str]:
-    """``(reason, message)`` for a run that ``error`` ended (None: an unknown exit)."""
-    if error is None:
-        return EXCEPTION, "the process ended while training was running"
-    if isinstance(error, KeyboardInterrupt):
-        return INTERRUPTED, "training was interrupted (KeyboardInterrupt)"
-    reason = getattr(error, "kmix_reason", None)
-    if reason is not None:
-        return reason, str(error)
-    return EXCEPTION, f"training ended by {type(error).__name__}: {error}"
-
-
-def _finish_at_exit() -> None:
-    if _OPEN:
-        end_run(None, *reason_for(getattr(sys, "last_value", None)))
-
-
-def _finish_after_cell(result: Any) -> None:
-    if _OPEN:
-        end_run(None, *reason_for(getattr(result, "error_in_exec", None)))
-
-
-def _install_hooks() -> None:
-    """Registers the process-exit hook, and IPython's post-cell hook when in IPython."""
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    atexit.register(_finish_at_exit)
-    ipython = sys.modules.get("IPython")
-    shell = ipython.get_ipython() if ipython is not None else None
-    if shell is not None:
-        shell.events.register("post_run_cell", _finish_after_cell)
-
-
-def _finish_runs_when_fit_raises() -> None:
-    """Wraps ``keras.Model.fit`` once: if it raises, open kmix runs of the model finish."""
-    original = keras.Model.fit
-    if getattr(original, "_kmix_finishes_runs", False):
-        return
-
-    @functools.wraps(original)
-    def fit(self: keras.Model, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return original(self, *args, **kwargs)
-        except BaseException as error:
-            if _OPEN:
-                end_run(self, *reason_for(error))
-            raise
-
-    fit._kmix_finishes_runs = True
-    keras.Model.fit = fit
-
-
-_finish_runs_when_fit_raises()
+from kmix.tags import COMPLETED
 
 
 def warn_user(message: str) -> None:
@@ -166,8 +70,8 @@ class StepCallback(keras.callbacks.Callback):
         self._source = source_for(model.optimizer)
         self._source.begin(model)
         self._steps_seen = self._steps_at_read = self._batch_begin = 0
-        _install_hooks()
-        _OPEN.add(self)
+        _runs.install_hooks()
+        _runs.OPEN.add(self)
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         """Notes the first step index of this execution (no host sync)."""
@@ -175,7 +79,7 @@ class StepCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Counts the steps of this execution; reads when ``every`` steps have passed."""
-        if self not in _OPEN:
+        if self not in _runs.OPEN:
             return
         steps = self.params.get("steps") if self.params else None
         last = min(batch, steps - 1) if steps else batch
@@ -185,7 +89,7 @@ class StepCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         """Finishes the run as completed (unless something ended it before)."""
-        if self in _OPEN:
+        if self in _runs.OPEN:
             self.finish(COMPLETED, "fit returned", logs)
 
     def finish(self, reason: str, message: str, logs: dict | None = None) -> None:
@@ -196,7 +100,7 @@ class StepCallback(keras.callbacks.Callback):
             message: what happened, in words.
             logs: the latest logs, if any.
         """
-        _OPEN.discard(self)
+        _runs.OPEN.discard(self)
 
     # ----------------------------------------------------------------- reading
     def _read(self, logs: dict | None = None) -> None:

@@ -13,9 +13,10 @@ import numpy as np
 
 from kmix import tags
 from kmix._checks import check_choice, check_int, check_real
-from kmix.callbacks._base import GUARD_RAISED, STOPPED_BY_GUARD, StepCallback, end_run, warn_user
+from kmix.callbacks._base import StepCallback, end_run, warn_user
 from kmix.callbacks._forecast import HeadroomForecast, headroom_series
 from kmix.callbacks._source import STOCK_MIN_SCALE  # noqa: F401  (the 0.1.0 name)
+from kmix.tags import GUARD_RAISED, STOPPED_BY_GUARD
 
 _OWNER = "kmix.callbacks.LossScaleGuard"
 MODES = {"stop": "set model.stop_training", "raise": "raise LossScaleGuardError"}

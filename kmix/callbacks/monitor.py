@@ -252,13 +252,13 @@ class MixedPrecisionMonitor(StepCallback):
         """
         import tensorflow as tf
 
-        self.finish("interrupted", "a new fit began before the previous one ended")
+        self.finish(tags.INTERRUPTED, "a new fit began before the previous one ended")
         super().on_train_begin(logs)
         train_dir = os.path.join(self.log_dir, tags.TRAIN_DIR)
         try:
             tf.io.gfile.makedirs(train_dir)
         except (OSError, tf.errors.OpError) as error:
-            self.finish("exception", str(error))
+            self.finish(tags.EXCEPTION, str(error))
             raise ValueError(
                 f"{_OWNER} cannot create its log directory {train_dir!r} "
                 f"(log_dir={self.log_dir!r}): {error}. Pass a directory you can write to."

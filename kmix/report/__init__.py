@@ -29,7 +29,7 @@ matplotlib: the TensorBoard plugin reuses them. (The name ``findings`` in this
 package is the function; the module is ``sys.modules["kmix.report.findings"]``.)
 """
 
-from kmix.report._words import format_scale
+from kmix._words import format_scale
 from kmix.report.findings import (
     HEADROOM_TIGHT_BITS,
     HEADROOM_WARN_BITS,

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kmix import tags
-from kmix.report._words import format_scale, percent, plural, steps_list
+from kmix._words import format_scale, percent, plural, steps_list
 
 if TYPE_CHECKING:
     from kmix.report.summary import Summary

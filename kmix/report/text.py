@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from kmix import tags
-from kmix.report._words import format_scale, plural
+from kmix._words import format_scale, plural
 from kmix.report.findings import RUN_END_WORDS
 from kmix.report.summary import Summary, Trend
 from kmix.report.whatif import FORMATS

@@ -1,4 +1,4 @@
-"""Small wording helpers shared by the findings and the terminal text."""
+"""Small wording helpers shared by every module that writes words (a leaf: no kmix imports)."""
 
 from __future__ import annotations
 
