@@ -1,0 +1,256 @@
+"""``kmix doctor``: package versions, hardware, and combinations known not to work.
+
+The rules are pure (:func:`version_warnings` over :class:`VersionFacts`); only
+:func:`run_doctor` reads the machine, importing TensorFlow when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+PACKAGES = ("tensorflow", "keras", "tensorboard", "tf-keras", "numpy", "matplotlib", "kmix")
+"""The packages ``kmix doctor`` reports the versions of."""
+
+
+def package_versions(names: Sequence[str] = PACKAGES) -> dict[str, str | None]:
+    """Returns the installed version of each package, ``None`` if it is not installed.
+
+    Args:
+        names: distribution names, e.g. ``("tensorflow", "keras")``.
+
+    Returns:
+        ``{name: version or None}``.
+    """
+    versions: dict[str, str | None] = {}
+    for name in names:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+@dataclasses.dataclass(frozen=True)
+class VersionFacts:
+    """What the rules of :func:`version_warnings` look at.
+
+    Attributes:
+        versions: ``{package: version or None}``, as from :func:`package_versions`.
+        tensorflow: TensorFlow's version as ``packaging.version.Version``, or None when it
+            is not installed or cannot be parsed; likewise ``keras`` and ``tensorboard``.
+        keras_pin: the ``keras`` requirement TensorFlow declares (without a marker), or None.
+        legacy_keras: whether ``TF_USE_LEGACY_KERAS`` is set, making ``tf.keras`` Keras 2.
+        backend: the Keras backend in use or chosen by ``KERAS_BACKEND``, or None.
+    """
+
+    versions: Mapping[str, str | None]
+    tensorflow: Any
+    keras: Any
+    tensorboard: Any
+    keras_pin: Any
+    legacy_keras: bool
+    backend: str | None
+
+    def missing(self, name: str) -> bool:
+        """Whether the package ``name`` is not installed."""
+        return self.versions.get(name) is None
+
+
+def _older(version: Any, release: tuple[int, ...]) -> bool:
+    """Whether a parsed ``version`` is known and older than ``release``, e.g. ``(2, 16)``."""
+    return version is not None and version.release < release
+
+
+VERSION_RULES: tuple[tuple[Callable[[VersionFacts], bool], Callable[[VersionFacts], str]], ...] = (
+    (
+        lambda f: f.missing("tensorflow"),
+        lambda f: (
+            "TensorFlow is not installed: kmix.LossScaleOptimizer needs the TensorFlow "
+            "backend (pip install 'tensorflow>=2.16')"
+        ),
+    ),
+    (
+        lambda f: _older(f.tensorflow, (2, 16)),
+        lambda f: (
+            f"TensorFlow {f.tensorflow} is older than 2.16 and uses Keras 2 (tf.keras); "
+            "kmix needs TensorFlow >= 2.16 with Keras 3 (pip install -U 'tensorflow>=2.16')"
+        ),
+    ),
+    (
+        lambda f: f.missing("keras"),
+        lambda f: "Keras is not installed: kmix needs Keras 3 (pip install 'keras>=3.8')",
+    ),
+    (
+        lambda f: _older(f.keras, (3,)),
+        lambda f: f"Keras {f.keras} is Keras 2; kmix needs Keras 3 (pip install -U 'keras>=3.8')",
+    ),
+    (
+        lambda f: not _older(f.keras, (3,)) and _older(f.keras, (3, 8)),
+        lambda f: f"Keras {f.keras} is older than 3.8, which kmix needs (pip install -U keras)",
+    ),
+    (
+        lambda f: (
+            f.keras is not None
+            and f.keras_pin is not None
+            and not f.keras_pin.contains(f.keras, prereleases=True)
+        ),
+        lambda f: (
+            f"TensorFlow {f.tensorflow} expects keras{f.keras_pin} but Keras {f.keras} "
+            f"is installed (pip install 'keras{f.keras_pin}')"
+        ),
+    ),
+    (
+        lambda f: f.legacy_keras,
+        lambda f: (
+            "TF_USE_LEGACY_KERAS is set, so tf.keras is Keras 2"
+            + (f" (tf-keras {f.versions['tf-keras']})" if f.versions.get("tf-keras") else "")
+            + ": models built with tf.keras do not work with kmix; use `import keras` "
+            "(Keras 3) or unset TF_USE_LEGACY_KERAS"
+        ),
+    ),
+    (
+        lambda f: f.backend not in (None, "", "tensorflow"),
+        lambda f: (
+            f"the Keras backend is {f.backend!r}: kmix.LossScaleOptimizer and the "
+            "callbacks need 'tensorflow' (set KERAS_BACKEND=tensorflow)"
+        ),
+    ),
+    (
+        lambda f: f.missing("tensorboard"),
+        lambda f: (
+            "TensorBoard is not installed: MixedPrecisionMonitor and kmix report need it "
+            "(pip install tensorboard)"
+        ),
+    ),
+    (
+        lambda f: f.tensorflow is not None and _older(f.tensorboard, (2,)),
+        lambda f: f"TensorBoard {f.tensorboard} is too old for TensorFlow {f.tensorflow}",
+    ),
+)
+"""``(when, says)`` pairs: the package combinations known not to work, in the order shown."""
+
+
+def version_facts(
+    versions: Mapping[str, str | None],
+    environ: Mapping[str, str],
+    tensorflow_requires: Sequence[str] = (),
+    backend: str | None = None,
+) -> VersionFacts:
+    """Parses versions, TensorFlow's Keras pin and the environment for the rules.
+
+    Args:
+        versions: ``{package: version or None}``, as from :func:`package_versions`.
+        environ: environment variables (``TF_USE_LEGACY_KERAS``, ``KERAS_BACKEND``).
+        tensorflow_requires: TensorFlow's requirement strings, as from
+            ``importlib.metadata.requires("tensorflow")``.
+        backend: the active Keras backend, if known.
+
+    Returns:
+        A :class:`VersionFacts`; what cannot be parsed is None.
+    """
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.version import InvalidVersion, Version
+
+    def parsed(name: str) -> Version | None:
+        try:
+            return Version(versions[name]) if versions.get(name) else None
+        except InvalidVersion:
+            return None
+
+    pin = None
+    for text in tensorflow_requires:
+        try:
+            requirement = Requirement(text)
+        except InvalidRequirement:
+            continue
+        if requirement.name == "keras" and requirement.marker is None:
+            pin = requirement.specifier
+    return VersionFacts(
+        versions=versions,
+        tensorflow=parsed("tensorflow"),
+        keras=parsed("keras"),
+        tensorboard=parsed("tensorboard"),
+        keras_pin=pin,
+        legacy_keras=environ.get("TF_USE_LEGACY_KERAS", "").strip().lower() in ("1", "true", "yes"),
+        backend=backend or environ.get("KERAS_BACKEND"),
+    )
+
+
+def version_warnings(
+    versions: Mapping[str, str | None],
+    environ: Mapping[str, str],
+    tensorflow_requires: Sequence[str] = (),
+    backend: str | None = None,
+) -> list[str]:
+    """Finds package combinations known not to work with kmix (:data:`VERSION_RULES`).
+
+    Args:
+        versions: ``{package: version or None}``, as from :func:`package_versions`.
+        environ: environment variables (``TF_USE_LEGACY_KERAS``, ``KERAS_BACKEND``).
+        tensorflow_requires: TensorFlow's requirement strings, as from
+            ``importlib.metadata.requires("tensorflow")``; its Keras pin is checked.
+        backend: the active Keras backend, if known.
+
+    Returns:
+        One sentence per problem, saying what to do; empty when all is well.
+    """
+    facts = version_facts(versions, environ, tensorflow_requires, backend)
+    return [says(facts) for when, says in VERSION_RULES if when(facts)]
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    """Runs ``kmix doctor``: prints versions, hardware, the policy "auto" picks, warnings.
+
+    Args:
+        args: the parsed arguments (``kmix doctor`` takes none).
+
+    Returns:
+        The exit status: 0, or 1 when the hardware cannot be detected (a broken
+        TensorFlow install; the reason is printed to stderr).
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from kmix.hardware import hardware
+    from kmix.policy import choose_auto, float16_slow_reason
+
+    versions = package_versions()
+    print("versions")
+    width = max(map(len, versions))
+    for name, version in versions.items():
+        print(f"  {name:<{width}}  {version or 'not installed'}")
+    try:
+        detected = hardware()
+    except Exception as error:  # a broken TensorFlow install: say so, do not crash
+        print(f"kmix doctor: could not detect the hardware: {error}", file=sys.stderr)
+        return 1
+    print("hardware")
+    print("\n".join(f"  {line}" for line in str(detected).splitlines()))
+    name, reason = choose_auto(detected)
+    print(f'kmix.use("auto") would choose {name}: {reason}')
+    slow = float16_slow_reason(detected)
+    if slow:
+        print(f"float16 here: {slow}")
+    backend = None
+    if versions["keras"]:
+        try:
+            import keras
+
+            backend = keras.backend.backend()
+            print(f"Keras backend: {backend}")
+        except Exception as error:
+            print(f"warning: Keras does not import: {error}")
+    try:
+        requires = importlib.metadata.requires("tensorflow") or []
+    except importlib.metadata.PackageNotFoundError:
+        requires = []
+    problems = version_warnings(versions, os.environ, requires, backend)
+    for problem in problems:
+        print(f"warning: {problem}")
+    if not problems:
+        print("no known problems with these versions")
+    return 0
