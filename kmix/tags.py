@@ -3,16 +3,122 @@
 Nothing here imports TensorFlow or Keras, so ``kmix report`` stays light.
 All kmix data lives under the ``kmix/`` prefix in ``<log_dir>/train``; the step
 of every point is the attempted optimizer step, skipped steps included, from 1.
+
+This module holds the tag names, the exponent-bin layout and the descriptions; it
+re-exports the formats written and read back, which live in two parts:
+
+* :mod:`kmix._tag_events`: scale events and lost-event notes, as the markdown line
+  of ``kmix/events`` (:func:`format_event`, the one wording of an event) and the
+  structured record of ``kmix/event_record``;
+* :mod:`kmix._tag_records`: the other structured records, ``kmix/policy_record``
+  and ``kmix/run_end``, and the run-end reasons.
+
+Import every name from here (``kmix.tags.ScaleEvent``), not from the parts.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import re
-from typing import Any
+from kmix._tag_events import (
+    EVENT_KINDS,
+    EVENTS_LOST_RECORD,
+    RECORD_TYPES,
+    SCALE_EVENT_RECORD,
+    SKIP_KINDS,
+    EventsLost,
+    ForwardOrigin,
+    ScaleEvent,
+    format_event,
+    format_event_record,
+    format_events_lost,
+    parse_event,
+    parse_event_record,
+    parse_events_lost,
+)
+from kmix._tag_records import (
+    COMPLETED,
+    EXCEPTION,
+    GUARD_RAISED,
+    INTERRUPTED,
+    LOSS_SCALINGS,
+    RUN_END_REASONS,
+    STOPPED_BY_GUARD,
+    PolicyRecord,
+    RunEnd,
+    format_policy_record,
+    format_run_end,
+    parse_policy_record,
+    parse_run_end,
+)
 
-from kmix._words import plural
+__all__ = [
+    "ACTIVATION_HEADROOM_BITS",
+    "ACTIVATION_MAX_ABS",
+    "ACTIVATION_NONFINITE_FRACTION",
+    "ACTIVATION_UNDERFLOW_FRACTION",
+    "COMPLETED",
+    "DESCRIPTIONS",
+    "EVENTS",
+    "EVENTS_LOST_RECORD",
+    "EVENT_KINDS",
+    "EVENT_RECORD",
+    "EXCEPTION",
+    "EXPONENT_BIN_OFFSET",
+    "EXPONENT_MAX",
+    "EXPONENT_MIN",
+    "FLOAT16_MAX_EXPONENT",
+    "FLOAT16_MIN_NORMAL_EXPONENT",
+    "FLOAT16_MIN_SUBNORMAL_EXPONENT",
+    "GRAD_EXPONENT",
+    "GRAD_NORM",
+    "GUARD_RAISED",
+    "INTERRUPTED",
+    "LOSS_FINITE",
+    "LOSS_SCALE",
+    "LOSS_SCALE_LOG2",
+    "LOSS_SCALINGS",
+    "MAX_ABS_SCALED_GRAD",
+    "MIN_ACTIVATION_HEADROOM_BITS",
+    "NONFINITE_ELEMENTS",
+    "NOTES",
+    "NUM_EXPONENT_BINS",
+    "OVERFLOW_HEADROOM_BITS",
+    "POLICY",
+    "POLICY_RECORD",
+    "PREFIX",
+    "RECORD_TYPES",
+    "RUN_END",
+    "RUN_END_REASONS",
+    "SCALE_EVENT_RECORD",
+    "SKIPPED_STEPS",
+    "SKIP_KINDS",
+    "SKIP_RATE",
+    "STOPPED_BY_GUARD",
+    "SUBNORMAL_BY_VARIABLE",
+    "SUBNORMAL_FRACTION",
+    "TRAIN_DIR",
+    "UNDERFLOW_BY_VARIABLE",
+    "UNDERFLOW_FRACTION",
+    "ZERO_FRACTION",
+    "EventsLost",
+    "ForwardOrigin",
+    "PolicyRecord",
+    "RunEnd",
+    "ScaleEvent",
+    "bin_exponent",
+    "description",
+    "exponent_bin",
+    "exponent_bucket_edges",
+    "format_event",
+    "format_event_record",
+    "format_events_lost",
+    "format_policy_record",
+    "format_run_end",
+    "parse_event",
+    "parse_event_record",
+    "parse_events_lost",
+    "parse_policy_record",
+    "parse_run_end",
+]
 
 TRAIN_DIR = "train"
 PREFIX = "kmix/"
@@ -50,6 +156,9 @@ POLICY_RECORD = "kmix/policy_record"
 """A :class:`PolicyRecord` as JSON, written beside the markdown of ``kmix/policy``."""
 RUN_END = "kmix/run_end"
 """A :class:`RunEnd` as JSON: why and at which step ``fit`` ended."""
+EVENT_RECORD = "kmix/event_record"
+"""Each :class:`ScaleEvent` and :class:`EventsLost` note as a JSON record
+(:func:`format_event_record`), written at the step of its ``kmix/events`` line."""
 
 # Exponent histogram layout (the optimizer computes it, the writer and readers use it):
 EXPONENT_MIN = -40
@@ -112,355 +221,6 @@ def exponent_bucket_edges() -> list[tuple[float, float]]:
     """
     first = EXPONENT_MIN - 2
     return [(float(first + i), float(first + i + 1)) for i in range(NUM_EXPONENT_BINS)]
-
-
-EVENT_KINDS = ("growth", "backoff", "skip_absorbed", "overflow_at_floor", "forward_overflow")
-"""Names of the scale event kinds, in the order of kmix.scaling's codes 1, 2, 3, 4, 5.
-
-``forward_overflow`` is a skipped step whose unscaled loss was non-finite: no scale
-can fix the forward pass, so the scale is kept.
-"""
-SKIP_KINDS = frozenset(EVENT_KINDS[1:])
-"""The kinds recorded for a skipped (non-finite) step; only growth is not one."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ForwardOrigin:
-    """The first layer whose output went non-finite in the forward pass of a step.
-
-    Attributes:
-        layer: the layer's path, e.g. ``"block_3/ffn_out"``.
-        layer_class: the layer's class name, e.g. ``"Dense"``.
-        inputs_finite: whether the layer's inputs were all finite (True: the layer
-            itself overflowed).
-        max_abs_input: the largest absolute input value, None if not measured.
-    """
-
-    layer: str
-    layer_class: str
-    inputs_finite: bool
-    max_abs_input: float | None
-
-
-@dataclasses.dataclass(frozen=True)
-class ScaleEvent:
-    """One loss-scale event, as recorded in-graph at the step it happened.
-
-    Attributes:
-        index: 1-based sequence number of the event since training began; 0 when
-            unknown (the ``kmix/events`` line does not hold it, so
-            :func:`parse_event` gives 0).
-        step: attempted optimizer step, skipped steps included, counted from 1.
-        kind: one of :data:`EVENT_KINDS`: ``"growth"``, ``"backoff"``,
-            ``"skip_absorbed"`` (a skipped step the hysteresis tolerated),
-            ``"overflow_at_floor"`` (skipped at ``min_scale``) or
-            ``"forward_overflow"`` (skipped, the unscaled loss was non-finite, the
-            scale is kept).
-        old_scale: loss scale before the step.
-        new_scale: loss scale after the step.
-        variable: path of the first variable whose gradient was non-finite, if any.
-        nonfinite_variables: how many variables had a non-finite gradient.
-        loss_finite: whether the unscaled loss itself was finite (False means the
-            forward pass made the NaN/Inf, which no loss scale can fix); None when
-            unknown.
-        origin: where the forward pass first went non-finite, if it was measured.
-    """
-
-    index: int
-    step: int
-    kind: str
-    old_scale: float
-    new_scale: float
-    variable: str | None
-    nonfinite_variables: int
-    loss_finite: bool | None
-    origin: ForwardOrigin | None = None
-
-
-_EVENT_RE = re.compile(
-    r"^\*\*(?P<kind>[a-z_]+)\*\* at step (?P<step>\d+): "
-    r"loss scale (?P<old>[^ ;]+) → (?P<new>[^ ;]+)"
-    r"(?:; first non-finite gradient `(?P<variable>[^`]+)` \((?P<count>\d+) variables?\))?"
-    r"(?:(?P<loss_nonfinite>; the loss itself was non-finite)"
-    r"|(?P<loss_unknown>; whether the loss was finite is unknown))?"
-    r"(?:; forward overflow starts in `(?P<layer>[^`]+)` \((?P<layer_class>[^)]*)\): "
-    r"inputs (?P<inputs>finite|non-finite)(?:, max \|input\| (?P<max_input>[^ ;]+))?)?"
-)
-
-
-def format_event(event: ScaleEvent) -> str:
-    """Formats a :class:`ScaleEvent` as one markdown line for ``kmix/events``.
-
-    The line, with its optional parts in this order::
-
-        **backoff** at step 7: loss scale 32768 → 16384
-        ; first non-finite gradient `dense/kernel` (2 variables)
-        ; the loss itself was non-finite      (or: ; whether the loss was finite is unknown)
-        ; forward overflow starts in `block_3/ffn_out` (Dense): inputs finite, max |input| 812
-
-    Scales and ``max |input|`` are written with 9 significant digits (exact for
-    float32 values). The ``index`` is not written.
-
-    Args:
-        event: the event (any object with its fields; ``origin`` may be missing).
-
-    Returns:
-        A line that :func:`parse_event` reads back.
-    """
-    text = (
-        f"**{event.kind}** at step {event.step}: "
-        f"loss scale {event.old_scale:.9g} → {event.new_scale:.9g}"
-    )
-    if event.variable is not None:
-        text += (
-            f"; first non-finite gradient `{event.variable}` "
-            f"({plural(event.nonfinite_variables, 'variable')})"
-        )
-    if event.loss_finite is None:
-        text += "; whether the loss was finite is unknown"
-    elif not event.loss_finite:
-        text += "; the loss itself was non-finite"
-    origin = getattr(event, "origin", None)  # also objects with the fields of 0.1.0
-    if origin is not None:
-        text += (
-            f"; forward overflow starts in `{origin.layer}` ({origin.layer_class}): "
-            f"inputs {'finite' if origin.inputs_finite else 'non-finite'}"
-        )
-        if origin.max_abs_input is not None:
-            text += f", max |input| {origin.max_abs_input:.9g}"
-    return text
-
-
-def parse_event(line: str) -> ScaleEvent | None:
-    """Reads a line written by :func:`format_event`, also by kmix 0.1.0.
-
-    Args:
-        line: one line of a ``kmix/events`` text summary.
-
-    Returns:
-        The :class:`ScaleEvent`, with ``index`` 0 (the line does not hold it);
-        None if the line is not an event (for example a note about lost events,
-        which :func:`parse_events_lost` reads).
-    """
-    match = _EVENT_RE.match(line.strip())
-    if match is None:
-        return None
-    origin = None
-    if match["layer"] is not None:
-        origin = ForwardOrigin(
-            layer=match["layer"],
-            layer_class=match["layer_class"],
-            inputs_finite=match["inputs"] == "finite",
-            max_abs_input=None if match["max_input"] is None else float(match["max_input"]),
-        )
-    loss_finite = None if match["loss_unknown"] else match["loss_nonfinite"] is None
-    return ScaleEvent(
-        index=0,
-        step=int(match["step"]),
-        kind=match["kind"],
-        old_scale=float(match["old"]),
-        new_scale=float(match["new"]),
-        variable=match["variable"],
-        nonfinite_variables=int(match["count"] or 0),
-        loss_finite=loss_finite,
-        origin=origin,
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class EventsLost:
-    """A note that the optimizer's event ring overflowed between two reads.
-
-    Attributes:
-        count: how many events were lost.
-        after_step: the step of the read before the loss.
-        upto_step: the step of the read that found it.
-        capacity: the optimizer's ``event_capacity``, None if not written.
-    """
-
-    count: int
-    after_step: int
-    upto_step: int
-    capacity: int | None = None
-
-
-_EVENTS_LOST_RE = re.compile(
-    r"^\*\*(?P<count>\d+) scale events? lost\*\* between steps (?P<after>\d+) and "
-    r"(?P<upto>\d+)(?:.*?\(event_capacity=(?P<capacity>\d+)\))?"
-)
-
-
-def format_events_lost(lost: EventsLost) -> str:
-    """Formats the note written to ``kmix/events`` when events were lost.
-
-    Args:
-        lost: what was lost.
-
-    Returns:
-        A markdown line that :func:`parse_events_lost` reads back and
-        :func:`parse_event` does not take for an event.
-    """
-    capacity = "" if lost.capacity is None else f" (event_capacity={lost.capacity})"
-    return (
-        f"**{plural(lost.count, 'scale event')} lost** between steps {lost.after_step} "
-        f"and {lost.upto_step}: more happened between two reads than the optimizer's "
-        f"event ring holds{capacity}. Lower `update_freq` or raise `event_capacity` of "
-        "kmix.LossScaleOptimizer."
-    )
-
-
-def parse_events_lost(line: str) -> EventsLost | None:
-    """Reads a note written by :func:`format_events_lost`, also by kmix 0.1.0.
-
-    Args:
-        line: one line of a ``kmix/events`` text summary.
-
-    Returns:
-        The :class:`EventsLost`, or None if the line is not such a note.
-    """
-    match = _EVENTS_LOST_RE.match(line.strip())
-    if match is None:
-        return None
-    return EventsLost(
-        count=int(match["count"]),
-        after_step=int(match["after"]),
-        upto_step=int(match["upto"]),
-        capacity=None if match["capacity"] is None else int(match["capacity"]),
-    )
-
-
-# ------------------------------------------------------------- structured records
-LOSS_SCALINGS = ("kmix", "keras", "none")
-"""What scales the loss: kmix's optimizer, Keras's stock one, or nothing."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyRecord:
-    """What a run was configured with, written once at train begin.
-
-    Attributes:
-        global_policy: ``keras.config.dtype_policy().name``.
-        model_name: the model's name.
-        model_policy: the model's dtype policy name, e.g. ``"mixed_float16"``.
-        compute_dtype: the model's compute dtype, e.g. ``"float16"``.
-        variable_dtype: the model's variable dtype, e.g. ``"float32"``.
-        loss_scaling: one of :data:`LOSS_SCALINGS`.
-        min_scale: the lowest loss scale allowed; None unless ``loss_scaling`` is
-            ``"kmix"``.
-        max_scale: the highest; None unless ``loss_scaling`` is ``"kmix"``.
-        update_freq: the monitor's ``update_freq``.
-        histogram_freq: the monitor's ``histogram_freq`` (0: no histograms).
-    """
-
-    global_policy: str
-    model_name: str
-    model_policy: str
-    compute_dtype: str
-    variable_dtype: str
-    loss_scaling: str
-    min_scale: float | None
-    max_scale: float | None
-    update_freq: int
-    histogram_freq: int
-
-
-def _record_json(record: Any) -> str:
-    return json.dumps(dataclasses.asdict(record), sort_keys=True)
-
-
-def _record_fields(text: str, cls: type) -> dict[str, Any] | None:
-    try:
-        data = json.loads(text)
-    except (TypeError, ValueError):
-        return None
-    names = [field.name for field in dataclasses.fields(cls)]
-    if not isinstance(data, dict) or not set(names) <= set(data):
-        return None
-    return {name: data[name] for name in names}
-
-
-def format_policy_record(record: PolicyRecord) -> str:
-    """Formats a :class:`PolicyRecord` as the JSON text of ``kmix/policy_record``.
-
-    Args:
-        record: the record.
-
-    Returns:
-        A JSON object with one key per field (scales may be ``Infinity``, as
-        Python's ``json`` writes it).
-    """
-    return _record_json(record)
-
-
-def parse_policy_record(text: str) -> PolicyRecord | None:
-    """Reads the text written by :func:`format_policy_record`.
-
-    Args:
-        text: the ``kmix/policy_record`` text.
-
-    Returns:
-        The :class:`PolicyRecord`; None if the text is not such a record (keys
-        added by later versions are ignored).
-    """
-    fields = _record_fields(text, PolicyRecord)
-    if fields is None:
-        return None
-    for name in ("min_scale", "max_scale"):
-        if fields[name] is not None:
-            fields[name] = float(fields[name])
-    return PolicyRecord(**fields)
-
-
-COMPLETED = "completed"
-STOPPED_BY_GUARD = "stopped_by_guard"
-GUARD_RAISED = "guard_raised"
-EXCEPTION = "exception"
-INTERRUPTED = "interrupted"
-RUN_END_REASONS = (COMPLETED, STOPPED_BY_GUARD, GUARD_RAISED, EXCEPTION, INTERRUPTED)
-"""Why ``fit`` ended: it ran all its steps; ``LossScaleGuard`` stopped it or raised;
-another exception; ``KeyboardInterrupt``. The only spelling of these reasons."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RunEnd:
-    """How a run ended, written once when ``fit`` ends (whatever ends it).
-
-    Attributes:
-        step: the last attempted optimizer step.
-        reason: one of :data:`RUN_END_REASONS`.
-        message: the diagnosis or exception message, "" when there is none.
-    """
-
-    step: int
-    reason: str
-    message: str
-
-
-def format_run_end(run_end: RunEnd) -> str:
-    """Formats a :class:`RunEnd` as the JSON text of ``kmix/run_end``.
-
-    Args:
-        run_end: how the run ended.
-
-    Returns:
-        A JSON object with the keys ``step``, ``reason`` and ``message``.
-    """
-    return _record_json(run_end)
-
-
-def parse_run_end(text: str) -> RunEnd | None:
-    """Reads the text written by :func:`format_run_end`.
-
-    Args:
-        text: the ``kmix/run_end`` text.
-
-    Returns:
-        The :class:`RunEnd`; None if the text is not such a record.
-    """
-    fields = _record_fields(text, RunEnd)
-    if fields is None or not isinstance(fields["step"], int):
-        return None
-    return RunEnd(step=fields["step"], reason=str(fields["reason"]), message=str(fields["message"]))
 
 
 LOSS_SCALE_LOG2 = "kmix/loss_scale_log2"

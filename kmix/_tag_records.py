@@ -1,0 +1,182 @@
+"""The structured records of the TensorBoard contract: JSON text beside the markdown.
+
+Part of :mod:`kmix.tags`, which re-exports every public name here; import them from
+there. A record is a frozen dataclass written as one JSON object (one key per field)
+and read back tolerantly: keys added by later versions are ignored, and a text that
+is not such a record reads as None. Nothing here imports TensorFlow or Keras.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+LOSS_SCALINGS = ("kmix", "keras", "none")
+"""What scales the loss: kmix's optimizer, Keras's stock one, or nothing."""
+
+
+def record_json(record: Any, **extra: Any) -> str:
+    """Writes a dataclass record as one line of JSON, keys sorted.
+
+    Args:
+        record: a dataclass instance (nested dataclasses become objects).
+        **extra: keys written beside the record's fields (e.g. a record type).
+
+    Returns:
+        The JSON text (non-finite floats as ``Infinity``/``NaN``, as Python's
+        ``json`` writes and reads them).
+    """
+    return json.dumps(dataclasses.asdict(record) | extra, sort_keys=True)
+
+
+def json_object(text: str) -> dict[str, Any] | None:
+    """The JSON object a text holds, None if it holds no object.
+
+    Args:
+        text: the text of a record.
+
+    Returns:
+        The object's keys and values, or None.
+    """
+    try:
+        data = json.loads(text)
+    except (TypeError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def record_fields(data: dict[str, Any] | None, cls: type) -> dict[str, Any] | None:
+    """The values of ``cls``'s fields in a JSON object; other keys are ignored.
+
+    Args:
+        data: a JSON object, or None.
+        cls: a dataclass.
+
+    Returns:
+        Field name -> value for every field of ``cls`` the object holds; None if it
+        lacks a field that has no default.
+    """
+    if data is None:
+        return None
+    fields = {}
+    for field in dataclasses.fields(cls):
+        if field.name in data:
+            fields[field.name] = data[field.name]
+        elif field.default is dataclasses.MISSING:
+            return None
+    return fields
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyRecord:
+    """What a run was configured with, written once at train begin.
+
+    Attributes:
+        global_policy: ``keras.config.dtype_policy().name``.
+        model_name: the model's name.
+        model_policy: the model's dtype policy name, e.g. ``"mixed_float16"``.
+        compute_dtype: the model's compute dtype, e.g. ``"float16"``.
+        variable_dtype: the model's variable dtype, e.g. ``"float32"``.
+        loss_scaling: one of :data:`LOSS_SCALINGS`.
+        min_scale: the lowest loss scale allowed; None unless ``loss_scaling`` is
+            ``"kmix"``.
+        max_scale: the highest; None unless ``loss_scaling`` is ``"kmix"``.
+        update_freq: the monitor's ``update_freq``.
+        histogram_freq: the monitor's ``histogram_freq`` (0: no histograms).
+    """
+
+    global_policy: str
+    model_name: str
+    model_policy: str
+    compute_dtype: str
+    variable_dtype: str
+    loss_scaling: str
+    min_scale: float | None
+    max_scale: float | None
+    update_freq: int
+    histogram_freq: int
+
+
+def format_policy_record(record: PolicyRecord) -> str:
+    """Formats a :class:`PolicyRecord` as the JSON text of ``kmix/policy_record``.
+
+    Args:
+        record: the record.
+
+    Returns:
+        A JSON object with one key per field (scales may be ``Infinity``, as
+        Python's ``json`` writes it).
+    """
+    return record_json(record)
+
+
+def parse_policy_record(text: str) -> PolicyRecord | None:
+    """Reads the text written by :func:`format_policy_record`.
+
+    Args:
+        text: the ``kmix/policy_record`` text.
+
+    Returns:
+        The :class:`PolicyRecord`; None if the text is not such a record (keys
+        added by later versions are ignored).
+    """
+    fields = record_fields(json_object(text), PolicyRecord)
+    if fields is None:
+        return None
+    for name in ("min_scale", "max_scale"):
+        if fields[name] is not None:
+            fields[name] = float(fields[name])
+    return PolicyRecord(**fields)
+
+
+COMPLETED = "completed"
+STOPPED_BY_GUARD = "stopped_by_guard"
+GUARD_RAISED = "guard_raised"
+EXCEPTION = "exception"
+INTERRUPTED = "interrupted"
+RUN_END_REASONS = (COMPLETED, STOPPED_BY_GUARD, GUARD_RAISED, EXCEPTION, INTERRUPTED)
+"""Why ``fit`` ended: it ran all its steps; ``LossScaleGuard`` stopped it or raised;
+another exception; ``KeyboardInterrupt``. The only spelling of these reasons."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunEnd:
+    """How a run ended, written once when ``fit`` ends (whatever ends it).
+
+    Attributes:
+        step: the last attempted optimizer step.
+        reason: one of :data:`RUN_END_REASONS`.
+        message: the diagnosis or exception message, "" when there is none.
+    """
+
+    step: int
+    reason: str
+    message: str
+
+
+def format_run_end(run_end: RunEnd) -> str:
+    """Formats a :class:`RunEnd` as the JSON text of ``kmix/run_end``.
+
+    Args:
+        run_end: how the run ended.
+
+    Returns:
+        A JSON object with the keys ``step``, ``reason`` and ``message``.
+    """
+    return record_json(run_end)
+
+
+def parse_run_end(text: str) -> RunEnd | None:
+    """Reads the text written by :func:`format_run_end`.
+
+    Args:
+        text: the ``kmix/run_end`` text.
+
+    Returns:
+        The :class:`RunEnd`; None if the text is not such a record.
+    """
+    fields = record_fields(json_object(text), RunEnd)
+    if fields is None or not isinstance(fields["step"], int):
+        return None
+    return RunEnd(step=fields["step"], reason=str(fields["reason"]), message=str(fields["message"]))
