@@ -15,17 +15,21 @@ Example:
 One module per concern:
 
 * :mod:`kmix.report.read`: event files (or TensorBoard's data provider, through
-  :func:`build_log`) -> :class:`KmixLog`;
-* :mod:`kmix.report.summary`: :class:`KmixLog` -> typed :class:`Summary` (JSON via
-  :meth:`Summary.to_dict`);
+  :func:`build_log`) -> :class:`KmixLog`; its scale events from their structured
+  records (:func:`kmix.report.read.read_events`);
+* :mod:`kmix.report.values`: the typed values, :class:`Summary` (JSON via
+  :meth:`Summary.to_dict`), its parts and :class:`Finding`;
+* :mod:`kmix.report.summary`: :class:`KmixLog` -> :class:`Summary`;
 * :mod:`kmix.report.findings`: the :data:`RULES` table over a :class:`Summary`,
   and its thresholds;
 * :mod:`kmix.report.whatif`: what the recorded exponent histograms would lose in
   float16, bfloat16 and FP8;
 * :mod:`kmix.report.text`: terminal text and JSON; :mod:`kmix.report.plots`: PNGs.
 
-``read``, ``summary``, ``findings`` and ``whatif`` neither print nor import
-matplotlib: the TensorBoard plugin reuses them. (The name ``findings`` in this
+``read``, ``values``, ``summary``, ``findings`` and ``whatif`` neither print nor
+import matplotlib: the TensorBoard plugin reuses them. They import one way:
+``summary`` uses ``read``, ``findings``, ``values`` and ``whatif``; ``findings`` uses
+``values``, never ``summary``. (The name ``findings`` in this
 package is the function; the module is ``sys.modules["kmix.report.findings"]``.)
 """
 

@@ -24,16 +24,12 @@ Free of printing and matplotlib: the TensorBoard plugin reuses it. Thresholds:
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from kmix import tags
 from kmix._words import format_scale, percent, plural, steps_list
-
-if TYPE_CHECKING:
-    from kmix.report.summary import Summary
+from kmix.report.values import Finding, Summary
 
 UNDERFLOW_WARN_FRACTION = 0.25
 HEADROOM_WARN_BITS = 1.0
@@ -42,28 +38,13 @@ RECENT_SKIP_RATE_WARN = 0.5
 HEADROOM_TIGHT_BITS = 4.0
 
 RUN_END_WORDS = {
-    "completed": "completed",
-    "stopped_by_guard": "stopped by LossScaleGuard",
-    "guard_raised": "LossScaleGuard raised",
-    "exception": "ended by an exception",
-    "interrupted": "interrupted (KeyboardInterrupt)",
+    tags.COMPLETED: "completed",
+    tags.STOPPED_BY_GUARD: "stopped by LossScaleGuard",
+    tags.GUARD_RAISED: "LossScaleGuard raised",
+    tags.EXCEPTION: "ended by an exception",
+    tags.INTERRUPTED: "interrupted (KeyboardInterrupt)",
 }
 """How each reason of :data:`kmix.tags.RUN_END_REASONS` is said."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Finding:
-    """One observation about the run.
-
-    Attributes:
-        severity: ``"warning"`` (something to act on) or ``"info"``.
-        rule: the name of the rule that made it.
-        message: the observation and what it means, in plain words.
-    """
-
-    severity: str
-    rule: str
-    message: str
 
 
 def _float16(summary: Summary) -> bool:
@@ -77,7 +58,7 @@ def _last(trend: object) -> float | None:
 
 def _rule_run_end(summary: Summary) -> list[Finding]:
     end = summary.run_end
-    if end is None or end.reason == "completed":
+    if end is None or end.reason == tags.COMPLETED:
         return []
     how = RUN_END_WORDS.get(end.reason, end.reason)
     message = f"the run did not complete: {how} at step {end.step}"

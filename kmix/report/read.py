@@ -2,6 +2,7 @@
 
 Free of printing and matplotlib: the TensorBoard plugin reuses it, building its
 :class:`KmixLog` from TensorBoard's data provider through :func:`build_log`.
+:func:`read_events` reads a log's scale events from their structured records.
 """
 
 from __future__ import annotations
@@ -196,3 +197,77 @@ def _exponent_counts(value: np.ndarray) -> np.ndarray:
         if 0 <= index < tags.NUM_EXPONENT_BINS:
             counts[index] += count
     return counts
+
+
+@dataclasses.dataclass(frozen=True)
+class EventLog:
+    """The scale events of a log, and the notes written beside them under ``kmix/events``.
+
+    Attributes:
+        events: every scale event, each once, in step order.
+        notes: ``(step, text)`` of the notes that events were lost (and, in logs
+            without records, of any other line of ``kmix/events`` that is no event),
+            in step order; a note read from a record is worded by
+            :func:`kmix.tags.format_events_lost`, as its line was.
+        lost: how many events the notes say were lost.
+        from_records: True when read from the ``kmix/event_record`` records; False
+            when parsed from the ``kmix/events`` lines of a log that has no record
+            (written by kmix 0.1.0 or by versions before the records).
+    """
+
+    events: tuple[tags.ScaleEvent, ...]
+    notes: tuple[tuple[int, str], ...]
+    lost: int
+    from_records: bool
+
+
+def read_events(log: KmixLog) -> EventLog:
+    """Reads the scale events of a log: the records when it has any, else the lines.
+
+    A run resumed with ``BackupAndRestore`` writes the events before the resume
+    again: one event per (step, kind, old scale, new scale) is kept.
+
+    Args:
+        log: the log, from :func:`read_log` or :func:`build_log`.
+
+    Returns:
+        The :class:`EventLog`.
+    """
+    records = [
+        (step, record)
+        for step, text in log.texts.get(tags.EVENT_RECORD, [])
+        for record in map(tags.parse_event_record, _lines(text))
+        if record is not None
+    ]
+    if records:
+        said = [(step, r) for step, r in records if isinstance(r, tags.EventsLost)]
+        return EventLog(
+            events=_once_in_step_order([r for _, r in records if isinstance(r, tags.ScaleEvent)]),
+            notes=tuple((step, tags.format_events_lost(r)) for step, r in said),
+            lost=sum(r.count for _, r in said),
+            from_records=True,
+        )
+    events: list[tags.ScaleEvent] = []
+    notes: list[tuple[int, str]] = []
+    lost = 0
+    for step, text in log.texts.get(tags.EVENTS, []):  # logs without records
+        for line in _lines(text):
+            lost_note = tags.parse_events_lost(line)
+            event = None if lost_note is not None else tags.parse_event(line)
+            if event is not None:
+                events.append(event)
+                continue
+            lost += 0 if lost_note is None else lost_note.count
+            notes.append((step, line))
+    return EventLog(_once_in_step_order(events), tuple(notes), lost, from_records=False)
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in (line.strip() for line in text.splitlines()) if line]
+
+
+def _once_in_step_order(events: list[tags.ScaleEvent]) -> tuple[tags.ScaleEvent, ...]:
+    once: dict[tuple[int, str, float, float], tags.ScaleEvent] = {}
+    for event in events:
+        once.setdefault((event.step, event.kind, event.old_scale, event.new_scale), event)
+    return tuple(sorted(once.values(), key=lambda event: event.step))

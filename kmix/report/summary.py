@@ -1,7 +1,9 @@
 """A typed :class:`Summary` of a run, from a :class:`~kmix.report.read.KmixLog`.
 
-Free of printing and matplotlib: the TensorBoard plugin reuses it. JSON through
-:meth:`Summary.to_dict` (the contract of ``kmix report --json``).
+Free of printing and matplotlib: the TensorBoard plugin reuses it. The typed values
+(:class:`Summary`, :class:`Trend`, ...) live in :mod:`kmix.report.values` and are
+importable from here too; JSON through :meth:`Summary.to_dict` (the contract of
+``kmix report --json``).
 """
 
 from __future__ import annotations
@@ -15,10 +17,38 @@ from typing import Any
 import numpy as np
 
 from kmix import tags
-from kmix.report import whatif as _whatif
-from kmix.report.findings import HEADROOM_WARN_BITS, Finding, findings
-from kmix.report.read import KmixLog, Series
-from kmix.tags import PolicyRecord, RunEnd, ScaleEvent
+from kmix.report.findings import HEADROOM_WARN_BITS, findings
+from kmix.report.read import KmixLog, Series, read_events
+from kmix.report.values import (
+    ExponentShares,
+    Finding,
+    Forecast,
+    LossScale,
+    Note,
+    Summary,
+    Trend,
+)
+from kmix.report.whatif import whatif
+from kmix.tags import ScaleEvent
+
+__all__ = [
+    "FORECAST_HORIZON",
+    "FORECAST_MIN_POINTS",
+    "FORECAST_MIN_R2",
+    "TREND_TAGS",
+    "UNDERFLOW_SPLIT_TAGS",
+    "ExponentShares",
+    "Finding",
+    "Forecast",
+    "LossScale",
+    "Note",
+    "Summary",
+    "Trend",
+    "compute_dtype",
+    "exponent_shares",
+    "forecast_zero_crossing",
+    "summarize",
+]
 
 TREND_TAGS = {
     "overflow_headroom_bits": tags.OVERFLOW_HEADROOM_BITS,
@@ -43,186 +73,6 @@ and then levels off; a line through that stretch, carried far beyond it, would w
 overflow that never comes."""
 
 _MODEL_POLICY = re.compile(r"model `[^`]*` policy `([^`]+)`")
-
-
-@dataclasses.dataclass(frozen=True)
-class LossScale:
-    """Initial, final, lowest and highest loss scale; None when unknown or non-finite."""
-
-    initial: float | None
-    final: float | None
-    min: float | None
-    max: float | None
-
-
-@dataclasses.dataclass(frozen=True)
-class Trend:
-    """One scalar over the run, its finite points only for the numbers.
-
-    Attributes:
-        points: how many points were logged.
-        nonfinite_points: how many of them were inf or NaN.
-        first_step: step of the first point.
-        last_step: step of the last point.
-        first: first finite value (None: none is finite; likewise below).
-        last: last finite value.
-        min: lowest finite value.
-        max: highest finite value.
-        direction: ``"rising"``, ``"falling"`` or ``"steady"`` (see :func:`_direction`).
-    """
-
-    points: int
-    nonfinite_points: int
-    first_step: int
-    last_step: int
-    first: float | None
-    last: float | None
-    min: float | None
-    max: float | None
-    direction: str | None
-
-
-@dataclasses.dataclass(frozen=True)
-class ExponentShares:
-    """One exponent histogram split into the ranges that matter for float16.
-
-    Attributes:
-        step: the step of the histogram.
-        elements: how many elements it counts.
-        zero: share of exact zeros.
-        below_normal: non-zero, below ``2**-14``: float16 loses precision, then flushes.
-        in_range: normal float16 values.
-        above_max: finite, ``2**16`` or more.
-        nonfinite: inf or NaN.
-    """
-
-    step: int
-    elements: int
-    zero: float
-    below_normal: float
-    in_range: float
-    above_max: float
-    nonfinite: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Note:
-    """A note of the writer (``kmix/notes``) or a ``kmix/events`` line that is no event."""
-
-    step: int
-    text: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Forecast:
-    """Where a falling headroom series reaches 0 bits (float16's max) at its trend.
-
-    Attributes:
-        series: ``"gradients"`` or ``"activations of <layer>"``.
-        zero_step: the step at which the fitted line reaches 0 bits.
-        bits_per_step: the fitted slope (negative).
-        last_step: the last step fitted.
-        last_bits: the headroom at that step.
-        points: how many points were fitted.
-    """
-
-    series: str
-    zero_step: int
-    bits_per_step: float
-    last_step: int
-    last_bits: float
-    points: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Summary:
-    """What a run did to its loss scale and gradients, and what it means.
-
-    Attributes:
-        logdir: the directory read.
-        steps_seen: the last step anything was logged at.
-        loss_scale: the scale's range.
-        skipped_steps: skipped (non-finite) steps.
-        skip_rate: ``skipped_steps / steps_seen``.
-        recent_skip_rate: the skip rate of the latest window, None if not logged.
-        events: every scale event, in step order, each once.
-        event_counts: kind -> count.
-        trends: ``overflow_headroom_bits``, ``underflow_fraction``, ``grad_norm``
-            -> :class:`Trend`, None when not logged.
-        underflow_by_variable: variable -> latest zero-or-subnormal share, largest first.
-        gradient_exponents: variable -> :class:`ExponentShares` of its latest histogram.
-        policy: the ``kmix/policy`` text, None if not logged.
-        compute_dtype: the model's compute dtype, None if unknown.
-        notes: the writer's notes, and lines of ``kmix/events`` that are no event.
-        findings: what :data:`kmix.report.RULES` found.
-        events_lost: how many events the writer said were lost.
-        policy_record: the structured ``kmix/policy_record``, None for 0.1.0 logs.
-        run_end: how the run ended, None if not recorded.
-        underflow_split: ``zero_fraction``, ``subnormal_fraction`` -> :class:`Trend`
-            or None.
-        subnormal_by_variable: variable -> latest subnormal share, largest first.
-        activation_headroom: layer -> :class:`Trend` of its activation headroom
-            bits, tightest (lowest latest) first.
-        min_activation_headroom: :class:`Trend` of the minimum over layers, or None.
-        forecasts: falling headroom series and where they would reach 0 bits.
-        precision_whatif: ``{"gradients": PrecisionWhatIf | None}``.
-        plots: the PNG files written for it (set by the caller).
-    """
-
-    logdir: str
-    steps_seen: int
-    loss_scale: LossScale
-    skipped_steps: int
-    skip_rate: float
-    recent_skip_rate: float | None
-    events: tuple[ScaleEvent, ...]
-    event_counts: dict[str, int]
-    trends: dict[str, Trend | None]
-    underflow_by_variable: dict[str, float | None]
-    gradient_exponents: dict[str, ExponentShares]
-    policy: str | None
-    compute_dtype: str | None
-    notes: tuple[Note, ...]
-    events_lost: int
-    policy_record: PolicyRecord | None
-    run_end: RunEnd | None
-    underflow_split: dict[str, Trend | None]
-    subnormal_by_variable: dict[str, float | None]
-    activation_headroom: dict[str, Trend]
-    min_activation_headroom: Trend | None
-    forecasts: tuple[Forecast, ...]
-    precision_whatif: dict[str, _whatif.PrecisionWhatIf | None]
-    findings: tuple[Finding, ...] = ()
-    plots: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        """The summary as JSON-ready data: lists for tuples, None for non-finite numbers.
-
-        Events leave out ``index``, which the event lines do not hold.
-
-        Returns:
-            A dict with one key per field.
-        """
-        data = _jsonable(dataclasses.asdict(self))
-        for event in data["events"]:
-            del event["index"]
-        return data
-
-    def __getitem__(self, key: str) -> Any:
-        """``summary["skipped_steps"]``: kmix 0.1.0 returned the dict :meth:`to_dict` gives."""
-        return self.to_dict()[key]
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _jsonable(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(item) for item in value]
-    if isinstance(value, float | np.floating):
-        return float(value) if math.isfinite(value) else None
-    if isinstance(value, np.integer):
-        return int(value)
-    return value
 
 
 def summarize(log: KmixLog) -> Summary:
@@ -280,7 +130,7 @@ def summarize(log: KmixLog) -> Summary:
         activation_headroom=activation,
         min_activation_headroom=_trend(log.scalars.get(tags.MIN_ACTIVATION_HEADROOM_BITS)),
         forecasts=_forecasts(log),
-        precision_whatif={"gradients": _whatif.whatif(log.histograms)},
+        precision_whatif={"gradients": whatif(log.histograms)},
     )
     return dataclasses.replace(summary, findings=tuple(findings(summary)))
 
@@ -303,25 +153,14 @@ def _latest_record(log: KmixLog, tag: str, parse: Any) -> Any:
 def _events_and_notes(log: KmixLog) -> tuple[list[ScaleEvent], list[Note], int]:
     """Events (each once, in step order), notes, and how many events were said lost.
 
-    A run resumed with ``BackupAndRestore`` writes the events before the resume
-    again: one event per (step, kind, old scale, new scale) is kept.
+    The events are :func:`kmix.report.read.read_events`'s; the notes are its lines
+    beside the events (lost-event notes) and the writer's ``kmix/notes``, in step order.
     """
-    events: dict[tuple[int, str, float, float], ScaleEvent] = {}
-    notes: list[Note] = []
-    lost = 0
-    for step, text in log.texts.get(tags.EVENTS, []):
-        for line in filter(None, (line.strip() for line in text.splitlines())):
-            lost_note = tags.parse_events_lost(line)
-            event = None if lost_note is not None else tags.parse_event(line)
-            if event is not None:
-                events.setdefault((event.step, event.kind, event.old_scale, event.new_scale), event)
-                continue
-            if lost_note is not None:
-                lost += lost_note.count
-            notes.append(Note(step, line))
+    read = read_events(log)
+    notes = [Note(step, text) for step, text in read.notes]
     notes += [Note(step, text) for step, text in log.texts.get(tags.NOTES, [])]
     notes.sort(key=lambda note: note.step)
-    return sorted(events.values(), key=lambda event: event.step), notes, lost
+    return list(read.events), notes, read.lost
 
 
 def _steps_seen(log: KmixLog, events: list[ScaleEvent]) -> int:

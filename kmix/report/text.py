@@ -1,4 +1,4 @@
-"""A :class:`~kmix.report.summary.Summary` as terminal text, or as strict JSON."""
+"""A :class:`~kmix.report.values.Summary` as terminal text, or as strict JSON."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from kmix import tags
 from kmix._words import format_scale, plural
 from kmix.report.findings import RUN_END_WORDS
-from kmix.report.summary import Summary, Trend
+from kmix.report.values import Summary, Trend
 from kmix.report.whatif import FORMATS
 
 _HEALTH_NAMES = {
@@ -69,7 +69,7 @@ def _run_end_line(summary: Summary) -> str:
     if end is None:
         return "run ended       not recorded"
     text = f"run ended       {RUN_END_WORDS.get(end.reason, end.reason)} at step {end.step}"
-    return text + (f": {end.message}" if end.message and end.reason != "completed" else "")
+    return text + (f": {end.message}" if end.message and end.reason != tags.COMPLETED else "")
 
 
 def _histogram_hint(summary: Summary) -> str:

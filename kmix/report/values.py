@@ -1,0 +1,215 @@
+"""The typed values of a report: a :class:`Summary` of a run, its parts, and :class:`Finding`.
+
+Plain frozen dataclasses, computed elsewhere: :mod:`kmix.report.summary` builds the
+:class:`Summary` from a log and :mod:`kmix.report.findings` the :class:`Finding` list
+from a :class:`Summary`. Both import this module, and this module imports neither,
+so the report's modules import in one direction. JSON through :meth:`Summary.to_dict`
+(the contract of ``kmix report --json``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from kmix.report.whatif import PrecisionWhatIf
+from kmix.tags import PolicyRecord, RunEnd, ScaleEvent
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One observation about the run.
+
+    Attributes:
+        severity: ``"warning"`` (something to act on) or ``"info"``.
+        rule: the name of the rule that made it.
+        message: the observation and what it means, in plain words.
+    """
+
+    severity: str
+    rule: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScale:
+    """Initial, final, lowest and highest loss scale; None when unknown or non-finite."""
+
+    initial: float | None
+    final: float | None
+    min: float | None
+    max: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Trend:
+    """One scalar over the run, its finite points only for the numbers.
+
+    Attributes:
+        points: how many points were logged.
+        nonfinite_points: how many of them were inf or NaN.
+        first_step: step of the first point.
+        last_step: step of the last point.
+        first: first finite value (None: none is finite; likewise below).
+        last: last finite value.
+        min: lowest finite value.
+        max: highest finite value.
+        direction: ``"rising"``, ``"falling"`` or ``"steady"`` (the second half's
+            mean against the first half's; see :mod:`kmix.report.summary`).
+    """
+
+    points: int
+    nonfinite_points: int
+    first_step: int
+    last_step: int
+    first: float | None
+    last: float | None
+    min: float | None
+    max: float | None
+    direction: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExponentShares:
+    """One exponent histogram split into the ranges that matter for float16.
+
+    Attributes:
+        step: the step of the histogram.
+        elements: how many elements it counts.
+        zero: share of exact zeros.
+        below_normal: non-zero, below ``2**-14``: float16 loses precision, then flushes.
+        in_range: normal float16 values.
+        above_max: finite, ``2**16`` or more.
+        nonfinite: inf or NaN.
+    """
+
+    step: int
+    elements: int
+    zero: float
+    below_normal: float
+    in_range: float
+    above_max: float
+    nonfinite: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Note:
+    """A note of the writer (``kmix/notes``) or a ``kmix/events`` line that is no event."""
+
+    step: int
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Forecast:
+    """Where a falling headroom series reaches 0 bits (float16's max) at its trend.
+
+    Attributes:
+        series: ``"gradients"`` or ``"activations of <layer>"``.
+        zero_step: the step at which the fitted line reaches 0 bits.
+        bits_per_step: the fitted slope (negative).
+        last_step: the last step fitted.
+        last_bits: the headroom at that step.
+        points: how many points were fitted.
+    """
+
+    series: str
+    zero_step: int
+    bits_per_step: float
+    last_step: int
+    last_bits: float
+    points: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """What a run did to its loss scale and gradients, and what it means.
+
+    Attributes:
+        logdir: the directory read.
+        steps_seen: the last step anything was logged at.
+        loss_scale: the scale's range.
+        skipped_steps: skipped (non-finite) steps.
+        skip_rate: ``skipped_steps / steps_seen``.
+        recent_skip_rate: the skip rate of the latest window, None if not logged.
+        events: every scale event, in step order, each once.
+        event_counts: kind -> count.
+        trends: ``overflow_headroom_bits``, ``underflow_fraction``, ``grad_norm``
+            -> :class:`Trend`, None when not logged.
+        underflow_by_variable: variable -> latest zero-or-subnormal share, largest first.
+        gradient_exponents: variable -> :class:`ExponentShares` of its latest histogram.
+        policy: the ``kmix/policy`` text, None if not logged.
+        compute_dtype: the model's compute dtype, None if unknown.
+        notes: the writer's notes, and lines of ``kmix/events`` that are no event.
+        findings: what :data:`kmix.report.RULES` found.
+        events_lost: how many events the writer said were lost.
+        policy_record: the structured ``kmix/policy_record``, None for 0.1.0 logs.
+        run_end: how the run ended, None if not recorded.
+        underflow_split: ``zero_fraction``, ``subnormal_fraction`` -> :class:`Trend`
+            or None.
+        subnormal_by_variable: variable -> latest subnormal share, largest first.
+        activation_headroom: layer -> :class:`Trend` of its activation headroom
+            bits, tightest (lowest latest) first.
+        min_activation_headroom: :class:`Trend` of the minimum over layers, or None.
+        forecasts: falling headroom series and where they would reach 0 bits.
+        precision_whatif: ``{"gradients": PrecisionWhatIf | None}``.
+        plots: the PNG files written for it (set by the caller).
+    """
+
+    logdir: str
+    steps_seen: int
+    loss_scale: LossScale
+    skipped_steps: int
+    skip_rate: float
+    recent_skip_rate: float | None
+    events: tuple[ScaleEvent, ...]
+    event_counts: dict[str, int]
+    trends: dict[str, Trend | None]
+    underflow_by_variable: dict[str, float | None]
+    gradient_exponents: dict[str, ExponentShares]
+    policy: str | None
+    compute_dtype: str | None
+    notes: tuple[Note, ...]
+    events_lost: int
+    policy_record: PolicyRecord | None
+    run_end: RunEnd | None
+    underflow_split: dict[str, Trend | None]
+    subnormal_by_variable: dict[str, float | None]
+    activation_headroom: dict[str, Trend]
+    min_activation_headroom: Trend | None
+    forecasts: tuple[Forecast, ...]
+    precision_whatif: dict[str, PrecisionWhatIf | None]
+    findings: tuple[Finding, ...] = ()
+    plots: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summary as JSON-ready data: lists for tuples, None for non-finite numbers.
+
+        Events leave out ``index``, which the event lines do not hold.
+
+        Returns:
+            A dict with one key per field.
+        """
+        data = _jsonable(dataclasses.asdict(self))
+        for event in data["events"]:
+            del event["index"]
+        return data
+
+    def __getitem__(self, key: str) -> Any:
+        """``summary["skipped_steps"]``: kmix 0.1.0 returned the dict :meth:`to_dict` gives."""
+        return self.to_dict()[key]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, float | np.floating):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
