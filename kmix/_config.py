@@ -108,6 +108,25 @@ class OptimizerConfig:
         for name, value in checked.items():
             object.__setattr__(self, name, value)
 
+    def arguments(self) -> dict[str, Any]:
+        """kmix's constructor arguments beyond Keras's own, for ``get_config``.
+
+        Returns:
+            Argument name -> value (JSON-ready).
+        """
+        rule = self.rule
+        return {
+            "growth_factor": rule.growth_factor,
+            "backoff_factor": rule.backoff_factor,
+            "hysteresis": rule.hysteresis,
+            "min_scale": rule.min_scale,
+            "max_scale": rule.max_scale,
+            "health_every": self.health_every,
+            "histogram_every": self.histogram_every,
+            "event_capacity": self.event_capacity,
+            "backoff_on_forward_overflow": rule.backoff_on_forward_overflow,
+        }
+
 
 def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool | np.bool_):

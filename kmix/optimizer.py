@@ -1,10 +1,12 @@
 """kmix.LossScaleOptimizer: Keras's loss-scale optimizer, made safe and observable.
 
-This module is glue only: arguments -> a validated :class:`OptimizerConfig`,
-``build`` -> one variable per field of the step record (:mod:`kmix.record`),
-``apply`` -> read the variables, run the pure update, assign; plus what Keras and
-``tf.distribute`` need. The rules live in :mod:`kmix.scaling` (the scale),
-:mod:`kmix.record` (counters and events) and :mod:`kmix.health` (statistics).
+Glue only: arguments -> a validated :class:`OptimizerConfig`; ``build`` -> the step
+record's variables (:class:`kmix.step_recorder.StepRecorder`); ``apply`` -> the finite
+check, agreed across replicas, then apply or skip, and the recorder records the step;
+plus what Keras and ``tf.distribute`` need. The record's variables, writes and reads live
+in :mod:`kmix.step_recorder`, over the pure rules of :mod:`kmix.scaling` (the scale),
+:mod:`kmix.record` (counters and events) and :mod:`kmix.health` (statistics); what the
+optimizer attaches to its model lives in :mod:`kmix.model_hooks`.
 """
 
 from __future__ import annotations
@@ -12,8 +14,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
-import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import keras
 import numpy as np
@@ -22,21 +23,16 @@ from keras import ops
 from kmix import (
     _runs,  # noqa: F401  (wraps fit: runs end with evidence)
     health,
-    record,
     scaling,
 )
 from kmix._checks import check_int
 from kmix._cluster import worker_count
-from kmix._config import OWNER, OptimizerConfig, RunSettings, invalid_argument
-from kmix._graph import host_value, rare_cond, reachable
-from kmix._layers import forward_state_variables, variable_compute_dtypes
-from kmix.activations import (
-    ACTIVATION_CAPACITY,
-    ACTIVATION_FIELDS,
-    ActivationTap,
-    measure_forward,
-)
-from kmix.record import HEALTH_FIELDS, INT64_MAX, RecordedEvent, Snapshot  # noqa: F401
+from kmix._config import OWNER, OptimizerConfig, invalid_argument
+from kmix._graph import reachable
+from kmix.model_hooks import ModelHooks, restore
+from kmix.record import INT64_MAX, RecordedEvent  # noqa: F401  (the 0.1.0 names)
+from kmix.snapshot import Snapshot
+from kmix.step_recorder import Before, RecordReads, StepRecorder
 from kmix.tags import ScaleEvent
 
 __all__ = ["LossScaleOptimizer", "OptimizerConfig", "ScaleEvent", "Snapshot"]
@@ -68,8 +64,20 @@ def _resolve_inner(inner_optimizer: Any) -> keras.optimizers.Optimizer:
     return inner_optimizer
 
 
+def _setting(name: str, low: int, doc: str) -> property:
+    """A run-time setting kept by the recorder, checked (an int >= ``low``) when assigned."""
+
+    def get(self: LossScaleOptimizer) -> int:
+        return int(self.recorder.settings.value(name))
+
+    def set_(self: LossScaleOptimizer, value: int) -> None:
+        self.recorder.settings.set_base(name, check_int(OWNER, name, value, low))
+
+    return property(get, set_, doc=doc)
+
+
 @keras.saving.register_keras_serializable(package="kmix")
-class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
+class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
     """A dynamic loss-scale optimizer that never corrupts weights and records why.
 
     It subclasses ``keras.mixed_precision.LossScaleOptimizer``, so ``model.compile``
@@ -82,8 +90,8 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
     :func:`kmix.scaling.update_scale`: gradient overflows back it off; a non-finite
     loss (a forward overflow) keeps it, since no scale can fix the forward pass.
     Counters, gradient health and a ring of recent events are kept in optimizer
-    variables (:mod:`kmix.record`), computed in-graph, for :mod:`kmix.callbacks` to
-    read. Under a ``tf.distribute`` strategy the skip decision, counters and events
+    variables (:mod:`kmix.step_recorder`), computed in-graph, for :mod:`kmix.callbacks`
+    to read. Under a ``tf.distribute`` strategy the skip decision, counters and events
     are agreed across replicas; the gradient health statistics describe the first
     local replica's gradients (before Keras all-reduces them).
 
@@ -165,15 +173,9 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             **kwargs,
         )
         self.config = config
-        self._settings = RunSettings(
-            health_every=self.config.health_every,
-            histogram_every=self.config.histogram_every,
-            float16_mask=None,
-        )
-        self._trace = threading.local()  # what scale_loss and the model left for apply
-        self._model_ref: Any = None
-        self._tap: Any = None  # kmix.activations.ActivationTap, set by watch()
-        self._layers: list[tuple[str, str]] = []  # (path, class) of the tap's records
+        self.recorder = StepRecorder(config, self.initial_scale)
+        self.hooks = ModelHooks()
+        self._trace = threading.local()  # what scale_loss saw in this step's graph
         _warn_if_fit_cannot_run_here()
 
     @property
@@ -181,44 +183,10 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         """How many recent events the in-graph ring keeps."""
         return self.config.event_capacity
 
-    # ------------------------------------------------------------------ state
     def build(self, var_list: list[Any]) -> None:
-        """Creates one variable per field of the step record, then the inner optimizer's."""
-
-        def state(name: str, dtype: str, value: Any = 0, shape: tuple = ()) -> Any:
-            return self.add_variable(
-                shape=shape,
-                dtype=dtype,
-                initializer=keras.initializers.Constant(value),
-                aggregation="only_first_replica",
-                name=name,
-            )
-
-        n, capacity = len(var_list), self.config.event_capacity
-        counters = record.initial_counters(self.config.rule.hysteresis)
-        self.dynamic_scale = state("dynamic_scale", "float32", self.initial_scale)
-        self.counters = self.add_variable(
-            shape=(len(counters),),
-            dtype="int64",
-            initializer=lambda shape, dtype: ops.convert_to_tensor(list(counters), dtype),
-            aggregation="only_first_replica",
-            name="counters",
-        )
-        self.health = state("health", "float32", np.nan, (len(HEALTH_FIELDS),))
-        self.underflow_per_variable = state("underflow_per_variable", "float32", 0, (n,))
-        self.subnormal_per_variable = state("subnormal_per_variable", "float32", 0, (n,))
-        self.exponent_histograms = state(
-            "exponent_histograms", "int32", 0, (n, health.NUM_EXPONENT_BINS)
-        )
-        self.event_ints = state("event_ints", "int64", 0, (capacity, len(record.EVENT_INT_FIELDS)))
-        self.event_floats = state(
-            "event_floats", "float32", 0, (capacity, len(record.EVENT_FLOAT_FIELDS))
-        )
-        self.activation_stats = state(
-            "activation_stats", "float32", np.nan, (ACTIVATION_CAPACITY, len(ACTIVATION_FIELDS))
-        )
-        self._settings.base["float16_mask"] = self._float16_mask(var_list)
-        self._settings.create()
+        """Creates the step record's variables (:class:`StepRecorder`), then the inner ones."""
+        self.recorder.build(self.add_variable, var_list, self.hooks.float16_mask(var_list))
+        self.dynamic_scale = self.recorder.scale  # the name Keras's scale_loss reads
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
 
@@ -282,45 +250,18 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         context = tf.distribute.get_replica_context()
         if context.num_replicas_in_sync > 1:
             flags = context.all_reduce(tf.distribute.ReduceOp.SUM, flags)
-        forward_state = self._take_forward_state()
-        before = self._before_step()
-        forward = self._forward_statistics(flags[len(aligned)] > 0, before.due[0])
+        forward_state = self.hooks.take_forward_state()
+        before = self.recorder.before_step()
+        forward = self.hooks.forward_statistics(flags[len(aligned)] > 0, before.due[0])
+        self.recorder.layers = self.hooks.layers
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            self._step(
-                aligned,
-                flags,
-                before,
-                forward_state,
-                lambda: self._apply_inner(grads, variables),
-                forward,
-            )
+            apply_inner = lambda: self._apply_inner(grads, variables)  # noqa: E731
+            self._step(aligned, flags, before, forward_state, apply_inner, forward)
         else:  # the cross-replica step reads the first replica's forward statistics
             context.merge_call(
                 self._merged_step,
                 args=(aligned, flags, before, forward_state, forward, grads, variables),
             )
-
-    def _before_step(self) -> _Before:
-        """The counters before this step and what is due at it, read once per step."""
-        packed = ops.copy(self.counters)
-        settings = self._settings.variables
-        every = ops.stack([settings["health_every"].value, settings["histogram_every"].value])
-        return _Before(packed, record.due_now(packed, every))
-
-    def _forward_statistics(self, loss_nonfinite: Any, health_due: Any) -> tuple[Any, Any] | None:
-        """This replica's forward pass, from the tap (see :func:`activations.measure_forward`)."""
-        records = self._tap.take() if self._tap is not None else []
-        if len(records) > ACTIVATION_CAPACITY:
-            warnings.warn(
-                f"kmix: {len(records)} layer calls in one step; activation statistics "
-                f"cover the first {ACTIVATION_CAPACITY}.",
-                stacklevel=3,
-            )
-        records = records[:ACTIVATION_CAPACITY]
-        self._layers = [(r.path, r.class_name) for r in records]
-        if not records:
-            return None
-        return measure_forward(records, loss_nonfinite, health_due)
 
     def _apply_inner(self, grads: list, variables: list) -> None:
         """Unscales the gradients and applies the inner optimizer (replica context)."""
@@ -340,7 +281,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         distribution: Any,
         aligned: list,
         flags: Any,
-        before: _Before,
+        before: Before,
         forward_state: list,
         forward: tuple[Any, Any] | None,
         grads: list,
@@ -366,139 +307,16 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         self,
         aligned: list,
         flags: Any,
-        before: _Before,
+        before: Before,
         forward_state: list,
         apply_inner: Any,
-        forward: tuple[Any, Any] | None = None,
+        forward: tuple[Any, Any] | None,
     ) -> None:
-        """Applies or skips; the record's update and statistics in one rare branch.
-
-        The common step (quiet: see :func:`record.is_quiet`) runs the finite check, the
-        update and one constant added to the counters; everything else (the rule,
-        statistics, events, restoring the forward pass's state) is a called branch, which
-        costs a quiet step only the passing of its arguments (the gradients among them).
-        """
-        n = len(aligned)
-        applies = ops.logical_not(ops.any(flags[: n + 1] > 0))  # gradients and loss finite
+        """Applies when every gradient and the loss are finite; records the step either way."""
+        applies = ops.logical_not(ops.any(flags[: len(aligned) + 1] > 0))
         ops.cond(applies, apply_inner, _noop)
-
-        def quiet() -> None:  # the common step: one constant added, nothing else moves
-            self.counters.assign_add(np.asarray(record.QUIET_DELTA, "int64"))  # one constant
-
-        def full() -> None:
-            scale = ops.copy(self.dynamic_scale)
-            settings = self._settings.variables
-            var_bad = flags[:n] > 0
-            loss_state = ops.where(
-                flags[n] > 0,
-                record.LOSS_NONFINITE,
-                ops.where(flags[n + 1] > 0, record.LOSS_UNKNOWN, record.LOSS_FINITE),
-            )
-            new, outcome = record.advance(
-                record.StepRecord(scale, record.unpack(before.packed)),
-                ops.logical_not(ops.any(var_bad)),
-                loss_state,
-                self.config.rule,
-                settings["health_every"],
-                settings["histogram_every"],
-            )
-            measured = self._record_statistics(aligned, scale, outcome)
-            self.dynamic_scale.assign(new.scale)
-            self.counters.assign(record.pack(new.counters))
-            if forward_state:  # the batch never happened: undo what the forward pass assigned
-                ops.cond(outcome.skipped, lambda: _restore(forward_state), _noop)
-            origin = self._keep_forward_statistics(forward, outcome)
-            ops.cond(
-                ops.not_equal(outcome.event, scaling.NONE),
-                lambda: self._write_event(
-                    outcome, (scale, new), var_bad, loss_state, measured, origin
-                ),
-                _noop,
-            )
-
-        quiet_step = record.is_quiet(before.packed, flags, before.due, self.config.rule)
-        rare_cond(quiet_step, quiet, full)
-
-    def _record_statistics(self, aligned: list, scale: Any, outcome: record.StepOutcome) -> Any:
-        """Gradient health (and histograms) when due; returns the health vector (NaN if not)."""
-        unmeasured = ops.full((len(HEALTH_FIELDS),), np.nan, "float32")
-
-        def statistics() -> Any:
-            measured = ops.cond(
-                outcome.statistics_due,
-                lambda: self._record_health(outcome.health_due, aligned, scale),
-                lambda: unmeasured,
-            )
-            ops.cond(outcome.histogram_due, lambda: self._record_histograms(aligned), _noop)
-            return measured
-
-        # Called: between statistics steps the gradients pass by reference.
-        return rare_cond(
-            ops.logical_or(outcome.statistics_due, outcome.histogram_due),
-            statistics,
-            lambda: unmeasured,
-        )
-
-    def _keep_forward_statistics(
-        self, forward: tuple[Any, Any] | None, outcome: record.StepOutcome
-    ) -> record.EventOrigin:
-        """Keeps the activation statistics when due; returns the forward origin, if any."""
-        if forward is None:
-            return record.NO_ORIGIN
-        rows = ops.shape(forward[1])[0]
-        padded = ops.concatenate(
-            [forward[1], ops.full((ACTIVATION_CAPACITY - rows, len(ACTIVATION_FIELDS)), np.nan)]
-        )
-
-        def keep_statistics() -> None:
-            self.activation_stats.assign(padded)
-
-        ops.cond(outcome.health_due, keep_statistics, _noop)
-        return record.EventOrigin(*ops.unstack(forward[0]))
-
-    def _write_event(
-        self,
-        outcome: record.StepOutcome,
-        scales: tuple[Any, Any],
-        var_bad: Any,
-        loss_state: Any,
-        measured: Any,
-        origin: record.EventOrigin,
-    ) -> None:
-        """Writes this step's event into the ring (the rare branch)."""
-        old_scale, new = scales
-        ints, floats = record.encode_event(
-            outcome.step,
-            outcome.event,
-            (old_scale, new.scale),
-            var_bad,
-            loss_state,
-            measured,
-            origin,
-        )
-        ring = record.write_event(
-            record.EventRing(self.event_ints, self.event_floats),
-            new.counters.event_count,
-            ints,
-            floats,
-        )
-        self.event_ints.assign(ring.ints)
-        self.event_floats.assign(ring.floats)
-
-    def _record_health(self, health_due: Any, aligned: list, scale: Any) -> Any:
-        stats = health.gradient_health(aligned, scale, self._settings.variables["float16_mask"])
-        vector = ops.stack([ops.cast(getattr(stats, f), "float32") for f in HEALTH_FIELDS])
-
-        def periodic() -> None:
-            self.health.assign(vector)
-            self.underflow_per_variable.assign(stats.underflow_per_variable)
-            self.subnormal_per_variable.assign(stats.subnormal_per_variable)
-
-        ops.cond(health_due, periodic, _noop)
-        return vector
-
-    def _record_histograms(self, aligned: list) -> None:
-        self.exponent_histograms.assign(health.exponent_histograms(aligned))
+        on_skip = (lambda: restore(forward_state)) if forward_state else None
+        self.recorder.record(aligned, flags, before, forward, on_skip)
 
     def _take_loss_flags(self) -> Any:
         """What ``scale_loss`` saw in this step's graph: ``[non-finite, unknown]`` as 1.0/0.0."""
@@ -507,12 +325,6 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         if nonfinite is None or not reachable(nonfinite):
             return ops.convert_to_tensor([0.0, 1.0], "float32")
         return ops.where(nonfinite, np.float32([1.0, 0.0]), np.float32([0.0, 0.0]))
-
-    def _take_forward_state(self) -> list:
-        """The forward-updated variables and their values before this step's forward pass."""
-        state = getattr(self._trace, "forward_state", None) or []
-        self._trace.forward_state = None
-        return [(v, old) for v, old in state if reachable(old)]
 
     # ------------------------------------------------------------- the model
     def watch(self, model: keras.Model) -> list[str]:
@@ -523,8 +335,9 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
         do, else when the optimizer is built at the first step). The model's train
         step is wrapped so that a skipped step leaves the non-trainable float
         variables its forward pass assigns (BatchNormalization's moving statistics)
-        as they were. kmix's callbacks call this at train begin; custom loops may call
-        it themselves. Calling it again for the same model does nothing new.
+        as they were, and its float16 layers are tapped (:mod:`kmix.model_hooks`).
+        kmix's callbacks call this at train begin; custom loops may call it
+        themselves. Calling it again for the same model does nothing new.
 
         Args:
             model: the model whose trainable variables this optimizer updates.
@@ -533,104 +346,22 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             The paths of the model's trainable variables counted as float16 now
             (empty while a lazily built model has no variables yet).
         """
-        self._model_ref = weakref.ref(model)
-        self._wrap_train_step(model)
-        self._tap_forward_pass(model)
+        self.hooks.watch(model)
         if self.built:
-            self._settings.set_base("float16_mask", self._float16_mask(self._trainable_variables))
-        dtypes = variable_compute_dtypes(model)
-        return [v.path for v in model.trainable_weights if dtypes.get(id(v)) == "float16"]
+            mask = self.hooks.float16_mask(self._trainable_variables)
+            self.recorder.settings.set_base("float16_mask", mask)
+        mask = self.hooks.float16_mask(model.trainable_weights)
+        return [v.path for v, m in zip(model.trainable_weights, mask, strict=True) if m]
 
     watch_float16_layers = watch  # the 0.1.0 name
 
-    def _float16_mask(self, variables: list[Any]) -> np.ndarray:
-        """1.0 for variables whose layer computes in float16 (all, without a model)."""
-        model = self._model_ref() if self._model_ref is not None else None
-        if model is None:
-            return np.ones(len(variables), "float32")
-        dtypes = variable_compute_dtypes(model)
-        return np.asarray([dtypes.get(id(v)) == "float16" for v in variables], "float32")
-
-    def _tap_forward_pass(self, model: keras.Model) -> None:
-        """Taps the float16 layers' calls, so a forward overflow can name its first layer."""
-        if self._tap is not None and self._tap.model is model:
-            return
-        if self._tap is not None:
-            self._tap.remove()
-        self._tap = ActivationTap(model).install()
-        if getattr(model, "train_function", None) is not None:
-            model.make_train_function(force=True)
-
-    def _wrap_train_step(self, model: keras.Model) -> None:
-        wrapped_for = getattr(model, "_kmix_train_step_of", None)
-        if wrapped_for is not None and wrapped_for() is self:
-            return
-        original = type(model).train_step.__get__(model)
-        optimizer = weakref.ref(self)
-
-        def train_step(data: Any) -> Any:
-            opt = optimizer()
-            if opt is not None:
-                # Read before the forward pass assigns them (reads are ordered
-                # before later assignments of the same variable in the graph).
-                opt._trace.forward_state = [
-                    (v, ops.copy(v.value)) for v in forward_state_variables(model)
-                ]
-            return original(data)
-
-        model.train_step = train_step
-        model._kmix_train_step_of = weakref.ref(self)  # a weak link: the model is not saved with it
-        if getattr(model, "train_function", None) is not None:
-            model.make_train_function(force=True)
-
-    # ------------------------------------------------------------- reading
-    @property
-    def loss_scale(self) -> float:
-        """The current loss scale."""
-        return self.read_state().loss_scale
-
-    @property
-    def skipped_steps(self) -> int:
-        """Cumulative skipped (non-finite) steps."""
-        return self.read_state().skipped_steps
-
-    @property
-    def attempted_steps(self) -> int:
-        """Optimizer steps attempted so far, skipped ones included."""
-        return self.read_state().attempted_steps
-
-    @property
-    def good_steps(self) -> int:
-        """Consecutive finite steps since the scale last changed or a step was skipped."""
-        return self.read_state().good_steps
-
-    @property
-    def last_overflow_step(self) -> int:
-        """Attempted step of the most recent skipped step; 0 if none yet."""
-        return self.read_state().last_overflow_step
-
-    @property
-    def event_count(self) -> int:
-        """Scale events recorded since training began (the ring keeps the last ones)."""
-        return self.read_state().event_count
-
-    @property
-    def health_every(self) -> int:
-        """Steps between gradient health computations in force (a run-time setting)."""
-        return int(self._settings.value("health_every"))
-
-    @health_every.setter
-    def health_every(self, value: int) -> None:
-        self._settings.set_base("health_every", check_int(OWNER, "health_every", value, 1))
-
-    @property
-    def histogram_every(self) -> int:
-        """Steps between exponent histograms in force; 0 means off (a run-time setting)."""
-        return int(self._settings.value("histogram_every"))
-
-    @histogram_every.setter
-    def histogram_every(self, value: int) -> None:
-        self._settings.set_base("histogram_every", check_int(OWNER, "histogram_every", value, 0))
+    # ------------------------------------------------------------ settings
+    health_every = _setting(
+        "health_every", 1, "Steps between gradient health computations in force (run-time)."
+    )
+    histogram_every = _setting(
+        "histogram_every", 0, "Steps between exponent histograms in force; 0 means off."
+    )
 
     def request_statistics(self, owner: Any, health_every: int, histogram_every: int) -> None:
         """Asks for statistics at least every N steps until :meth:`release_statistics`.
@@ -643,7 +374,7 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
             health_every: health statistics every this many steps, >= 1.
             histogram_every: histograms every this many steps; 0 asks for none.
         """
-        self._settings.request(
+        self.recorder.settings.request(
             owner,
             health_every=check_int(OWNER, "health_every", health_every, 1),
             histogram_every=check_int(OWNER, "histogram_every", histogram_every, 0),
@@ -651,127 +382,12 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
     def release_statistics(self, owner: Any) -> None:
         """Withdraws ``owner``'s request; the settings go back to what the others need."""
-        self._settings.release(owner)
-
-    @property
-    def float16_mask(self) -> np.ndarray:
-        """1.0 per variable counted as float16 by the health statistics."""
-        mask = self._settings.base["float16_mask"]
-        return np.asarray([] if mask is None else mask, "float32")
-
-    def read_state(self, counters_only: bool = False) -> Snapshot:
-        """Reads the whole record: three variable reads.
-
-        Args:
-            counters_only: read the counters alone, with one read (what a check on
-                every step needs); ``loss_scale`` is then None and ``health`` empty.
-
-        Returns:
-            A :class:`kmix.record.Snapshot`. Before the optimizer is built: the
-            initial scale and zeros.
-        """
-        if not self.built:
-            counters = record.initial_counters(self.config.rule.hysteresis)
-            return record.snapshot(self.initial_scale, list(counters), None)
-        counters = host_value(self.counters).tolist()
-        if counters_only:
-            return record.snapshot(None, counters, None)
-        return record.snapshot(
-            float(host_value(self.dynamic_scale)), counters, host_value(self.health)
-        )
-
-    def variable_paths(self) -> list[str]:
-        """Paths of the tracked trainable variables, in the order of per-variable state."""
-        return [v.path for v in self._trainable_variables]
-
-    def _by_variable(self, attribute: str) -> dict[str, Any]:
-        if not self.built:
-            return {}
-        values = host_value(getattr(self, attribute))
-        return dict(zip(self.variable_paths(), values, strict=True))
-
-    def underflow_by_variable(self) -> dict[str, float]:
-        """Per-variable underflow fraction (zeros included) at the latest health step."""
-        return {k: float(v) for k, v in self._by_variable("underflow_per_variable").items()}
-
-    def subnormal_by_variable(self) -> dict[str, float]:
-        """Per-variable share of non-zero values below float16's smallest normal."""
-        return {k: float(v) for k, v in self._by_variable("subnormal_per_variable").items()}
-
-    def exponent_histograms_by_variable(self) -> dict[str, np.ndarray]:
-        """Per-variable exponent histograms at ``histogram_step`` (layout in kmix.tags)."""
-        return self._by_variable("exponent_histograms")
-
-    def activations_by_layer(self) -> dict[str, dict[str, float]]:
-        """Per-layer activation statistics at the latest health step, by layer path.
-
-        Returns:
-            Layer path -> :data:`ACTIVATION_FIELDS` -> value, for the float16 layers the
-            optimizer's tap saw in the last traced step; empty before the first
-            measurement or without a tap (see :meth:`watch`).
-        """
-        if not self.built or not self._layers:
-            return {}
-        values = host_value(self.activation_stats)[: len(self._layers)]
-        return {
-            path: dict(zip(ACTIVATION_FIELDS, map(float, row), strict=True))
-            for (path, _), row in zip(self._layers, values, strict=True)
-            if np.isfinite(row).all()
-        }
-
-    def recorded_events(self, since: int = 0) -> list[RecordedEvent]:
-        """Like :meth:`scale_events`, each event with the health measured at its step."""
-        if isinstance(since, bool) or not isinstance(since, int | np.integer) or since < 0:
-            raise invalid_argument(
-                "since", since, "an integer >= 0 (the index of the last event seen)"
-            )
-        if not self.built:
-            return []
-        count = self.read_state(counters_only=True).event_count
-        if count == since:
-            return []
-        return record.decode_events(
-            host_value(self.event_ints),
-            host_value(self.event_floats),
-            count,
-            int(since),
-            self.variable_paths(),
-            self._layers,
-        )
-
-    def scale_events(self, since: int = 0) -> list[ScaleEvent]:
-        """Returns the recorded events with ``index > since`` that the ring still holds.
-
-        Args:
-            since: the index of the last event already seen (0 for all).
-
-        Returns:
-            Events in order. If more than ``event_capacity`` events happened after
-            ``since``, the oldest are gone: compare ``event_count - since`` with
-            the number returned.
-
-        Raises:
-            ValueError: ``since`` is not an integer >= 0.
-        """
-        return [recorded.event for recorded in self.recorded_events(since)]
+        self.recorder.settings.release(owner)
 
     # ------------------------------------------------------------ config
     def get_config(self) -> dict[str, Any]:
         """Returns the constructor arguments, Keras's and kmix's."""
-        config = super().get_config()
-        rule = self.config.rule
-        config.update(
-            growth_factor=rule.growth_factor,
-            backoff_factor=rule.backoff_factor,
-            hysteresis=rule.hysteresis,
-            min_scale=rule.min_scale,
-            max_scale=rule.max_scale,
-            health_every=self.config.health_every,
-            histogram_every=self.config.histogram_every,
-            event_capacity=self.config.event_capacity,
-            backoff_on_forward_overflow=rule.backoff_on_forward_overflow,
-        )
-        return config
+        return super().get_config() | self.config.arguments()
 
     @classmethod
     def from_keras(
@@ -805,22 +421,28 @@ class LossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
                 "optimizer", optimizer, "a keras.mixed_precision.LossScaleOptimizer"
             )
         if "initial_scale" not in kwargs:
-            scale = float(
-                ops.convert_to_numpy(optimizer.dynamic_scale)
-                if optimizer.built
-                else optimizer.initial_scale
-            )
-            low, high = kwargs.get("min_scale", 1.0), kwargs.get("max_scale", 2.0**24)
-            kwargs["initial_scale"] = min(max(scale, low), high) if math.isfinite(scale) else high
-            if kwargs["initial_scale"] != scale:  # e.g. stock Keras halved it to 0.0
-                warnings.warn(
-                    f"The stock optimizer's loss scale {scale:.9g} is outside kmix's "
-                    f"[min_scale, max_scale] = [{low:.9g}, {high:.9g}]; the migrated "
-                    f"optimizer starts at {kwargs['initial_scale']:.9g}.",
-                    stacklevel=2,
-                )
+            kwargs["initial_scale"] = _migrated_scale(optimizer, kwargs)
         kwargs.setdefault("dynamic_growth_steps", optimizer.dynamic_growth_steps)
         return cls(optimizer.inner_optimizer, **kwargs)
+
+
+def _migrated_scale(optimizer: keras.mixed_precision.LossScaleOptimizer, kwargs: dict) -> float:
+    """The stock optimizer's current scale, brought inside kmix's bounds (warns if moved)."""
+    scale = float(
+        ops.convert_to_numpy(optimizer.dynamic_scale)
+        if optimizer.built
+        else optimizer.initial_scale
+    )
+    low, high = kwargs.get("min_scale", 1.0), kwargs.get("max_scale", 2.0**24)
+    migrated = min(max(scale, low), high) if math.isfinite(scale) else high
+    if migrated != scale:  # e.g. stock Keras halved it to 0.0
+        warnings.warn(
+            f"The stock optimizer's loss scale {scale:.9g} is outside kmix's "
+            f"[min_scale, max_scale] = [{low:.9g}, {high:.9g}]; the migrated "
+            f"optimizer starts at {migrated:.9g}.",
+            stacklevel=3,
+        )
+    return migrated
 
 
 FIT_UNDER_MULTI_WORKER = (
@@ -843,17 +465,5 @@ def _warn_if_fit_cannot_run_here() -> None:
         warnings.warn(FIT_UNDER_MULTI_WORKER.format(version=keras.version()), stacklevel=3)
 
 
-class _Before(NamedTuple):
-    """The packed counters before a step and ``[health_due, histogram_due]`` at it."""
-
-    packed: Any
-    due: Any
-
-
 def _noop() -> None:
     return None
-
-
-def _restore(forward_state: list) -> None:
-    for variable, old in forward_state:
-        variable.assign(old)

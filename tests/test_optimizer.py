@@ -371,10 +371,10 @@ def test_counters_saturate_instead_of_overflowing():
     w = keras.Variable(np.ones(2, "float32"))
     opt = kmix.LossScaleOptimizer("sgd")
     opt.build([w])
-    counters = opt.counters.numpy()
+    counters = opt.recorder.counters.numpy()
     for name in ("skipped_steps", "attempted_steps"):
         counters[record.Counters._fields.index(name)] = kmix_optimizer.INT64_MAX - 1
-    opt.counters.assign(counters)
+    opt.recorder.counters.assign(counters)
     for _ in range(2):
         opt.apply([tf.constant([np.nan, 0.0])], [w])
     assert opt.skipped_steps == opt.attempted_steps == kmix_optimizer.INT64_MAX
@@ -503,6 +503,27 @@ def test_keras_file_restores_scale_and_counters(tmp_path):
     assert got[0].variable == loaded.get_layer("first").kernel.path
     for a, b in zip(loaded.optimizer.variables, opt.variables, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_a_keras_file_saved_before_the_step_recorder_loads_unchanged():
+    """tests/data/optimizer_643f46e.keras was saved by main at 643f46e (before the record
+    moved into kmix.step_recorder): same variable names, order and values, same state."""
+    data = os.path.join(os.path.dirname(__file__), "data")
+    with open(os.path.join(data, "optimizer_643f46e.json")) as f:
+        expected = json.load(f)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    opt = keras.models.load_model(os.path.join(data, "optimizer_643f46e.keras")).optimizer
+    assert type(opt) is kmix.LossScaleOptimizer
+    assert [v.path for v in opt.variables] == [v["path"] for v in expected["variables"]]
+    for variable, want in zip(opt.variables, expected["variables"], strict=True):
+        np.testing.assert_array_equal(variable.numpy(), np.asarray(want["value"], variable.dtype))
+    state = dataclasses.asdict(opt.read_state())
+    assert {k: state[k] for k in expected["state"]} == expected["state"]
+    events = [(e.step, e.kind, e.old_scale, e.new_scale) for e in opt.scale_events()]
+    assert events == [
+        (e["step"], e["kind"], e["old_scale"], e["new_scale"]) for e in expected["events"]
+    ]
+    assert opt.event_count == 11 and len(events) == 8  # the ring of 8 lost the first 3
 
 
 class StopAfterEpoch(keras.callbacks.Callback):

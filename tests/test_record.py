@@ -160,17 +160,6 @@ def test_event_ring_round_trip_and_overwrite():
     )
 
 
-def test_snapshot_leaves_out_what_was_not_measured():
-    nan = float("nan")
-    never = record.snapshot(
-        1024.0, list(record.initial_counters(1)), [nan] * len(record.HEALTH_FIELDS)
-    )
-    assert never.health == {} and never["loss_scale"] == 1024.0 and never.loss_finite is True
-    values = dict.fromkeys(record.HEALTH_FIELDS, 0.5) | {"float16_elements": 0.0}
-    float32_model = record.snapshot(1.0, list(record.initial_counters(1)), list(values.values()))
-    assert set(float32_model.health) == {"grad_norm", "nonfinite_elements", "float16_elements"}
-
-
 def test_no_headroom_is_claimed_when_every_nonzero_value_was_nonfinite():
     values = dict.fromkeys(record.HEALTH_FIELDS, 0.0) | {
         "headroom_bits": 40.0,  # what the capped formula gives for max 0

@@ -16,7 +16,7 @@ import keras
 from kmix import _runs
 from kmix._runs import end_run, reason_for  # noqa: F401  (re-exported for the callbacks)
 from kmix.callbacks._source import Source, source_for
-from kmix.record import Snapshot
+from kmix.snapshot import Snapshot
 from kmix.tags import COMPLETED
 
 

@@ -14,7 +14,8 @@ import keras
 import numpy as np
 
 from kmix._graph import host_value
-from kmix.record import RecordedEvent, Snapshot
+from kmix.record import RecordedEvent
+from kmix.snapshot import Snapshot
 
 STOCK_MIN_SCALE = 1.0
 """The floor assumed for the stock Keras optimizer, which has none (it reaches 0.0)."""

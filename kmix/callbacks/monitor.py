@@ -15,7 +15,7 @@ from kmix._layers import walk_layers
 from kmix.callbacks._base import StepCallback, warn_user
 from kmix.callbacks._batch import SummaryBatch
 from kmix.callbacks._forecast import HeadroomForecast, headroom_series
-from kmix.record import Snapshot
+from kmix.snapshot import Snapshot
 
 _OWNER = "kmix.callbacks.MixedPrecisionMonitor"
 

@@ -1,0 +1,140 @@
+"""What kmix's optimizer attaches to the model it trains, and what it takes back each step.
+
+:meth:`kmix.LossScaleOptimizer.watch` hands the model to a :class:`ModelHooks`, which
+
+* wraps the model's ``train_step`` so that it notes the values of the non-trainable
+  float variables the forward pass assigns (BatchNormalization's moving statistics)
+  before the forward pass runs: a skipped step puts them back (:func:`restore`);
+* taps the forward pass (:class:`kmix.activations.ActivationTap`), so a forward
+  overflow can name its first layer and activation statistics can be kept;
+* knows which trainable variables compute in float16 (:meth:`ModelHooks.float16_mask`).
+
+The hooks hold the model weakly and are never saved with it. Inside the step the
+optimizer calls :meth:`ModelHooks.take_forward_state` and
+:meth:`ModelHooks.forward_statistics` in the replica context, in the same trace as the
+forward pass.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from kmix._graph import reachable
+from kmix._layers import forward_state_variables, variable_compute_dtypes
+from kmix.activations import ACTIVATION_CAPACITY, ActivationTap, measure_forward
+
+__all__ = ["ModelHooks", "restore"]
+
+
+def restore(forward_state: list[tuple[Any, Any]]) -> None:
+    """Assigns each variable the value it had before the step's forward pass (in-graph)."""
+    for variable, old in forward_state:
+        variable.assign(old)
+
+
+class ModelHooks:
+    """The optimizer's hooks into one model: train-step wrapper, activation tap, float16 mask.
+
+    Attributes:
+        layers: ``(path, class)`` of the forward-pass records the last traced step took.
+    """
+
+    def __init__(self) -> None:
+        self._model_ref: Any = None
+        self._tap: ActivationTap | None = None
+        self._trace = threading.local()  # what the wrapped train step left for apply
+        self.layers: list[tuple[str, str]] = []
+
+    @property
+    def model(self) -> keras.Model | None:
+        """The watched model, or None (none yet, or it was garbage-collected)."""
+        return self._model_ref() if self._model_ref is not None else None
+
+    def watch(self, model: keras.Model) -> None:
+        """Hooks ``model`` (idempotent for the same model); retraces a traced train step.
+
+        Args:
+            model: the model the optimizer trains.
+        """
+        self._model_ref = weakref.ref(model)
+        self._wrap_train_step(model)
+        if self._tap is None or self._tap.model is not model:
+            if self._tap is not None:
+                self._tap.remove()
+            self._tap = ActivationTap(model).install()
+            if getattr(model, "train_function", None) is not None:
+                model.make_train_function(force=True)
+
+    def float16_mask(self, variables: list[Any]) -> np.ndarray:
+        """1.0 for each variable whose layer computes in float16 (all, without a model).
+
+        Args:
+            variables: the optimizer's tracked trainable variables.
+
+        Returns:
+            A float32 vector, one entry per variable.
+        """
+        model = self.model
+        if model is None:
+            return np.ones(len(variables), "float32")
+        dtypes = variable_compute_dtypes(model)
+        return np.asarray([dtypes.get(id(v)) == "float16" for v in variables], "float32")
+
+    def _wrap_train_step(self, model: keras.Model) -> None:
+        wrapped_for = getattr(model, "_kmix_train_step_of", None)
+        if wrapped_for is not None and wrapped_for() is self:
+            return
+        original = type(model).train_step.__get__(model)
+        hooks = weakref.ref(self)
+
+        def train_step(data: Any) -> Any:
+            owner = hooks()
+            if owner is not None:
+                # Read before the forward pass assigns them (reads are ordered
+                # before later assignments of the same variable in the graph).
+                owner._trace.forward_state = [
+                    (v, ops.copy(v.value)) for v in forward_state_variables(model)
+                ]
+            return original(data)
+
+        model.train_step = train_step
+        model._kmix_train_step_of = weakref.ref(self)  # weak: the model is not saved with it
+        if getattr(model, "train_function", None) is not None:
+            model.make_train_function(force=True)
+
+    # ------------------------------------------------------------- in the step
+    def take_forward_state(self) -> list[tuple[Any, Any]]:
+        """The forward-assigned variables and their values before this step's forward pass."""
+        state = getattr(self._trace, "forward_state", None) or []
+        self._trace.forward_state = None
+        return [(v, old) for v, old in state if reachable(old)]
+
+    def forward_statistics(self, loss_nonfinite: Any, health_due: Any) -> tuple[Any, Any] | None:
+        """This replica's forward pass, measured (see :func:`activations.measure_forward`).
+
+        Args:
+            loss_nonfinite: boolean scalar: the step's unscaled loss was inf/NaN.
+            health_due: boolean scalar: statistics are due at this step.
+
+        Returns:
+            ``(origin, stats)`` tensors, or None when no tapped layer was traced.
+        """
+        records = self._tap.take() if self._tap is not None else []
+        if len(records) > ACTIVATION_CAPACITY:
+            warnings.warn(
+                f"kmix: {len(records)} layer calls in one step; activation statistics "
+                f"cover the first {ACTIVATION_CAPACITY}.",
+                stacklevel=3,
+            )
+        records = records[:ACTIVATION_CAPACITY]
+        self.layers = [(r.path, r.class_name) for r in records]
+        if not records:
+            return None
+        return measure_forward(records, loss_nonfinite, health_due)

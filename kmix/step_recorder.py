@@ -1,0 +1,443 @@
+"""The step record's one owner: its optimizer variables, their in-graph writes, their reads.
+
+:mod:`kmix.record` says *what* a step does to the record (pure functions over values);
+this module keeps the values: it creates one optimizer variable per field (names and
+order are a file format: ``.keras`` files saved by kmix 0.1.0 load unchanged), writes
+them inside the compiled step (:meth:`StepRecorder.record`) and reads them on the host
+(:meth:`StepRecorder.read_state` and the per-variable, per-layer and event reads).
+The optimizer decides *whether* to apply; the recorder remembers.
+
+In the step::
+
+    before = recorder.before_step()                 # packed counters, what is due
+    ... apply the inner optimizer when every flag is 0 ...
+    recorder.record(aligned, flags, before, forward, on_skip)
+        quiet step: counters += QUIET_DELTA          (one constant, nothing else moves)
+        otherwise (a called branch): the rule, statistics when due, the forward pass's
+        statistics and origin, ``on_skip()`` on a skipped step, the event into the ring
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import keras
+import numpy as np
+from keras import ops
+
+from kmix import health, record, scaling
+from kmix._config import OptimizerConfig, RunSettings, invalid_argument
+from kmix._graph import host_value, rare_cond
+from kmix.activations import ACTIVATION_CAPACITY, ACTIVATION_FIELDS
+from kmix.record import HEALTH_FIELDS, RecordedEvent
+from kmix.snapshot import Snapshot, snapshot
+from kmix.tags import ScaleEvent
+
+__all__ = ["Before", "RecordReads", "StepRecorder"]
+
+
+class Before(NamedTuple):
+    """The packed counters before a step and ``[health_due, histogram_due]`` at it."""
+
+    packed: Any
+    due: Any
+
+
+def _noop() -> None:
+    return None
+
+
+class StepRecorder:
+    """Keeps the step record in optimizer variables: created, written in-graph, read.
+
+    Args:
+        config: the optimizer's validated arguments (the rule, capacities, statistics).
+        initial_scale: the scale before the first step (what reads return until built).
+
+    Attributes:
+        settings: the run-time settings read in-graph (health and histogram steps, the
+            float16 mask); callbacks request them through the optimizer.
+        layers: ``(path, class)`` of the forward-pass records the last traced step kept.
+    """
+
+    def __init__(self, config: OptimizerConfig, initial_scale: float) -> None:
+        self.config = config
+        self.initial_scale = initial_scale
+        self.settings = RunSettings(
+            health_every=config.health_every,
+            histogram_every=config.histogram_every,
+            float16_mask=None,
+        )
+        self.layers: list[tuple[str, str]] = []
+        self.built = False
+        self._variables: list[Any] = []
+
+    # ------------------------------------------------------------------ state
+    def build(self, add_variable: Callable[..., Any], var_list: list[Any], mask: Any) -> None:
+        """Creates one variable per field, in the saved order, through ``add_variable``.
+
+        Args:
+            add_variable: the optimizer's ``add_variable`` (so Keras tracks and saves them).
+            var_list: the trainable variables, in the order of per-variable state.
+            mask: 1.0 per variable whose layer computes in float16.
+        """
+
+        def state(name: str, dtype: str, value: Any = 0, shape: tuple = ()) -> Any:
+            return add_variable(
+                shape=shape,
+                dtype=dtype,
+                initializer=keras.initializers.Constant(value),
+                aggregation="only_first_replica",
+                name=name,
+            )
+
+        n, capacity = len(var_list), self.config.event_capacity
+        counters = record.initial_counters(self.config.rule.hysteresis)
+        self.scale = state("dynamic_scale", "float32", self.initial_scale)
+        self.counters = add_variable(
+            shape=(len(counters),),
+            dtype="int64",
+            initializer=lambda shape, dtype: ops.convert_to_tensor(list(counters), dtype),
+            aggregation="only_first_replica",
+            name="counters",
+        )
+        self.health = state("health", "float32", np.nan, (len(HEALTH_FIELDS),))
+        self.underflow_per_variable = state("underflow_per_variable", "float32", 0, (n,))
+        self.subnormal_per_variable = state("subnormal_per_variable", "float32", 0, (n,))
+        self.exponent_histograms = state(
+            "exponent_histograms", "int32", 0, (n, health.NUM_EXPONENT_BINS)
+        )
+        self.event_ints = state("event_ints", "int64", 0, (capacity, len(record.EVENT_INT_FIELDS)))
+        self.event_floats = state(
+            "event_floats", "float32", 0, (capacity, len(record.EVENT_FLOAT_FIELDS))
+        )
+        self.activation_stats = state(
+            "activation_stats", "float32", np.nan, (ACTIVATION_CAPACITY, len(ACTIVATION_FIELDS))
+        )
+        self.settings.base["float16_mask"] = mask
+        self.settings.create()
+        self._variables = list(var_list)
+        self.built = True
+
+    # ------------------------------------------------------------- in graph
+    def before_step(self) -> Before:
+        """The counters before this step and what is due at it, read once per step."""
+        packed = ops.copy(self.counters)
+        settings = self.settings.variables
+        every = ops.stack([settings["health_every"].value, settings["histogram_every"].value])
+        return Before(packed, record.due_now(packed, every))
+
+    def record(
+        self,
+        aligned: list,
+        flags: Any,
+        before: Before,
+        forward: tuple[Any, Any] | None,
+        on_skip: Callable[[], None] | None,
+    ) -> None:
+        """Records one attempted step; everything but a quiet step's count in one branch.
+
+        The common step (quiet: see :func:`record.is_quiet`) adds one constant to the
+        counters; everything else (the rule, statistics, events, ``on_skip``) is a
+        called branch, which costs a quiet step only the passing of its arguments.
+
+        Args:
+            aligned: the scaled gradients, one per tracked variable (None allowed).
+            flags: float vector: per gradient non-finite, then loss non-finite, then
+                loss unknown (already agreed across replicas).
+            before: :meth:`before_step`'s values.
+            forward: ``(origin, stats)`` of :func:`kmix.activations.measure_forward`,
+                or None without a tapped forward pass.
+            on_skip: called in-graph on a skipped step (undoes what the forward pass
+                assigned), or None.
+        """
+        n = len(aligned)
+
+        def quiet() -> None:  # the common step: one constant added, nothing else moves
+            self.counters.assign_add(np.asarray(record.QUIET_DELTA, "int64"))
+
+        def full() -> None:
+            scale = ops.copy(self.scale)
+            settings = self.settings.variables
+            var_bad = flags[:n] > 0
+            loss_state = ops.where(
+                flags[n] > 0,
+                record.LOSS_NONFINITE,
+                ops.where(flags[n + 1] > 0, record.LOSS_UNKNOWN, record.LOSS_FINITE),
+            )
+            new, outcome = record.advance(
+                record.StepRecord(scale, record.unpack(before.packed)),
+                ops.logical_not(ops.any(var_bad)),
+                loss_state,
+                self.config.rule,
+                settings["health_every"],
+                settings["histogram_every"],
+            )
+            measured = self._record_statistics(aligned, scale, outcome)
+            self.scale.assign(new.scale)
+            self.counters.assign(record.pack(new.counters))
+            if on_skip is not None:  # the batch never happened
+                ops.cond(outcome.skipped, on_skip, _noop)
+            origin = self._keep_forward_statistics(forward, outcome)
+            ops.cond(
+                ops.not_equal(outcome.event, scaling.NONE),
+                lambda: self._write_event(
+                    outcome, (scale, new), var_bad, loss_state, measured, origin
+                ),
+                _noop,
+            )
+
+        quiet_step = record.is_quiet(before.packed, flags, before.due, self.config.rule)
+        rare_cond(quiet_step, quiet, full)
+
+    def _record_statistics(self, aligned: list, scale: Any, outcome: record.StepOutcome) -> Any:
+        """Gradient health (and histograms) when due; returns the health vector (NaN if not)."""
+        unmeasured = ops.full((len(HEALTH_FIELDS),), np.nan, "float32")
+
+        def statistics() -> Any:
+            measured = ops.cond(
+                outcome.statistics_due,
+                lambda: self._record_health(outcome.health_due, aligned, scale),
+                lambda: unmeasured,
+            )
+            ops.cond(outcome.histogram_due, lambda: self._record_histograms(aligned), _noop)
+            return measured
+
+        # Called: between statistics steps the gradients pass by reference.
+        return rare_cond(
+            ops.logical_or(outcome.statistics_due, outcome.histogram_due),
+            statistics,
+            lambda: unmeasured,
+        )
+
+    def _record_health(self, health_due: Any, aligned: list, scale: Any) -> Any:
+        stats = health.gradient_health(aligned, scale, self.settings.variables["float16_mask"])
+        vector = ops.stack([ops.cast(getattr(stats, f), "float32") for f in HEALTH_FIELDS])
+
+        def periodic() -> None:
+            self.health.assign(vector)
+            self.underflow_per_variable.assign(stats.underflow_per_variable)
+            self.subnormal_per_variable.assign(stats.subnormal_per_variable)
+
+        ops.cond(health_due, periodic, _noop)
+        return vector
+
+    def _record_histograms(self, aligned: list) -> None:
+        self.exponent_histograms.assign(health.exponent_histograms(aligned))
+
+    def _keep_forward_statistics(
+        self, forward: tuple[Any, Any] | None, outcome: record.StepOutcome
+    ) -> record.EventOrigin:
+        """Keeps the activation statistics when due; returns the forward origin, if any."""
+        if forward is None:
+            return record.NO_ORIGIN
+        rows = ops.shape(forward[1])[0]
+        padded = ops.concatenate(
+            [forward[1], ops.full((ACTIVATION_CAPACITY - rows, len(ACTIVATION_FIELDS)), np.nan)]
+        )
+
+        def keep_statistics() -> None:
+            self.activation_stats.assign(padded)
+
+        ops.cond(outcome.health_due, keep_statistics, _noop)
+        return record.EventOrigin(*ops.unstack(forward[0]))
+
+    def _write_event(
+        self,
+        outcome: record.StepOutcome,
+        scales: tuple[Any, Any],
+        var_bad: Any,
+        loss_state: Any,
+        measured: Any,
+        origin: record.EventOrigin,
+    ) -> None:
+        """Writes this step's event into the ring (the rare branch)."""
+        old_scale, new = scales
+        ints, floats = record.encode_event(
+            outcome.step,
+            outcome.event,
+            (old_scale, new.scale),
+            var_bad,
+            loss_state,
+            measured,
+            origin,
+        )
+        ring = record.write_event(
+            record.EventRing(self.event_ints, self.event_floats),
+            new.counters.event_count,
+            ints,
+            floats,
+        )
+        self.event_ints.assign(ring.ints)
+        self.event_floats.assign(ring.floats)
+
+    # ------------------------------------------------------------- on the host
+    def read_state(self, counters_only: bool = False) -> Snapshot:
+        """Reads the whole record: three variable reads (one with ``counters_only``).
+
+        Args:
+            counters_only: read the counters alone; ``loss_scale`` is then None and
+                ``health`` empty.
+
+        Returns:
+            A :class:`kmix.snapshot.Snapshot`; before :meth:`build`, the initial scale
+            and zeros.
+        """
+        if not self.built:
+            counters = record.initial_counters(self.config.rule.hysteresis)
+            return snapshot(self.initial_scale, list(counters), None)
+        counters = host_value(self.counters).tolist()
+        if counters_only:
+            return snapshot(None, counters, None)
+        return snapshot(float(host_value(self.scale)), counters, host_value(self.health))
+
+    def variable_paths(self) -> list[str]:
+        """Paths of the tracked trainable variables, in the order of per-variable state."""
+        return [v.path for v in self._variables]
+
+    def by_variable(self, name: str) -> dict[str, Any]:
+        """Variable path -> value of one per-variable field (empty before :meth:`build`).
+
+        Args:
+            name: ``"underflow_per_variable"``, ``"subnormal_per_variable"`` or
+                ``"exponent_histograms"``.
+
+        Returns:
+            Floats for the fractions, int arrays (layout in :mod:`kmix.tags`) for histograms.
+        """
+        if not self.built:
+            return {}
+        values = host_value(getattr(self, name))
+        if values.ndim == 1:
+            values = [float(v) for v in values]
+        return dict(zip(self.variable_paths(), values, strict=True))
+
+    def activations_by_layer(self) -> dict[str, dict[str, float]]:
+        """Layer path -> :data:`ACTIVATION_FIELDS` -> value at the latest health step.
+
+        Only layers the last traced step recorded, and only rows that were measured.
+        """
+        if not self.built or not self.layers:
+            return {}
+        values = host_value(self.activation_stats)[: len(self.layers)]
+        return {
+            path: dict(zip(ACTIVATION_FIELDS, map(float, row), strict=True))
+            for (path, _), row in zip(self.layers, values, strict=True)
+            if np.isfinite(row).all()
+        }
+
+    def recorded_events(self, since: int = 0) -> list[RecordedEvent]:
+        """Events with ``index > since`` the ring still holds, each with its step's health.
+
+        Args:
+            since: the index of the last event already seen (0 for all).
+
+        Returns:
+            Events in order; when more than ``event_capacity`` happened after ``since``,
+            the oldest are gone (compare ``event_count - since`` with the number returned).
+
+        Raises:
+            ValueError: ``since`` is not an integer >= 0.
+        """
+        if isinstance(since, bool) or not isinstance(since, int | np.integer) or since < 0:
+            raise invalid_argument(
+                "since", since, "an integer >= 0 (the index of the last event seen)"
+            )
+        if not self.built:
+            return []
+        count = self.read_state(counters_only=True).event_count
+        if count == since:
+            return []
+        return record.decode_events(
+            host_value(self.event_ints),
+            host_value(self.event_floats),
+            count,
+            int(since),
+            self.variable_paths(),
+            self.layers,
+        )
+
+
+def _state_field(name: str, doc: str) -> property:
+    """A read-only property reading one field of :meth:`LossScaleOptimizer.read_state`."""
+    return property(lambda self: getattr(self.read_state(), name), doc=doc)
+
+
+class RecordReads:
+    """The optimizer's public reads of its step record: each is a host read of the recorder.
+
+    Mixed into :class:`kmix.LossScaleOptimizer` (which sets ``self.recorder``), so
+    ``optimizer.loss_scale`` and ``optimizer.scale_events()`` read like attributes of the
+    optimizer while the reading lives with the record's other owner code.
+    """
+
+    recorder: StepRecorder
+
+    loss_scale = _state_field("loss_scale", "The current loss scale.")
+    skipped_steps = _state_field("skipped_steps", "Cumulative skipped (non-finite) steps.")
+    attempted_steps = _state_field(
+        "attempted_steps", "Optimizer steps attempted so far, skipped ones included."
+    )
+    good_steps = _state_field(
+        "good_steps", "Consecutive finite steps since the scale last changed or a step was skipped."
+    )
+    last_overflow_step = _state_field(
+        "last_overflow_step", "Attempted step of the most recent skipped step; 0 if none yet."
+    )
+    event_count = _state_field(
+        "event_count", "Scale events recorded since training began (the ring keeps the last ones)."
+    )
+
+    @property
+    def float16_mask(self) -> np.ndarray:
+        """1.0 per variable counted as float16 by the health statistics."""
+        mask = self.recorder.settings.base["float16_mask"]
+        return np.asarray([] if mask is None else mask, "float32")
+
+    def read_state(self, counters_only: bool = False) -> Snapshot:
+        """Reads the whole record (see :meth:`StepRecorder.read_state`)."""
+        return self.recorder.read_state(counters_only)
+
+    def variable_paths(self) -> list[str]:
+        """Paths of the tracked trainable variables, in the order of per-variable state."""
+        return self.recorder.variable_paths()
+
+    def underflow_by_variable(self) -> dict[str, float]:
+        """Per-variable underflow fraction (zeros included) at the latest health step."""
+        return self.recorder.by_variable("underflow_per_variable")
+
+    def subnormal_by_variable(self) -> dict[str, float]:
+        """Per-variable share of non-zero values below float16's smallest normal."""
+        return self.recorder.by_variable("subnormal_per_variable")
+
+    def exponent_histograms_by_variable(self) -> dict[str, np.ndarray]:
+        """Per-variable exponent histograms at ``histogram_step`` (layout in kmix.tags)."""
+        return self.recorder.by_variable("exponent_histograms")
+
+    def activations_by_layer(self) -> dict[str, dict[str, float]]:
+        """Per-layer activation statistics at the latest health step, by layer path.
+
+        Empty before the first measurement or without a tap (see :meth:`watch`).
+        """
+        return self.recorder.activations_by_layer()
+
+    def recorded_events(self, since: int = 0) -> list[RecordedEvent]:
+        """Like :meth:`scale_events`, each event with the health measured at its step."""
+        return self.recorder.recorded_events(since)
+
+    def scale_events(self, since: int = 0) -> list[ScaleEvent]:
+        """Returns the recorded events with ``index > since`` that the ring still holds.
+
+        Args:
+            since: the index of the last event already seen (0 for all).
+
+        Returns:
+            Events in order. If more than ``event_capacity`` events happened after
+            ``since``, the oldest are gone: compare ``event_count - since`` with
+            the number returned.
+
+        Raises:
+            ValueError: ``since`` is not an integer >= 0.
+        """
+        return [recorded.event for recorded in self.recorded_events(since)]
