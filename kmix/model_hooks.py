@@ -28,7 +28,8 @@ from keras import ops
 
 from kmix._graph import reachable
 from kmix._layers import forward_state_variables, variable_compute_dtypes
-from kmix.activations import ACTIVATION_CAPACITY, ActivationTap, measure_forward
+from kmix.activation_tap import ActivationTap
+from kmix.activations import ACTIVATION_CAPACITY, measure_forward
 
 __all__ = ["ModelHooks", "restore"]
 

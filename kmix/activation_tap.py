@@ -1,0 +1,279 @@
+"""A tap on the forward pass: every float16 layer's inputs and outputs, recorded at trace time.
+
+:class:`ActivationTap` wraps the ``call`` of every layer computing in float16 so that,
+while the train step is traced, each call appends a :class:`Record` ``(path, inputs,
+outputs, class_name)`` to a per-thread list. The optimizer (through
+:class:`kmix.model_hooks.ModelHooks`) reads that list with :meth:`ActivationTap.take`
+inside ``apply()``, in the same trace: the recorded tensors belong to the same graph (they
+are alive for the backward pass anyway), so reducing them (:mod:`kmix.activations`) adds
+ops to the step and nothing else.
+
+Wiring: ``tap = ActivationTap(model).install()`` at train begin, and retrace
+(``model.make_train_function(force=True)``) if a train function was already traced
+without it; ``tap.remove()`` restores every layer. In ``apply()`` (replica context,
+before ``merge_call``, whose function runs in another thread): ``records = tap.take()``.
+The number of records and their paths are Python values at trace time.
+Cost: recording adds Python at trace time only. Reducing the records in ``apply`` keeps
+the recorded activations alive until then (past the backward pass), also when the
+reduction sits in a ``cond`` not taken: peak memory can grow by the activations.
+
+Which layers are tapped: every layer nested in the model (found by
+``kmix._layers.walk_layers``, the model itself excluded) whose ``compute_dtype`` is
+``"float16"``, except ``InputLayer`` and pure containers, i.e. Functional and Sequential
+models whose ``call`` is Keras's own graph runner (their outputs are their layers'
+outputs, already recorded). Layers with nested layers that compute themselves (a
+residual block, ``MultiHeadAttention``'s softmax, a subclassed model nested in another)
+are tapped too. A record is appended when a call *returns*, so a block's record follows
+its inner layers' records: :func:`kmix.activations.forward_origin` names the innermost
+layer first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import keras
+from keras import ops
+
+from kmix import _layers
+from kmix._graph import reachable
+
+__all__ = ["ActivationTap", "LayerCall", "Record", "tapped_layers"]
+
+
+class Record(NamedTuple):
+    """One call of a tapped layer, as recorded during a trace.
+
+    Attributes:
+        path: the layer's path (``layer.path``, else its path in the model), with
+            ``#k`` appended for its k-th call (k ≥ 2) in the same step.
+        inputs: the tensors among the call's arguments, flattened, in argument order.
+        outputs: what ``call`` returned (a tensor or a nested structure).
+        class_name: the layer's class name, e.g. ``"Dense"``.
+    """
+
+    path: str
+    inputs: tuple
+    outputs: Any
+    class_name: str
+
+
+class LayerCall(NamedTuple):
+    """A record's name, without its tensors: what the monitor needs to label vectors."""
+
+    path: str
+    class_name: str
+
+
+def _is_container(layer: Any) -> bool:
+    """True for Functional/Sequential models whose ``call`` is Keras's graph runner."""
+    from keras.src.models.functional import Functional
+
+    call = getattr(type(layer), "call", None)
+    return call is Functional.call or call is keras.Sequential.call
+
+
+def tapped_layers(model: Any) -> list[tuple[str, Any]]:
+    """The layers an :class:`ActivationTap` instruments, with their paths.
+
+    Args:
+        model: a model (built or not; a lazily built Sequential's layers already exist).
+
+    Returns:
+        ``(path, layer)`` pairs, depth first: layers nested in ``model`` whose
+        ``compute_dtype`` is ``"float16"``, except ``InputLayer`` and pure containers
+        (Functional and Sequential models that do not override ``call``).
+    """
+    return [
+        (path, layer)
+        for path, layer in _layers.walk_layers(model)
+        if getattr(layer, "compute_dtype", None) == "float16"
+        and not isinstance(layer, keras.layers.InputLayer)
+        and not _is_container(layer)
+    ]
+
+
+def _in_symbolic_scope() -> bool:
+    """True while Keras infers shapes (``compute_output_spec``) in a scratch graph."""
+    try:
+        from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+    except ImportError:  # pragma: no cover - Keras moved it; record anyway
+        return False
+    return bool(in_symbolic_scope())
+
+
+def _root_graph(tf: Any) -> Any:
+    """The outermost function graph being built now; ``None`` when executing eagerly."""
+    if tf.executing_eagerly():
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    while isinstance(getattr(graph, "outer_graph", None), tf.__internal__.FuncGraph):
+        graph = graph.outer_graph
+    return graph
+
+
+def _record_reachable(record: Record, tf: Any) -> bool:
+    tensors = tf.nest.flatten((record.inputs, record.outputs), expand_composites=True)
+    return all(reachable(t) for t in tensors if tf.is_tensor(t))
+
+
+class ActivationTap:
+    """Records every float16 layer's inputs and outputs while a train step is traced.
+
+    Recording: when ``auto_record`` (the default), every call traced into a graph
+    (``tf.function``, the compiled train step, with or without ``jit_compile``) is
+    recorded; eager calls are recorded only inside ``with tap.recording():``. Shape
+    inference (Keras's symbolic calls) is never recorded. Each thread has its own list
+    (each ``MirroredStrategy`` replica records its own calls); a list holds the calls
+    of one trace and is emptied by :meth:`take` or when another trace starts recording.
+
+    Example::
+
+        tap = ActivationTap(model).install()
+        @tf.function
+        def step(x):
+            y = model(x)
+            records = tap.take()
+            return activation_stats([r.outputs for r in records])
+
+    Args:
+        model: a Functional, Sequential (built or not) or subclassed model.
+        auto_record: record calls traced into graphs without :meth:`recording`.
+    """
+
+    def __init__(self, model: Any, *, auto_record: bool = True) -> None:
+        self.model = model
+        self.auto_record = auto_record
+        self.last_taken: tuple[LayerCall, ...] = ()
+        """Paths and classes of the records the last :meth:`take` returned (any thread)."""
+        self._forced = 0
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._installed: dict[int, tuple[Any, bool, Any, str, Any]] = {}
+
+    # -- installing
+    @property
+    def installed(self) -> bool:
+        """Whether the tap currently wraps any layer."""
+        return bool(self._installed)
+
+    @property
+    def paths(self) -> list[str]:
+        """The paths of the wrapped layers, depth first, as records name their first call.
+
+        ``layer.path`` where Keras has set it (a built layer), else the layer's path in
+        the model at install time.
+        """
+        return [getattr(e[0], "path", None) or e[3] for e in self._installed.values()]
+
+    def install(self) -> ActivationTap:
+        """Wraps ``call`` of every layer of :func:`tapped_layers` (idempotent).
+
+        The wrapper is set on the layer instance and keeps the original signature
+        (``inspect.signature`` follows ``__wrapped__``), so Keras still sees the
+        ``training`` and ``mask`` arguments. A model's train function traced before
+        ``install()`` does not see the tap: retrace it (``model.make_train_function(
+        force=True)``) to record.
+
+        Returns:
+            ``self``, so ``tap = ActivationTap(model).install()`` reads naturally.
+        """
+        for path, layer in tapped_layers(self.model):
+            if id(layer) in self._installed:
+                continue
+            had_own = "call" in vars(layer)
+            original = layer.call
+            wrapper = self._wrap(layer, path, original)
+            object.__setattr__(layer, "call", wrapper)
+            self._installed[id(layer)] = (layer, had_own, original, path, wrapper)
+        return self
+
+    def remove(self) -> None:
+        """Restores every wrapped layer's original ``call`` exactly (idempotent)."""
+        for layer, had_own, original, _path, wrapper in self._installed.values():
+            if vars(layer).get("call") is not wrapper:
+                continue  # wrapped again by someone else: our wrapper stays, inert
+            if had_own:
+                object.__setattr__(layer, "call", original)
+            else:
+                object.__delattr__(layer, "call")
+        self._installed.clear()
+
+    def _wrap(self, layer: Any, path: str, original: Any) -> Any:
+        tap = self
+
+        @functools.wraps(original)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            outputs = original(*args, **kwargs)
+            if id(layer) in tap._installed and tap._should_record():
+                tap._append(layer, path, args, kwargs, outputs)
+            return outputs
+
+        return call
+
+    # -- recording
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[ActivationTap]:
+        """Records every call in the block, eager ones included (all threads)."""
+        with self._lock:
+            self._forced += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._forced -= 1
+
+    def _should_record(self) -> bool:
+        if _in_symbolic_scope():
+            return False
+        if self._forced > 0:
+            return True
+        import tensorflow as tf
+
+        return self.auto_record and not tf.executing_eagerly()
+
+    def _state(self) -> threading.local:
+        local = self._local
+        if not hasattr(local, "records"):
+            local.records, local.counts, local.root = [], {}, None
+        return local
+
+    def _append(self, layer: Any, path: str, args: tuple, kwargs: dict, outputs: Any) -> None:
+        import tensorflow as tf
+
+        state = self._state()
+        root = _root_graph(tf)
+        if root is not state.root:  # another trace: its records are not this one's
+            state.records, state.counts, state.root = [], {}, root
+        base = getattr(layer, "path", None) or path
+        calls = state.counts.get(base, 0) + 1
+        state.counts[base] = calls
+        inputs = tuple(x for x in keras.tree.flatten((args, kwargs)) if ops.is_tensor(x))
+        name = base if calls == 1 else f"{base}#{calls}"
+        state.records.append(Record(name, inputs, outputs, type(layer).__name__))
+
+    def take(self) -> list[Record]:
+        """Returns this thread's records of the current trace, and forgets them all.
+
+        Call it where the statistics are built (the optimizer's ``apply``, in the
+        replica context, before any ``merge_call``), in the same trace as the forward
+        pass. Records whose tensors belong to another graph (another trace, a
+        ``while_loop`` body such as an RNN cell's) are dropped, never returned.
+
+        Returns:
+            The :class:`Record` list in the order the calls returned; ``[]`` when
+            nothing usable was recorded.
+        """
+        import tensorflow as tf
+
+        state = self._state()
+        records = state.records
+        state.records, state.counts, state.root = [], {}, None
+        usable = [r for r in records if _record_reachable(r, tf)]
+        if usable:
+            self.last_taken = tuple(LayerCall(r.path, r.class_name) for r in usable)
+        return usable
