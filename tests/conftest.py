@@ -1,13 +1,36 @@
-"""Shared test fixtures: every test starts and ends with Keras's default state."""
+"""Shared test fixtures: every test starts and ends with Keras's default state.
+
+Both tiers (``-m "not slow"`` and everything) need what is here:
+
+- TensorFlow's oneDNN CPU kernels are off unless the caller chose (set before
+  TensorFlow is first imported; the subprocess tests inherit it): on Xeons with
+  AVX512_FP16 oneDNN's float16 kernels are about 300x slower than TensorFlow's own.
+- ``keras.utils.clear_session()`` after each test runs a full garbage collection; with
+  TensorFlow loaded that walks some 300,000 objects (0.3-0.7 s a test, more than most
+  tests take). What exists once the tests are collected (modules, TensorFlow's
+  registries) is never garbage, so it is moved out of the collector's sight with
+  ``gc.freeze()``; each test's own garbage is still collected after it.
+"""
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _freeze_what_exists_before_the_tests():
+    """Collects once, then keeps the import-time objects out of every later collection."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(autouse=True)
