@@ -15,32 +15,32 @@ from kmix.tags import EventsLost, ForwardOrigin, PolicyRecord, RunEnd, ScaleEven
 ORIGIN = ForwardOrigin("block_3/ffn_out", "Dense", True, 812.0)
 
 
-@pytest.mark.parametrize(
-    "event",
-    [
-        ScaleEvent(0, 1, "backoff", 2.0**16, 2.0**15, "dense_2/kernel", 3, True),
-        ScaleEvent(0, 2, "skip_absorbed", 8.0, 8.0, "w", 1, False),
-        ScaleEvent(0, 3, "growth", 0.5, 1.0, None, 0, True),
-        ScaleEvent(0, 4, "backoff", 4.0, 2.0, "a/b", 2, None),
-        ScaleEvent(0, 5, "forward_overflow", 8.0, 8.0, None, 0, False, ORIGIN),
-        ScaleEvent(0, 6, "forward_overflow", 8.0, 8.0, "v", 1, None, ORIGIN),
-        ScaleEvent(
-            0,
-            7,
-            "forward_overflow",
-            8.0,
-            8.0,
-            None,
-            0,
-            False,
-            ForwardOrigin("x", "Conv2D", False, None),
-        ),
-        ScaleEvent(
-            0, 8, "overflow_at_floor", 1.0, 1.0, "w", 1, True, ForwardOrigin("l", "L", True, 1.5e-3)
-        ),
-        ScaleEvent(0, 9, "backoff", math.inf, 2.0**24, "w", 1, True),
-    ],
-)
+EVENTS = [
+    ScaleEvent(0, 1, "backoff", 2.0**16, 2.0**15, "dense_2/kernel", 3, True),
+    ScaleEvent(0, 2, "skip_absorbed", 8.0, 8.0, "w", 1, False),
+    ScaleEvent(0, 3, "growth", 0.5, 1.0, None, 0, True),
+    ScaleEvent(0, 4, "backoff", 4.0, 2.0, "a/b", 2, None),
+    ScaleEvent(0, 5, "forward_overflow", 8.0, 8.0, None, 0, False, ORIGIN),
+    ScaleEvent(0, 6, "forward_overflow", 8.0, 8.0, "v", 1, None, ORIGIN),
+    ScaleEvent(
+        0,
+        7,
+        "forward_overflow",
+        8.0,
+        8.0,
+        None,
+        0,
+        False,
+        ForwardOrigin("x", "Conv2D", False, None),
+    ),
+    ScaleEvent(
+        0, 8, "overflow_at_floor", 1.0, 1.0, "w", 1, True, ForwardOrigin("l", "L", True, 1.5e-3)
+    ),
+    ScaleEvent(0, 9, "backoff", math.inf, 2.0**24, "w", 1, True),
+]
+
+
+@pytest.mark.parametrize("event", EVENTS)
 def test_event_lines_round_trip(event):
     line = tags.format_event(event)
     assert tags.parse_event(line) == event
@@ -91,6 +91,84 @@ def test_events_lost_round_trip(lost):
     assert tags.parse_events_lost(line) == lost
     assert tags.parse_event(line) is None
     assert ("1 scale event lost" in line) == (lost.count == 1)
+    assert tags.parse_event_record(tags.format_event_record(lost)) == lost
+
+
+@pytest.mark.parametrize("event", EVENTS)
+def test_event_records_round_trip_every_field(event):
+    event = dataclasses.replace(event, index=event.step + 40)  # the record holds the index
+    text = tags.format_event_record(event)
+    assert "\n" not in text
+    assert json.loads(text) == dataclasses.asdict(event) | {"type": tags.SCALE_EVENT_RECORD}
+    assert tags.parse_event_record(text) == event
+    assert tags.parse_event(text) is None and tags.parse_events_lost(text) is None
+
+
+def test_event_record_json():
+    text = tags.format_event_record(
+        ScaleEvent(9, 5, "forward_overflow", 8.0, 8.0, "w", 1, None, ORIGIN)
+    )
+    assert json.loads(text) == {
+        "type": "scale_event",
+        "index": 9,
+        "step": 5,
+        "kind": "forward_overflow",
+        "old_scale": 8.0,
+        "new_scale": 8.0,
+        "variable": "w",
+        "nonfinite_variables": 1,
+        "loss_finite": None,
+        "origin": {
+            "layer": "block_3/ffn_out",
+            "layer_class": "Dense",
+            "inputs_finite": True,
+            "max_abs_input": 812.0,
+        },
+    }
+    assert json.loads(tags.format_event_record(EventsLost(3, 100, 200, 64))) == {
+        "type": "events_lost",
+        "count": 3,
+        "after_step": 100,
+        "upto_step": 200,
+        "capacity": 64,
+    }
+    with pytest.raises(TypeError, match="expected a kmix.tags.ScaleEvent or kmix.tags.EventsLost"):
+        tags.format_event_record(RunEnd(1, "completed", ""))
+
+
+def test_event_records_tolerate_fields_added_later():
+    event = ScaleEvent(4, 5, "forward_overflow", 8.0, 8.0, None, 0, False, ORIGIN)
+    data = json.loads(tags.format_event_record(event))
+    data["replica"], data["origin"]["dtype"] = 1, "float16"
+    assert tags.parse_event_record(json.dumps(data)) == event
+    del data["origin"]  # a field with a default may be left out
+    assert tags.parse_event_record(json.dumps(data)) == dataclasses.replace(event, origin=None)
+    assert tags.parse_event_record('{"type": "events_lost", "count": 1, "after_step": 0, '
+                                   '"upto_step": 5}') == EventsLost(1, 0, 5)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"type": "precision_move"},  # a record of another kind
+        {"type": None},
+        {"type": ["scale_event"]},
+        {"step": "5"},
+        {"step": 5.0},
+        {"index": True},
+        {"old_scale": "8"},
+        {"loss_finite": 0},
+        {"variable": 3},
+        {"origin": "ffn"},
+        {"origin": {"layer": "ffn"}},
+        {"origin": {"layer": 1, "layer_class": "D", "inputs_finite": True, "max_abs_input": None}},
+    ],
+)
+def test_event_records_that_are_not_records_parse_to_none(change):
+    data = json.loads(tags.format_event_record(ScaleEvent(1, 5, "backoff", 8.0, 4.0, "w", 1, True)))
+    assert tags.parse_event_record(json.dumps(data | change)) is None
+    del data["step"]
+    assert tags.parse_event_record(json.dumps(data)) is None
 
 
 def test_policy_record_round_trip_and_json():
@@ -114,6 +192,7 @@ def test_run_end_round_trip():
 def test_records_that_are_not_records_parse_to_none(text):
     assert tags.parse_run_end(text) is None
     assert tags.parse_policy_record(text) is None
+    assert tags.parse_event_record(text) is None
 
 
 def test_forward_overflow_is_code_5_and_a_skip():

@@ -3,7 +3,10 @@
 The data provider is what TensorBoard's own dashboards read, so the tab works with
 ``--logdir``, ``--logdir_spec``, several runs and runs still being written. Raw
 points are turned into a :class:`kmix.report.KmixLog` by the report's own reader,
-so the tab and ``kmix report`` share one source of truth.
+so the tab and ``kmix report`` share one source of truth: scale events come from
+their ``kmix/event_record`` records (a text tag, read with the others), and from the
+``kmix/events`` lines only in runs that have no record
+(:func:`kmix.report.read.read_events`).
 """
 
 from __future__ import annotations

@@ -59,8 +59,23 @@ def summary_dict(log: report.KmixLog) -> dict[str, Any]:
     Returns:
         The summary dict.
     """
-    summary = report.summarize(log)
-    return summary.to_dict() if hasattr(summary, "to_dict") else summary
+    return report.summarize(log).to_dict()
+
+
+def event_lines(summary: report.Summary) -> list[str]:
+    """Each event of a summary as the one line that words it, in the summary's order.
+
+    The line is :func:`kmix.tags.format_event`'s, the markdown its ``kmix/events``
+    text holds (TensorBoard's Text dashboard shows the same), so the page words no
+    event itself.
+
+    Args:
+        summary: the report's summary.
+
+    Returns:
+        One markdown line per event of ``summary.events``.
+    """
+    return [tags.format_event(event) for event in summary.events]
 
 
 def json_safe(value: Any) -> Any:
@@ -283,8 +298,9 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
 
     Returns:
         A JSON-ready dict: ``run``, ``empty``, and for a run with kmix data
-        ``summary`` (the report's), ``events_check``, ``series``, ``exponents``
-        (histogram ``steps`` and the gradient ``heatmap`` at the latest, or None),
+        ``summary`` (the report's), ``event_lines`` (one per event of the summary:
+        :func:`event_lines`), ``events_check``, ``series``, ``exponents`` (histogram
+        ``steps`` and the gradient ``heatmap`` at the latest, or None),
         ``headroom_by_variable``, ``activation_headroom`` and ``float16``.
     """
     if points.empty:
@@ -297,7 +313,8 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
             ),
         }
     log = to_log(points)
-    summary = summary_dict(log)
+    typed = report.summarize(log)
+    summary = typed.to_dict()
     exponents = None
     if log.histograms:
         steps = histogram_steps(log.histograms)
@@ -306,6 +323,7 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
         "run": points.run,
         "empty": False,
         "summary": summary,
+        "event_lines": event_lines(typed),
         "events_check": events_check(summary),
         "series": {
             key: _series(

@@ -71,14 +71,13 @@ function fmtNumber(value) {
     : Number(value.toPrecision(4)).toString();
 }
 
-/** The event as one line, as the kmix/events text says it. */
-function eventLine(e) {
-  let text = `${e.kind} at step ${e.step}: loss scale ${fmtScale(e.old_scale)} → ${fmtScale(e.new_scale)}`;
-  if (e.variable) text += `; first non-finite gradient ${e.variable} (${e.nonfinite_variables} variable${e.nonfinite_variables === 1 ? '' : 's'})`;
-  if (e.loss_finite === false) text += '; the loss itself was non-finite';
-  const origin = originText(e.origin);
-  if (origin) text += `; forward overflow starts in ${origin}`;
-  return text;
+/**
+ * An event's line as plain text. The server words every event (`run.event_lines`,
+ * the kmix/events lines of kmix.tags.format_event, set as `e.line` by fillRun);
+ * this page only drops their markup.
+ */
+function plainLine(e) {
+  return inline(e.line || '').map((n) => (typeof n === 'string' ? n : n.textContent)).join('');
 }
 
 function originText(origin) {
@@ -222,8 +221,8 @@ function lossScaleChart(run, view) {
     mark.classList.add('marker');
     mark.dataset.step = e.step;
     mark.dataset.kind = e.kind;
-    mark.append(svg('title', {text: eventLine(e)}));
-    mark.addEventListener('mouseenter', (ev) => showTooltip(eventLine(e), ev));
+    mark.append(svg('title', {text: plainLine(e)}));
+    mark.addEventListener('mouseenter', (ev) => showTooltip(e.line || '', ev));
     mark.addEventListener('mousemove', (ev) => moveTooltip(ev));
     mark.addEventListener('mouseleave', hideTooltip);
     mark.addEventListener('click', () => view.select(e));
@@ -433,7 +432,7 @@ function eventsTable(run, view) {
     const rows = events.filter((e) => shown.has(e.kind));
     body.replaceChildren();
     for (const e of rows.slice(0, MAX_ROWS)) {
-      const tr = el('tr', {'data-step': e.step, 'data-kind': e.kind}, [
+      const tr = el('tr', {'data-step': e.step, 'data-kind': e.kind, title: plainLine(e)}, [
         el('td', {class: 'num step', text: e.step}),
         el('td', {}, el('span', {class: 'kind'}, [swatch(e.kind), e.kind])),
         el('td', {class: 'scale', text: `${fmtScale(e.old_scale)} → ${fmtScale(e.new_scale)}`}),
@@ -551,9 +550,10 @@ function markdown(text) {
 }
 
 // --------------------------------------------------------------------- tooltip
+/** Shows a line (its `code` and **bold** spans as elements, the rest as text). */
 function showTooltip(text, ev) {
   const tip = document.getElementById('tooltip');
-  tip.textContent = text;
+  tip.replaceChildren(...inline(text));
   tip.hidden = false;
   moveTooltip(ev);
 }
@@ -641,6 +641,8 @@ function fillRun(section, run) {
     box.append(el('p', {class: 'empty-message', text: run.message}));
     return;
   }
+  const eventLines = run.event_lines || [];
+  run.summary.events.forEach((e, i) => (e.line = eventLines[i] || ''));
   const view = selection();
   const check = run.events_check;
   if (check && check.message) {
