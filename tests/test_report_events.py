@@ -166,3 +166,38 @@ def test_the_tab_shows_each_event_in_the_line_of_its_kmix_events_text(logs):
     assert "forward overflow starts in `ffn` (Dense)" in data["event_lines"][2]
     assert data["summary"]["events"] == report.summarize(log).to_dict()["events"]
     assert data["events_check"]["complete"] is True
+
+
+@pytest.mark.slow
+def test_the_monitor_writes_a_record_beside_every_line(tmp_path):
+    """Through model.fit: five skips, an event ring of 2, one read at the end."""
+    import keras
+    from spiky import spiky_data, spiky_model
+
+    import kmix
+    from kmix.callbacks import MixedPrecisionMonitor
+
+    optimizer = kmix.LossScaleOptimizer(
+        keras.optimizers.SGD(0.0), initial_scale=1024, event_capacity=2
+    )
+    model = spiky_model(optimizer)
+    x, y = spiky_data(10, spikes=(1, 2, 4, 6, 9))
+    monitor = MixedPrecisionMonitor(tmp_path, update_freq=1000, verbose=0)
+    model.fit(x, y, batch_size=1, shuffle=False, verbose=0, callbacks=[monitor])
+
+    log = report.read_log(str(tmp_path))
+    lines, records = log.texts[tags.EVENTS], log.texts[tags.EVENT_RECORD]
+    assert [step for step, _ in records] == [step for step, _ in lines] == [6, 6, 9]
+    for (_, line), (_, text) in zip(lines, records, strict=True):
+        record = tags.parse_event_record(text)
+        if isinstance(record, EventsLost):
+            assert line == tags.format_events_lost(record)
+        else:
+            assert line == tags.format_event(record)
+    read = read_events(log)
+    assert read.from_records and read.lost == 3
+    assert [(e.index, e.step, e.kind, e.variable) for e in read.events] == [
+        (4, 6, "backoff", "b/kernel"),
+        (5, 9, "backoff", "b/kernel"),
+    ]
+    assert read.notes[0][1].startswith("**3 scale events lost** between steps 0 and 10")

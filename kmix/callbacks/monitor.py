@@ -443,6 +443,7 @@ class MixedPrecisionMonitor(StepCallback):
             )
             first_step = recorded[0].event.step if recorded else state.attempted_steps
             tf.summary.text(tags.EVENTS, tags.format_events_lost(note), step=first_step)
+            tf.summary.text(tags.EVENT_RECORD, tags.format_event_record(note), step=first_step)
         skipped = self._last_state.skipped_steps
         for event, measured in recorded:
             if event.step - 1 > self._scale_step:
@@ -454,6 +455,7 @@ class MixedPrecisionMonitor(StepCallback):
                     skipped_points[event.step] = skipped
                 self._write_health_values(measured, event.step)
             tf.summary.text(tags.EVENTS, tags.format_event(event), step=event.step)
+            tf.summary.text(tags.EVENT_RECORD, tags.format_event_record(event), step=event.step)
             origin = event.origin
             if self.verbose and origin is not None and origin.layer not in self._told_origins:
                 self._told_origins.add(origin.layer)
