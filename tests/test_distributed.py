@@ -16,9 +16,12 @@ import sys
 import time
 
 import numpy as np
+import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 from kmix import tags
+
+pytestmark = pytest.mark.slow  # two worker processes per test
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "multiworker.py")
 WORKER_TIMEOUT = 120

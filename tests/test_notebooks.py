@@ -62,17 +62,19 @@ def test_stored_without_outputs(name):
             assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
 
 
+@pytest.mark.slow
 def test_quickstart(tmp_path):
     notebook = _run("01_quickstart.ipynb", tmp_path)
     result = _result(notebook, "QUICKSTART")
     assert int(result["steps"]) == 4 * 47  # 4 epochs of 1,497 images in batches of 32
-    assert 0 <= int(result["skipped_steps"]) < int(result["steps"]) // 10
+    assert int(result["skipped_steps"]) < int(result["steps"]) // 10
     assert float(result["test_accuracy"]) > 0.8
     assert float(result["loss_scale"]) >= 1.0
     assert (tmp_path / "runs" / "quickstart" / "train").is_dir()
     assert (tmp_path / "runs" / "quickstart" / "report" / "loss_scale.png").is_file()
 
 
+@pytest.mark.slow
 def test_diagnose_overflow(tmp_path):
     notebook = _run("02_diagnose_overflow.ipynb", tmp_path)
     result = _result(notebook, "DIAGNOSIS")

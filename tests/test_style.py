@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a subprocess: ruff over the whole tree
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
