@@ -166,6 +166,12 @@ def test_the_tab_shows_the_optimizers_events_and_charts(
     tooltip = frame.locator("#tooltip")
     assert tooltip.is_visible()
     assert f"at step {skip[0]}" in tooltip.text_content() and skip[2] in tooltip.text_content()
+    # The server's kmix/events line, its markup drawn: the same words in the marker's title.
+    said = tooltip.text_content()
+    assert "**" not in said and "`" not in said and "first non-finite gradient" in said
+    assert tooltip.locator("code").first.text_content() == skip[2]
+    title = frame.locator(f".loss-scale .marker[data-step='{skip[0]}'] title")
+    assert title.text_content() == said
 
     frame.locator(f"table.events tr[data-step='{skip[0]}']").click()
     assert "selected" in frame.locator(f"table.events tr[data-step='{skip[0]}']").get_attribute(
