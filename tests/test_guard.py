@@ -1,8 +1,11 @@
 """LossScaleGuard: trips exactly after `patience` bad steps, never on a healthy run.
 
-The spiky model (as in test_monitor): ``out = a(x1) + b(x2)``, kernels 1, SGD at
-learning rate 0, batch size 1. A spike row overflows only b/kernel's float16
-gradient (20000 * scale, for every scale >= 4); a NaN in x1 makes the loss NaN.
+Two tiers. The slow tests fit the spiky model (as in test_monitor): ``out = a(x1) +
+b(x2)``, kernels 1, SGD at learning rate 0, batch size 1. A spike row overflows only
+b/kernel's float16 gradient (20000 * scale, for every scale >= 4); a NaN in x1 makes the
+loss NaN. The fast tests run the same scenarios through the guard's glue with a
+plain-Python step record (tests/fake_optimizer.py) and assert the same values; the rules
+themselves are tested in test_trip.py, the wording here.
 """
 
 from __future__ import annotations
@@ -10,11 +13,14 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+from fake_optimizer import FakeModel, FakeRecorder, built_stock, fake_fit, scripted, stock_step
 from spiky import spiky_data, spiky_model
 
 import kmix
 from kmix.callbacks import LossScaleGuard, LossScaleGuardError
-from kmix.callbacks.guard import first_possible_trip, first_window_over
+from kmix.callbacks._diagnosis import diagnosis
+from kmix.callbacks._trip import NonfiniteLoss, OverflowAtFloor, SkipRate
+from kmix.tags import GUARD_RAISED, ForwardOrigin, ScaleEvent
 
 
 class CountSteps(keras.callbacks.Callback):
@@ -42,6 +48,7 @@ def fit(model, data, guard, epochs: int = 1):
     return counter.steps
 
 
+@pytest.mark.slow
 def test_a_healthy_run_never_trips_it():
     keras.config.set_dtype_policy("mixed_float16")
     rng = np.random.default_rng(0)
@@ -62,6 +69,7 @@ def test_a_healthy_run_never_trips_it():
     assert np.isfinite(history.history["loss"]).all()
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_after_exactly_patience_steps(capsys):
     model = spiky_model()
     guard = LossScaleGuard(patience=5)
@@ -77,6 +85,7 @@ def test_nonfinite_loss_stops_after_exactly_patience_steps(capsys):
     assert model.optimizer.loss_scale >= 1.0
 
 
+@pytest.mark.slow
 def test_overflow_at_the_floor_stops_and_names_the_variable():
     optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=16, min_scale=4)
     model = spiky_model(optimizer)
@@ -87,95 +96,32 @@ def test_overflow_at_the_floor_stops_and_names_the_variable():
     assert "`b/kernel`" in guard.diagnosis and "floor 4" in guard.diagnosis
 
 
+@pytest.mark.slow
 def test_skip_rate_over_the_window_raises_in_raise_mode():
     optimizer = at_the_floor()
     model = spiky_model(optimizer)
     guard = LossScaleGuard(patience=5, window=10, max_skip_rate=0.4, mode="raise")
     with pytest.raises(LossScaleGuardError) as caught:
         fit(model, spiky_data(40, spikes=range(2, 41, 2)), guard)  # every other step
-    assert isinstance(caught.value, RuntimeError)
     assert (caught.value.reason, caught.value.step) == ("skip_rate", 10)
     assert str(caught.value) == guard.diagnosis
     assert "5 of the last 10 steps (50%)" in guard.diagnosis
 
 
-def test_first_possible_trip_is_where_a_run_of_bad_steps_would_trip():
-    """Against plain Python: every step after the read skipped with a NaN loss."""
-    rng = np.random.default_rng(0)
-    for _ in range(300):
-        patience, window = int(rng.integers(1, 8)), int(rng.integers(1, 15))
-        rate = float(rng.choice([0.2, 0.5, 0.9, 1.0]))
-        step = int(rng.integers(0, 30))
-        skips = list(rng.random(step) < rng.random())
-        skip_streak = next((i for i, s in enumerate(reversed(skips)) if not s), step)
-        loss_streak = int(rng.integers(0, min(skip_streak, patience - 1) + 1))
-        skip_streak = min(skip_streak, patience - 1 + int(rng.integers(0, 2)))
-        points = [(0, 0)] + [(k + 1, sum(skips[: k + 1])) for k in range(step) if skips[k]]
-        points.append((step, sum(skips)))
-        expected, bad = None, skips[:]
-        while expected is None:
-            bad.append(True)
-            t, d = len(bad), len(bad) - step
-            rated = t >= window and sum(bad[t - window : t]) / window > rate
-            if loss_streak + d >= patience or skip_streak + d >= patience or rated:
-                expected = t
-        found = first_possible_trip(
-            points,
-            loss_streak,
-            skip_streak,
-            patience=patience,
-            max_skip_rate=rate,
-            window=window,
-            rate_from=window,
-        )
-        assert found == expected, (points, loss_streak, skip_streak, patience, window, rate)
-
-
-def test_first_window_over_is_the_first_window_plain_python_finds_over_the_rate():
-    """Against plain Python on random skips: a point at some reads and at every skip from
-    ``exact_from`` on (a point is there, as the guard's read or first kept skip)."""
-    rng = np.random.default_rng(1)
-    found_some = 0
-    for _ in range(300):
-        n, window = int(rng.integers(5, 40)), int(rng.integers(1, 10))
-        rate = float(rng.choice([0.2, 0.5, 0.8]))
-        skips = [False] + list(rng.random(n) < rng.random())  # skips[u]: step u skipped
-        exact_from = int(rng.integers(0, n + 1))
-        reads = {0, exact_from, n} | {int(r) for r in rng.integers(0, n + 1, 3)}
-        marks = sorted(reads | {u for u in range(exact_from, n + 1) if skips[u]})
-        points = [(u, sum(skips[: u + 1])) for u in marks]
-        first = int(rng.integers(0, n + 1))
-        expected = next(
-            (
-                (end, sum(skips[end - window + 1 : end + 1]))
-                for end in range(max(first, exact_from + window), n + 1)
-                if sum(skips[end - window + 1 : end + 1]) / window > rate
-            ),
-            None,
-        )
-        found = first_window_over(
-            points, first, n, window=window, max_skip_rate=rate, exact_from=exact_from
-        )
-        assert found == expected, (skips, points, first, window, rate, exact_from)
-        found_some += expected is not None
-    assert 50 < found_some < 250  # both answers were tested often
-    assert (
-        first_window_over([(0, 0), (9, 9)], 1, 9, window=3, max_skip_rate=0.5, exact_from=None)
-        is None
-    )
-
-
 def counted_reads(optimizer) -> list[int]:
-    """The step of each read of the optimizer's state (the guard's host syncs) from now on."""
+    """The step of each read of the optimizer's state (the guard's host syncs) from now on:
+    at the record's owner (``optimizer.recorder``, kmix.step_recorder), which every public
+    read of the record goes through, the event reads' counter read included."""
+    owner = getattr(optimizer, "recorder", optimizer)
     reads = []
-    original = optimizer.read_state
+    original = owner.read_state
 
     def read_state(counters_only=False):
         state = original(counters_only=counters_only)
         reads.append(state.attempted_steps)
         return state
 
-    optimizer.read_state = read_state
+    owner.read_state = read_state
     return reads
 
 
@@ -198,6 +144,7 @@ def first_trip_by_rule(
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("seed", "patience", "steps_per_execution"),
     [(0, 6, 1), (1, 6, 1), (1, 4, 1), (3, 4, 1), (0, 6, 4), (3, 4, 4), (5, 4, 8), (7, 4, 8)],
@@ -226,6 +173,7 @@ def test_sparse_reads_trip_at_the_same_step_as_a_check_after_every_step(
         assert len(checked) < executions  # a check after every execution reads at each
 
 
+@pytest.mark.slow
 def test_a_healthy_run_reads_once_per_patience_steps():
     optimizer = at_the_floor()
     model = spiky_model(optimizer)
@@ -240,6 +188,7 @@ def test_a_healthy_run_reads_once_per_patience_steps():
     assert reads == [0, 1, 11, 11, 21, 31, 41, 41, 51, 61, 71, 81, 91, 100, 100]
 
 
+@pytest.mark.slow
 def test_windows_between_reads_far_apart_are_each_counted():
     """Skips at steps 1-4 of every 8, window 4, rate 0.4, read every 8 steps (by
     check_freq, and by steps_per_execution): the window ending at each read skipped
@@ -256,6 +205,7 @@ def test_windows_between_reads_far_apart_are_each_counted():
         assert "4 of the 4 steps up to step 4 (100%)" in guard.diagnosis
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("capacity", "counted"),
     [(4, "3 of the 5 steps up to step 8 (60%)"), (2, "6 of the last 10 steps (60%)")],
@@ -273,6 +223,7 @@ def test_a_check_after_the_ring_overflowed_counts_what_it_can_exactly(capacity, 
     assert counted in guard.diagnosis
 
 
+@pytest.mark.slow
 def test_a_ring_that_kept_a_growth_first_counts_exactly_only_from_its_first_skip():
     """Skips at 1, 2, 3 and 6, growths at 5 and 8, a ring of 3 read at step 10: it kept
     the growth at 5, the skip at 6 and the growth at 8. Whether a skip was lost between
@@ -287,6 +238,7 @@ def test_a_ring_that_kept_a_growth_first_counts_exactly_only_from_its_first_skip
     assert (guard.reason, guard.diagnosis) == (None, None)
 
 
+@pytest.mark.slow
 def test_a_ring_smaller_than_patience_is_read_before_it_overflows():
     """A ring of 3, patience 10, no skip-rate rule: the guard reads at least every 3 steps,
     before the ring could drop an event."""
@@ -300,6 +252,7 @@ def test_a_ring_smaller_than_patience_is_read_before_it_overflows():
     assert reads == [0, 1, 4, 4, 7, 10, 10, 13, 13, 16]
 
 
+@pytest.mark.slow
 def test_the_ring_is_read_in_time_when_keras_calls_back_once_per_execution():
     """steps_per_execution=2, a ring of 3: a read asked for 3 steps on would come after
     4, when 4 skips could have pushed the first out. Reading every 2 steps keeps them all,
@@ -314,6 +267,7 @@ def test_the_ring_is_read_in_time_when_keras_calls_back_once_per_execution():
     assert sorted(set(reads)) == [0, 2, 4, 6, 8, 10, 12, 14]
 
 
+@pytest.mark.slow
 def test_stock_keras_scale_falls_to_zero_and_the_guard_stops_it_within_patience():
     data = spiky_data(200, nan_rows=range(1, 201))
 
@@ -334,6 +288,7 @@ def test_stock_keras_scale_falls_to_zero_and_the_guard_stops_it_within_patience(
     assert "kmix.LossScaleOptimizer does" in guard.diagnosis  # where to see the variable
 
 
+@pytest.mark.slow
 def test_stock_keras_overflow_at_the_floor():
     optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=4)
     model = spiky_model(optimizer)
@@ -348,6 +303,7 @@ def test_stock_keras_overflow_at_the_floor():
     assert "0.5, at or below its floor 1" in guard.diagnosis
 
 
+@pytest.mark.slow
 def test_without_loss_scaling_only_the_loss_check_applies():
     keras.config.set_dtype_policy("float32")
     model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
@@ -385,6 +341,7 @@ def test_uncompiled_model_fails_at_train_begin():
         guard.on_train_begin()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guard_first", [False, True])
 def test_a_run_the_guard_ends_keeps_every_event_and_says_why(tmp_path, guard_first):
     """NaN loss from step 5, patience 3: the guard raises at step 7 with 5, 6, 7 on disk."""
@@ -418,6 +375,7 @@ def test_a_run_the_guard_ends_keeps_every_event_and_says_why(tmp_path, guard_fir
     assert "no problems found" not in report.format_summary(summary)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("jit_compile", "steps_per_execution"), [(False, 1), (True, 1), (False, 2)]
 )
@@ -455,6 +413,7 @@ def test_a_forward_overflow_is_named_at_its_layer_and_the_scale_is_kept(
     assert "max |input| 40000" in guard.diagnosis
 
 
+@pytest.mark.slow
 def test_nan_in_the_data_is_not_blamed_on_a_layer():
     model = spiky_model()
     guard = LossScaleGuard(patience=2, verbose=0)
@@ -462,3 +421,234 @@ def test_nan_in_the_data_is_not_blamed_on_a_layer():
     origin = model.optimizer.scale_events()[0].origin
     assert origin is not None and origin.inputs_finite is False
     assert "already non-finite" in guard.diagnosis
+
+
+# ------------------------------------------------------------------ fast tier
+# The scenarios above, through the guard's glue with a plain-Python step record.
+
+
+def floor_recorder(**kwargs) -> FakeRecorder:
+    """A record whose scale starts at its floor, 64: every skip is at the floor."""
+    return FakeRecorder(initial_scale=64, min_scale=64, **kwargs)
+
+
+def test_the_error_is_a_runtime_error_with_the_reason_and_step():
+    error = LossScaleGuardError("why", "skip_rate", 10)
+    assert isinstance(error, RuntimeError)  # code catching RuntimeError keeps catching it
+    assert (str(error), error.reason, error.step, error.kmix_reason) == (
+        "why",
+        "skip_rate",
+        10,
+        GUARD_RAISED,
+    )
+
+
+def test_fake_nonfinite_loss_stops_after_exactly_patience_steps(capsys):
+    model = FakeModel(FakeRecorder(initial_scale=1024, min_scale=1))
+    guard = LossScaleGuard(patience=5)
+    assert fake_fit(model, [guard], scripted(30, nan=range(6, 31))) == 10
+    assert (guard.reason, guard.step, model.stop_training) == ("nonfinite_loss", 10, True)
+    assert model.optimizer.attempted_steps == 10
+    assert "step 10" in guard.diagnosis and "since step 6" in guard.diagnosis
+    assert "`a/kernel`" in guard.diagnosis
+    assert "lowering the loss scale cannot help" in guard.diagnosis
+    assert guard.diagnosis in capsys.readouterr().out
+    assert model.optimizer.watched == [model]  # the source told the optimizer the model
+
+
+def test_fake_overflow_at_the_floor_stops_and_names_the_variable():
+    model = FakeModel(FakeRecorder(initial_scale=16, min_scale=4))
+    guard = LossScaleGuard(patience=4, verbose=0)
+    assert fake_fit(model, [guard], scripted(20, skip=range(1, 21))) == 4
+    assert (guard.reason, guard.step) == ("overflow_at_floor", 4)
+    assert "`b/kernel`" in guard.diagnosis and "floor 4" in guard.diagnosis
+
+
+def test_fake_skip_rate_over_the_window_raises_in_raise_mode():
+    model = FakeModel(floor_recorder())
+    guard = LossScaleGuard(patience=5, window=10, max_skip_rate=0.4, mode="raise")
+    with pytest.raises(LossScaleGuardError) as caught:
+        fake_fit(model, [guard], scripted(40, skip=range(2, 41, 2)))
+    assert (caught.value.reason, caught.value.step) == ("skip_rate", 10)
+    assert str(caught.value) == guard.diagnosis
+    assert "5 of the last 10 steps (50%)" in guard.diagnosis
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 4, 8])
+@pytest.mark.parametrize("patience", [4, 6])
+@pytest.mark.parametrize("seed", range(12))
+def test_fake_sparse_reads_trip_at_the_same_step_as_a_check_after_every_step(
+    seed, patience, steps_per_execution
+):
+    """As the fit test above, on more seeds: irregular skips at the floor."""
+    rng = np.random.default_rng(seed)
+    skips = list(rng.random(60) < np.linspace(0.1, 0.9, 60))
+    expected = first_trip_by_rule(skips, patience, 12, 0.5, steps_per_execution)
+    optimizer = floor_recorder()
+    model = FakeModel(optimizer, steps_per_execution)
+    guard = LossScaleGuard(patience=patience, window=12, max_skip_rate=0.5, verbose=0)
+    steps = ["skip" if s else None for s in skips]
+    executions = fake_fit(model, [guard], steps)
+    if expected is None:
+        assert guard.reason is None
+        return
+    reason, step, end = expected
+    assert (guard.reason, guard.step) == (reason, step)
+    assert (optimizer.attempted_steps, executions) == (step, step // steps_per_execution)
+    if reason == "skip_rate":
+        which = "the last 12 steps" if end == step else f"the 12 steps up to step {end}"
+        assert f"{sum(skips[end - 12 : end])} of {which} (" in guard.diagnosis
+    checked = set(optimizer.reads) - {0}
+    if patience > steps_per_execution:
+        assert len(checked) < executions
+
+
+def test_fake_healthy_run_reads_once_per_patience_steps():
+    optimizer = floor_recorder()
+    guard = LossScaleGuard(patience=10, window=50, verbose=0)
+    assert fake_fit(FakeModel(optimizer), [guard], scripted(100, skip=[3, 40])) == 100
+    assert guard.reason is None
+    assert optimizer.reads == [0, 1, 11, 11, 21, 31, 41, 41, 51, 61, 71, 81, 91, 100, 100]
+
+
+@pytest.mark.parametrize(("check_freq", "steps_per_execution"), [(8, 1), (1, 8)])
+def test_fake_windows_between_reads_far_apart_are_each_counted(check_freq, steps_per_execution):
+    model = FakeModel(floor_recorder(), steps_per_execution)
+    guard = LossScaleGuard(
+        patience=50, window=4, max_skip_rate=0.4, check_freq=check_freq, verbose=0
+    )
+    spikes = [s for s in range(1, 33) if (s - 1) % 8 < 4]
+    fake_fit(model, [guard], scripted(32, skip=spikes))
+    assert (guard.reason, guard.step) == ("skip_rate", 8)
+    assert "4 of the 4 steps up to step 4 (100%)" in guard.diagnosis
+
+
+@pytest.mark.parametrize(
+    ("capacity", "counted"),
+    [(4, "3 of the 5 steps up to step 8 (60%)"), (2, "6 of the last 10 steps (60%)")],
+)
+def test_fake_check_after_the_ring_overflowed_counts_what_it_can_exactly(capacity, counted):
+    model = FakeModel(floor_recorder(event_capacity=capacity))
+    guard = LossScaleGuard(patience=50, window=5, max_skip_rate=0.5, check_freq=10, verbose=0)
+    assert fake_fit(model, [guard], scripted(20, skip=range(1, 7))) == 10
+    assert (guard.reason, guard.step) == ("skip_rate", 10)
+    assert counted in guard.diagnosis
+
+
+def test_fake_ring_that_kept_a_growth_first_counts_exactly_only_from_its_first_skip():
+    optimizer = floor_recorder(max_scale=128, event_capacity=3)
+    guard = LossScaleGuard(patience=50, window=5, max_skip_rate=0.5, check_freq=10, verbose=0)
+    steps = scripted(12, skip=[1, 2, 3, 6], growth=[5, 8])
+    assert fake_fit(FakeModel(optimizer), [guard], steps) == 12
+    kinds = [(e.step, e.kind) for e in optimizer.events[-3:]]
+    assert kinds == [(5, "growth"), (6, "backoff"), (8, "growth")]
+    assert (guard.reason, guard.diagnosis) == (None, None)
+
+
+def test_fake_ring_smaller_than_patience_is_read_before_it_overflows():
+    optimizer = floor_recorder(event_capacity=3)
+    guard = LossScaleGuard(patience=10, max_skip_rate=1.0, verbose=0)
+    steps = scripted(16, skip=[2, 3, 4, 9, 10, 11])
+    assert fake_fit(FakeModel(optimizer), [guard], steps) == 16
+    assert guard.reason is None
+    assert optimizer.reads == [0, 1, 4, 4, 7, 10, 10, 13, 13, 16]
+
+
+def test_fake_ring_is_read_in_time_when_keras_calls_back_once_per_execution():
+    optimizer = floor_recorder(event_capacity=3)
+    guard = LossScaleGuard(patience=50, window=10, max_skip_rate=0.5, verbose=0)
+    steps = scripted(20, skip=[8, 10, 11, 12, 13, 14])
+    assert fake_fit(FakeModel(optimizer, steps_per_execution=2), [guard], steps) == 7
+    assert (guard.reason, guard.step) == ("skip_rate", 14)
+    assert "6 of the last 10 steps (60%)" in guard.diagnosis
+    assert sorted(set(optimizer.reads)) == [0, 2, 4, 6, 8, 10, 12, 14]
+
+
+def test_fake_stock_keras_overflow_at_the_floor_is_inferred_from_its_iterations():
+    optimizer = built_stock(4.0)
+    model = FakeModel(optimizer)
+    guard = LossScaleGuard(patience=3, verbose=0)
+    # Every step skipped: 4 -> 2 -> 1 -> 0.5, below the floor 1.0 the guard assumes.
+    assert fake_fit(model, [guard], ["skip"] * 20, step=stock_step(optimizer)) == 3
+    assert (guard.reason, guard.step) == ("overflow_at_floor", 3)
+    assert "0.5, at or below its floor 1" in guard.diagnosis
+
+
+def test_fake_stock_keras_nonfinite_loss_when_every_step_is_skipped():
+    optimizer = built_stock(2.0**15)
+    guard = LossScaleGuard(patience=5, verbose=0)
+    fake_fit(FakeModel(optimizer), [guard], ["nan"] * 200, step=stock_step(optimizer))
+    assert (guard.reason, guard.step) == ("nonfinite_loss", 5)
+    assert "kmix.LossScaleOptimizer does" in guard.diagnosis  # where to see the variable
+
+
+def test_fake_stock_keras_applied_steps_break_the_streaks():
+    optimizer = built_stock(2.0**15)
+    guard = LossScaleGuard(patience=3, verbose=0)
+    steps = ["nan", "nan", None] * 10  # the third step of each three is applied
+    fake_fit(FakeModel(optimizer), [guard], steps, step=stock_step(optimizer))
+    assert guard.reason is None
+
+
+def test_fake_without_loss_scaling_only_the_loss_check_applies():
+    model = FakeModel(keras.optimizers.SGD(0.01), policy="float32")
+    guard = LossScaleGuard(patience=3, verbose=0)
+    with pytest.warns(UserWarning, match="optimizer SGD does not scale the loss"):
+        fake_fit(model, [guard], ["nan"] * 20, step=lambda kind: None)
+    assert (guard.reason, guard.step) == ("nonfinite_loss", 3)
+
+
+def event(step, kind="forward_overflow", variable=None, origin=None):
+    return ScaleEvent(
+        step, step, kind, 8.0, 8.0, variable, int(variable is not None), False, origin
+    )
+
+
+@pytest.mark.parametrize(
+    ("events", "records", "says"),
+    [
+        ([event(7, variable="a/kernel"), event(6)], True, "First non-finite gradient: `a/kernel`"),
+        ([event(7)], True, "none (the gradients stayed finite)"),
+        ([], False, "kmix.LossScaleOptimizer does"),
+        (
+            [event(7, origin=ForwardOrigin("net/big", "Dense", True, 40000.0))],
+            True,
+            "Forward overflow in `net/big` (Dense): inputs finite, max |input| 40000;",
+        ),
+        (
+            [event(7, origin=ForwardOrigin("net/big", "Dense", True, None))],
+            True,
+            "Forward overflow in `net/big` (Dense): inputs finite; keep",
+        ),
+        (
+            [event(7, origin=ForwardOrigin("net/a", "Dense", False, None))],
+            True,
+            "in `net/a` (Dense), whose inputs were already non-finite",
+        ),
+    ],
+)
+def test_the_nonfinite_loss_diagnosis_names_where_it_started(events, records, says):
+    text = diagnosis(
+        NonfiniteLoss(10, 5), patience=5, max_skip_rate=0.5, events=events, records_events=records
+    )
+    assert text.startswith("kmix.LossScaleGuard stopped training at step 10: the loss has been")
+    assert "for 5 consecutive steps (since step 6; patience=5)" in text
+    assert says in text
+
+
+def test_the_floor_and_skip_rate_diagnoses_say_the_numbers():
+    floor = diagnosis(
+        OverflowAtFloor(4, 4, 0.5, 1.0),
+        patience=4,
+        max_skip_rate=0.5,
+        events=[event(4, "overflow_at_floor", "b/kernel")],
+        records_events=True,
+    )
+    assert "the loss scale is 0.5, at or below its floor 1, and the gradients" in floor
+    assert "for 4 consecutive steps (since step 1; patience=4)" in floor
+    assert "First non-finite gradient: `b/kernel`." in floor
+    last = diagnosis(SkipRate(10, 10, 10, 5), patience=4, max_skip_rate=0.4)
+    assert "5 of the last 10 steps (50%) were skipped" in last
+    assert "more than max_skip_rate=0.4," in last
+    earlier = diagnosis(SkipRate(8, 4, 4, 4), patience=4, max_skip_rate=0.4)
+    assert "4 of the 4 steps up to step 4 (100%)" in earlier

@@ -4,11 +4,15 @@ A callback holds a :class:`Source` and asks it what it can measure, instead of
 branching on the optimizer's class. Three sources: kmix's optimizer (everything,
 exact), Keras's stock loss-scale optimizer (its scale, and skipped steps inferred
 from its iterations at each read) and no loss scaling (steps only).
+
+kmix's optimizer is recognised by what it offers (:class:`RecordingOptimizer`), not by
+importing it: training code never imports the callbacks, and the callbacks never import
+the training code back.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import keras
 import numpy as np
@@ -21,6 +25,54 @@ STOCK_MIN_SCALE = 1.0
 """The floor assumed for the stock Keras optimizer, which has none (it reaches 0.0)."""
 
 
+@runtime_checkable
+class RecordingOptimizer(Protocol):
+    """What :class:`KmixSource` reads: the public surface of ``kmix.LossScaleOptimizer``.
+
+    ``isinstance(optimizer, RecordingOptimizer)`` is True for an object that has every
+    member below (Keras's stock ``LossScaleOptimizer`` has none of the reading
+    methods), so this module need not import kmix's optimizer.
+    """
+
+    config: Any
+    """The optimizer's settings; ``config.rule`` has ``min_scale`` and ``max_scale``."""
+
+    @property
+    def event_capacity(self) -> int:
+        """How many recent events the in-graph ring keeps."""
+
+    @property
+    def health_every(self) -> int:
+        """Steps between gradient health measurements in force."""
+
+    def read_state(self, counters_only: bool = False) -> Snapshot:
+        """Reads the step record."""
+
+    def recorded_events(self, since: int = 0) -> list[RecordedEvent]:
+        """Events with index > ``since`` still held, each with its health."""
+
+    def request_statistics(self, owner: Any, health_every: int, histogram_every: int) -> None:
+        """Asks for statistics every N steps."""
+
+    def release_statistics(self, owner: Any) -> None:
+        """Withdraws ``owner``'s request."""
+
+    def underflow_by_variable(self) -> dict[str, float]:
+        """Variable path -> underflow fraction at the latest health step."""
+
+    def subnormal_by_variable(self) -> dict[str, float]:
+        """Variable path -> subnormal fraction at the latest health step."""
+
+    def exponent_histograms_by_variable(self) -> dict[str, np.ndarray]:
+        """Variable path -> exponent histogram at the latest histogram step."""
+
+    def activations_by_layer(self) -> dict[str, dict[str, float]]:
+        """Layer path -> activation statistic -> value at the latest health step."""
+
+    def watch(self, model: keras.Model) -> list[str]:
+        """Taps the model's float16 layers."""
+
+
 class Source:
     """What a callback can read, without a kmix optimizer: attempted steps only.
 
@@ -30,8 +82,13 @@ class Source:
         records_events: every scale event is recorded at its exact step.
         measures_health: gradient health, per-variable statistics and histograms.
         knows_loss: the snapshot says whether each step's loss was finite.
-        min_scale: the scale's floor, None without loss scaling.
-        max_scale: the scale's ceiling, None when there is none or it is unknown.
+        floor_scale: the scale at or below which a run of skipped steps is at the floor
+            (the guard's ``overflow_at_floor``): the optimizer's ``min_scale``, or
+            :data:`STOCK_MIN_SCALE` for the stock optimizer, which has none; None
+            without loss scaling.
+        scale_bounds: ``(min_scale, max_scale)`` the optimizer keeps its scale within,
+            as configured; None where it has none (the stock optimizer's scale can
+            reach 0.0 and inf) or there is no loss scaling.
         event_capacity: how many recent events the source keeps (0: none).
     """
 
@@ -40,13 +97,22 @@ class Source:
     records_events = False
     measures_health = False
     knows_loss = False
-    min_scale: float | None = None
-    max_scale: float | None = None
+    floor_scale: float | None = None
+    scale_bounds: tuple[float, float] | None = None
     event_capacity = 0
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
         self._start_step = 0
+
+    @property
+    def optimizer_name(self) -> str:
+        """The optimizer's class name, e.g. ``"SGD"``."""
+        return type(self.optimizer).__name__
+
+    def describe(self) -> str:
+        """The loss scaling in words, for the policy text: ``"none (`SGD`)"``."""
+        return f"none (`{self.optimizer_name}`)"
 
     def begin(self, model: keras.Model) -> None:
         """Notes where this ``fit`` starts and tells the optimizer about the model."""
@@ -63,6 +129,9 @@ class Source:
             steps_seen: optimizer steps the callback counted since train begin.
             counters_only: the counters suffice (kmix reads them with one transfer,
                 leaving ``loss_scale`` None and ``health`` empty).
+
+        Returns:
+            The state; without kmix, the counters this source can infer.
         """
         return Snapshot(
             loss_scale=None, attempted_steps=self._start_step + steps_seen, skipped_steps=0
@@ -101,7 +170,10 @@ class KerasSource(Source):
 
     kind = "keras"
     scales_loss = True
-    min_scale = STOCK_MIN_SCALE
+    floor_scale = STOCK_MIN_SCALE
+
+    def describe(self) -> str:
+        return "the stock `keras.mixed_precision.LossScaleOptimizer`"
 
     def read(self, steps_seen: int, counters_only: bool = False) -> Snapshot:
         opt = self.optimizer
@@ -125,9 +197,13 @@ class KmixSource(Source):
 
     def __init__(self, optimizer: Any) -> None:
         super().__init__(optimizer)
-        self.min_scale = optimizer.config.rule.min_scale
-        self.max_scale = optimizer.config.rule.max_scale
+        rule = optimizer.config.rule
+        self.floor_scale = rule.min_scale
+        self.scale_bounds = (rule.min_scale, rule.max_scale)
         self.event_capacity = optimizer.event_capacity
+
+    def describe(self) -> str:
+        return "`kmix.LossScaleOptimizer`"
 
     def begin(self, model: keras.Model) -> None:
         self.optimizer.watch(model)
@@ -168,11 +244,11 @@ def source_for(optimizer: Any) -> Source:
         optimizer: the model's optimizer.
 
     Returns:
-        A :class:`KmixSource`, :class:`KerasSource` or plain :class:`Source`.
+        A :class:`KmixSource` for an optimizer that records its steps
+        (:class:`RecordingOptimizer`: kmix's), a :class:`KerasSource` for another
+        ``keras.mixed_precision.LossScaleOptimizer``, else a plain :class:`Source`.
     """
-    from kmix.optimizer import LossScaleOptimizer
-
-    if isinstance(optimizer, LossScaleOptimizer):
+    if isinstance(optimizer, RecordingOptimizer):
         return KmixSource(optimizer)
     if isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
         return KerasSource(optimizer)

@@ -15,6 +15,7 @@ from kmix._layers import walk_layers
 from kmix.callbacks._base import StepCallback, warn_user
 from kmix.callbacks._batch import SummaryBatch
 from kmix.callbacks._forecast import HeadroomForecast, headroom_series
+from kmix.callbacks._layout import layout
 from kmix.snapshot import Snapshot
 
 _OWNER = "kmix.callbacks.MixedPrecisionMonitor"
@@ -107,56 +108,6 @@ def _layer_table(model: Any) -> str:
                 f"| {policy.variable_dtype} |"
             )
         return "\n".join(rows)
-
-
-def _layout() -> Any:
-    """The custom-scalars layout that groups the kmix charts."""
-    from tensorboard.plugins.custom_scalar import layout_pb2
-
-    def chart(title: str, *patterns: str) -> Any:
-        return layout_pb2.Chart(
-            title=title, multiline=layout_pb2.MultilineChartContent(tag=list(patterns))
-        )
-
-    def exact(tag: str) -> str:
-        return f"^{tag}$"
-
-    return layout_pb2.Layout(
-        category=[
-            layout_pb2.Category(
-                title="kmix: loss scale",
-                chart=[
-                    chart("loss scale (log2)", exact(tags.LOSS_SCALE_LOG2)),
-                    chart("skip rate (per read)", exact(tags.SKIP_RATE)),
-                    chart("skipped steps (cumulative)", exact(tags.SKIPPED_STEPS)),
-                    chart("loss finite (1 = yes)", exact(tags.LOSS_FINITE)),
-                ],
-            ),
-            layout_pb2.Category(
-                title="kmix: gradient health",
-                chart=[
-                    chart("gradient norm (unscaled)", exact(tags.GRAD_NORM)),
-                    chart(
-                        "overflow headroom (bits; < 0 = overflow)",
-                        exact(tags.OVERFLOW_HEADROOM_BITS),
-                    ),
-                    chart("max |scaled gradient|", exact(tags.MAX_ABS_SCALED_GRAD)),
-                    chart("underflow fraction (zeros + subnormal)", exact(tags.UNDERFLOW_FRACTION)),
-                    chart(
-                        "subnormal fraction (what float16 loses)", exact(tags.SUBNORMAL_FRACTION)
-                    ),
-                    chart("non-finite elements", exact(tags.NONFINITE_ELEMENTS)),
-                ],
-            ),
-            layout_pb2.Category(
-                title="kmix: per variable (one line each: see the Mixed Precision tab)",
-                chart=[
-                    chart("underflow fraction", f"^{tags.UNDERFLOW_BY_VARIABLE}.*"),
-                    chart("subnormal fraction", f"^{tags.SUBNORMAL_BY_VARIABLE}.*"),
-                ],
-            ),
-        ]
-    )
 
 
 class MixedPrecisionMonitor(StepCallback):
@@ -330,11 +281,12 @@ class MixedPrecisionMonitor(StepCallback):
         for note in notes:
             tf.summary.text(tags.NOTES, note, step=step)
         tf.summary.experimental.write_raw_pb(
-            custom_scalar.pb(_layout()).SerializeToString(), step=step
+            custom_scalar.pb(layout()).SerializeToString(), step=step
         )
 
     def _policy_record(self) -> tags.PolicyRecord:
         model, source = self.model, self._source
+        min_scale, max_scale = source.scale_bounds or (None, None)
         return tags.PolicyRecord(
             global_policy=keras.config.dtype_policy().name,
             model_name=model.name,
@@ -342,22 +294,19 @@ class MixedPrecisionMonitor(StepCallback):
             compute_dtype=model.dtype_policy.compute_dtype,
             variable_dtype=model.dtype_policy.variable_dtype,
             loss_scaling=source.kind,
-            min_scale=source.min_scale if source.kind == "kmix" else None,
-            max_scale=source.max_scale if source.kind == "kmix" else None,
+            min_scale=min_scale,
+            max_scale=max_scale,
             update_freq=self.update_freq,
             histogram_freq=self.histogram_freq,
         )
 
     def _policy_text(self, record: tags.PolicyRecord, state: Snapshot) -> str:
-        if record.loss_scaling == "kmix":
-            scaling = (
-                f"`kmix.LossScaleOptimizer` (scale {state.loss_scale:.9g}, range "
+        scaling = self._source.describe()
+        if record.min_scale is not None and record.max_scale is not None:
+            scaling += (
+                f" (scale {state.loss_scale:.9g}, range "
                 f"[{record.min_scale:.9g}, {record.max_scale:.9g}])"
             )
-        elif record.loss_scaling == "keras":
-            scaling = "the stock `keras.mixed_precision.LossScaleOptimizer`"
-        else:
-            scaling = f"none (`{type(self.model.optimizer).__name__}`)"
         return (
             f"Global dtype policy `{record.global_policy}`; model `{record.model_name}` "
             f"policy `{record.model_policy}`; loss scaling: {scaling}."
@@ -367,7 +316,7 @@ class MixedPrecisionMonitor(StepCallback):
     def _notes(self) -> list[str]:
         """Why some charts will be absent, one note per reason (also warned once)."""
         source, dtype = self._source, self.model.dtype_policy.compute_dtype
-        if source.kind == "keras":
+        if source.scales_loss and not source.records_events:  # the stock Keras optimizer
             return [_STOCK_NOTE]
         if not source.scales_loss:
             why = (
@@ -439,7 +388,7 @@ class MixedPrecisionMonitor(StepCallback):
                 count=lost,
                 after_step=self._last_state.attempted_steps,
                 upto_step=state.attempted_steps,
-                capacity=self.model.optimizer.event_capacity,
+                capacity=self._source.event_capacity,
             )
             first_step = recorded[0].event.step if recorded else state.attempted_steps
             tf.summary.text(tags.EVENTS, tags.format_events_lost(note), step=first_step)

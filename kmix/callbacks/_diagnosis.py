@@ -1,0 +1,170 @@
+"""The guard's diagnoses: a trip and the events before it, in words a user can act on.
+
+Pure: each function formats typed values (a :data:`kmix.callbacks._trip.Trip`, the
+recorded :class:`kmix.tags.ScaleEvent` values), so every wording is tested without
+``fit``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kmix.callbacks._trip import NonfiniteLoss, OverflowAtFloor, SkipRate, Trip
+from kmix.tags import ScaleEvent
+
+UNRECORDED_VARIABLE = (
+    "unknown (the stock Keras optimizer does not record it; kmix.LossScaleOptimizer does)"
+)
+
+
+def first_variable(events: Sequence[ScaleEvent], records_events: bool) -> str:
+    """Where the latest recorded event says the gradients first went non-finite.
+
+    Args:
+        events: the recent events, newest first.
+        records_events: the source records events (else the variable is unknown).
+
+    Returns:
+        The variable in backquotes, or why there is none.
+    """
+    if not records_events:
+        return UNRECORDED_VARIABLE
+    for event in events:
+        if event.variable is not None:
+            return f"`{event.variable}`"
+    return "none (the gradients stayed finite)"
+
+
+def forward_origin(events: Sequence[ScaleEvent]) -> str:
+    """Where the latest recorded event says the forward pass first went non-finite.
+
+    Args:
+        events: the recent events, newest first.
+
+    Returns:
+        A sentence starting with a space, or ``""`` when no event measured an origin.
+    """
+    origin = next((event.origin for event in events if event.origin is not None), None)
+    if origin is None:
+        return ""
+    if not origin.inputs_finite:
+        return (
+            f" The first non-finite layer output is in `{origin.layer}` "
+            f"({origin.layer_class}), whose inputs were already non-finite: the "
+            "NaN/Inf comes with the data or from outside the tapped layers."
+        )
+    max_abs = "" if origin.max_abs_input is None else f", max |input| {origin.max_abs_input:g}"
+    return (
+        f" Forward overflow in `{origin.layer}` ({origin.layer_class}): inputs finite"
+        f"{max_abs}; keep this layer in float32 with `kmix.policy_scope('float32')` "
+        "or `dtype='float32'`."
+    )
+
+
+def nonfinite_loss_text(
+    trip: NonfiniteLoss, patience: int, events: Sequence[ScaleEvent], records_events: bool
+) -> str:
+    """The diagnosis of ``nonfinite_loss``.
+
+    Args:
+        trip: the trip.
+        patience: the guard's ``patience``.
+        events: the events of the last ``patience`` indices, newest first.
+        records_events: the source records events.
+
+    Returns:
+        The message.
+    """
+    step, streak = trip.step, trip.streak
+    return (
+        f"kmix.LossScaleGuard stopped training at step {step}: the loss has been "
+        f"NaN/Inf before any loss scaling for {streak} consecutive steps (since step "
+        f"{step - streak + 1}; patience={patience}). The forward pass produces "
+        f"it, so lowering the loss scale cannot help.{forward_origin(events)} First "
+        f"non-finite gradient: {first_variable(events, records_events)}. Usual causes: "
+        "NaN/Inf in the input data or labels; a learning rate so high that the weights "
+        "diverged; log, sqrt or division of zero or negative values in the model or the "
+        "loss; an activation or reduction (softmax, exp, large sums) overflowing float16 — "
+        "keep such layers in float32 (dtype='float32'); run kmix.audit(model)."
+    )
+
+
+def floor_text(
+    trip: OverflowAtFloor, patience: int, events: Sequence[ScaleEvent], records_events: bool
+) -> str:
+    """The diagnosis of ``overflow_at_floor``.
+
+    Args:
+        trip: the trip.
+        patience: the guard's ``patience``.
+        events: the events of the last ``patience`` indices, newest first.
+        records_events: the source records events.
+
+    Returns:
+        The message.
+    """
+    step, streak = trip.step, trip.streak
+    return (
+        f"kmix.LossScaleGuard stopped training at step {step}: the loss scale is "
+        f"{trip.loss_scale:g}, at or below its floor {trip.floor:g}, and the gradients "
+        f"have overflowed for {streak} consecutive steps (since step "
+        f"{step - streak + 1}; patience={patience}), so every step is skipped. "
+        f"First non-finite gradient: {first_variable(events, records_events)}. Float16 "
+        "cannot hold these gradients even unscaled. Usual causes: exploding gradients "
+        "(lower the learning rate or clip, e.g. clipnorm=1.0); a layer whose float16 output "
+        "overflows (run kmix.audit(model) and keep it in float32). 'mixed_bfloat16' "
+        "has float32's range, where the hardware supports it."
+    )
+
+
+def skip_rate_text(trip: SkipRate, max_skip_rate: float) -> str:
+    """The diagnosis of ``skip_rate``.
+
+    Args:
+        trip: the trip.
+        max_skip_rate: the guard's ``max_skip_rate``.
+
+    Returns:
+        The message, naming the span: "the last N steps" when it ends at the trip's
+        step, "the N steps up to step E" otherwise.
+    """
+    step, end, steps, skipped = trip.step, trip.end, trip.steps, trip.skipped
+    which = f"the last {steps} steps" if end == step else f"the {steps} steps up to step {end}"
+    return (
+        f"kmix.LossScaleGuard stopped training at step {step}: {skipped} of {which} "
+        f"({skipped / steps:.0%}) were skipped for non-finite gradients, "
+        f"more than max_skip_rate={max_skip_rate:g}, so the model barely trains. "
+        "Usual causes: gradients that overflow float16 at every scale the optimizer "
+        "tries (lower the learning rate or clip, e.g. clipnorm=1.0), or a scale that "
+        "grows too often (raise dynamic_growth_steps or hysteresis of "
+        "kmix.LossScaleOptimizer). Run kmix.audit(model) and look at kmix/events in "
+        "TensorBoard."
+    )
+
+
+def diagnosis(
+    trip: Trip,
+    *,
+    patience: int,
+    max_skip_rate: float,
+    events: Sequence[ScaleEvent] = (),
+    records_events: bool = False,
+) -> str:
+    """The message for any trip.
+
+    Args:
+        trip: the trip.
+        patience: the guard's ``patience``.
+        max_skip_rate: the guard's ``max_skip_rate``.
+        events: for a streak trip, the events of the last ``patience`` indices, newest
+            first (unused for ``skip_rate``).
+        records_events: the source records events.
+
+    Returns:
+        The message.
+    """
+    if isinstance(trip, NonfiniteLoss):
+        return nonfinite_loss_text(trip, patience, events, records_events)
+    if isinstance(trip, OverflowAtFloor):
+        return floor_text(trip, patience, events, records_events)
+    return skip_rate_text(trip, max_skip_rate)
