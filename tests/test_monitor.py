@@ -6,6 +6,9 @@ A normal row (x1=1, x2=0, y=0) gives unscaled gradients a/kernel=2, a/bias=2,
 b/kernel=0, b/bias=2. A spike row (x1=0, x2=10000, y=9999) gives a scaled
 b/kernel gradient of 20000 * scale, which overflows float16 for every scale >= 4,
 while every other gradient stays finite. Step k of an epoch is row k.
+
+Tests that fit are in the slow tier; the fast tier runs the monitor's glue over a
+plain-Python step record (tests/fake_optimizer.py) and reads its files back the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from fake_optimizer import FakeModel, FakeRecorder, built_stock, fake_fit, scripted, stock_step
 from spiky import spiky_data, spiky_model
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
@@ -57,6 +61,7 @@ def events(data) -> list[tuple[int, tags.ScaleEvent]]:
     return [(step, event) for step, event in parsed if event is not None]
 
 
+@pytest.mark.slow
 def test_every_overflow_at_its_exact_step_with_a_long_update_freq(tmp_path):
     model = spiky_model()
     monitor = MixedPrecisionMonitor(tmp_path, update_freq=1000, verbose=0)
@@ -84,6 +89,7 @@ def test_every_overflow_at_its_exact_step_with_a_long_update_freq(tmp_path):
     assert scalars(data, tags.LOSS_FINITE) == {10: 1.0, 20: 1.0}
 
 
+@pytest.mark.slow
 def test_health_scalars_and_exponent_histograms(tmp_path):
     model = spiky_model()
     optimizer = model.optimizer
@@ -138,6 +144,7 @@ def test_health_scalars_and_exponent_histograms(tmp_path):
     assert histogram[:, 1].max() > tags.FLOAT16_MAX_EXPONENT + 1
 
 
+@pytest.mark.slow
 def test_lost_events_are_reported_not_silently_dropped(tmp_path):
     optimizer = kmix.LossScaleOptimizer(
         keras.optimizers.SGD(0.0), initial_scale=1024, event_capacity=2
@@ -155,6 +162,7 @@ def test_lost_events_are_reported_not_silently_dropped(tmp_path):
     assert scalars(data, tags.SKIPPED_STEPS) == {10: 5}
 
 
+@pytest.mark.slow
 def test_steps_per_execution(tmp_path):
     model = spiky_model(steps_per_execution=2)
     monitor = MixedPrecisionMonitor(tmp_path, update_freq=4, verbose=0)
@@ -168,6 +176,7 @@ def test_steps_per_execution(tmp_path):
     }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_with_validation_and_keras_tensorboard_on_the_same_log_dir(tmp_path):
     model = spiky_model()
     callbacks = [
@@ -188,6 +197,7 @@ def test_with_validation_and_keras_tensorboard_on_the_same_log_dir(tmp_path):
     assert os.path.isdir(os.path.join(tmp_path, "validation"))
 
 
+@pytest.mark.slow
 def test_train_begin_writes_policy_layout_and_prints_the_command(tmp_path, capsys):
     model = spiky_model()
     fit(model, spiky_data(2), callbacks=[MixedPrecisionMonitor(tmp_path)])
@@ -211,6 +221,7 @@ def test_train_begin_writes_policy_layout_and_prints_the_command(tmp_path, capsy
     assert f"^{tags.UNDERFLOW_FRACTION}$" in patterns
 
 
+@pytest.mark.slow
 def test_stock_keras_optimizer_logs_scale_and_inferred_skips_and_warns_once(tmp_path):
     optimizer = keras.mixed_precision.LossScaleOptimizer(
         keras.optimizers.SGD(0.0), initial_scale=1024
@@ -232,6 +243,7 @@ def test_stock_keras_optimizer_logs_scale_and_inferred_skips_and_warns_once(tmp_
     assert "kmix.LossScaleOptimizer('adam')" in texts(data, tags.NOTES)[0][1]
 
 
+@pytest.mark.slow
 def test_without_loss_scaling_logs_the_policy_and_why_the_rest_is_missing(tmp_path):
     keras.config.set_dtype_policy("float32")
     model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
@@ -258,6 +270,7 @@ class RaiseAt(keras.callbacks.Callback):
             raise self.error
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("error", "reason"), [(KeyboardInterrupt(), "interrupted"), (RuntimeError("disk"), "exception")]
 )
@@ -351,6 +364,7 @@ def functional_net():
     return keras.Model(inputs, outputs, name="net")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("make", "layers", "jit_compile"),
     [
@@ -405,6 +419,7 @@ class Growing(keras.layers.Layer):
         return out
 
 
+@pytest.mark.slow
 def test_a_steadily_falling_headroom_is_forecast_before_the_overflow(tmp_path, capsys):
     keras.config.set_dtype_policy("mixed_float16")
     model = keras.Sequential(
@@ -432,6 +447,7 @@ def test_a_steadily_falling_headroom_is_forecast_before_the_overflow(tmp_path, c
     assert "kmix: headroom of the activations of sequential/grow" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_monitor_built_inside_the_fit_call_still_records_how_the_run_ended(tmp_path):
     """`model.fit(..., callbacks=[kmix.callbacks.MixedPrecisionMonitor(...)])` in a fresh
     process: `fit` is looked up before `kmix.callbacks` is first imported."""
@@ -470,3 +486,158 @@ def test_a_monitor_built_inside_the_fit_call_still_records_how_the_run_ended(tmp
         "exception",
         "training ended by RuntimeError: disk full",
     )
+
+
+# ------------------------------------------------------------------ fast tier
+# The monitor's glue over a plain-Python step record: the same values, read back.
+
+
+def test_fake_every_overflow_at_its_exact_step_with_a_long_update_freq(tmp_path):
+    model = FakeModel(FakeRecorder(initial_scale=1024, min_scale=1))
+    monitor = MixedPrecisionMonitor(tmp_path, update_freq=1000, verbose=0)
+    fake_fit(model, [monitor], scripted(10, skip=(3, 7)), epochs=2)
+
+    data = read_back(tmp_path)
+    got = events(data)
+    assert [step for step, _ in got] == [3, 7, 13, 17]
+    assert all(step == event.step for step, event in got)
+    assert {event.variable for _, event in got} == {"b/kernel"}
+    assert [(e.kind, e.old_scale, e.new_scale) for _, e in got] == [
+        ("backoff", 1024.0, 512.0),
+        ("backoff", 512.0, 256.0),
+        ("backoff", 256.0, 128.0),
+        ("backoff", 128.0, 64.0),
+    ]
+    assert all(e.loss_finite and e.nonfinite_variables == 1 for _, e in got)
+    assert scalars(data, tags.LOSS_SCALE) == {
+        2: 1024.0, 3: 512.0, 6: 512.0, 7: 256.0, 10: 256.0,
+        12: 256.0, 13: 128.0, 16: 128.0, 17: 64.0, 20: 64.0,
+    }  # fmt: skip
+    assert scalars(data, tags.SKIPPED_STEPS) == {3: 1, 7: 2, 10: 2, 13: 3, 17: 4, 20: 4}
+    assert scalars(data, tags.SKIP_RATE) == pytest.approx({10: 0.2, 20: 0.2}, rel=1e-6)
+    assert scalars(data, tags.LOSS_FINITE) == {10: 1.0, 20: 1.0}
+
+
+def test_fake_lost_events_are_reported_with_the_sources_capacity(tmp_path):
+    model = FakeModel(FakeRecorder(initial_scale=1024, min_scale=1, event_capacity=2))
+    monitor = MixedPrecisionMonitor(tmp_path, update_freq=1000, verbose=0)
+    fake_fit(model, [monitor], scripted(10, skip=(1, 2, 4, 6, 9)))
+
+    data = read_back(tmp_path)
+    assert [step for step, _ in events(data)] == [6, 9]
+    notes = [line for _, line in texts(data, tags.EVENTS) if tags.parse_event(line) is None]
+    assert len(notes) == 1
+    assert "3 scale events lost" in notes[0]
+    assert "event_capacity=2" in notes[0] and "update_freq" in notes[0]
+    assert scalars(data, tags.SKIPPED_STEPS) == {10: 5}
+
+
+def test_fake_steps_per_execution(tmp_path):
+    model = FakeModel(FakeRecorder(initial_scale=1024, min_scale=1), steps_per_execution=2)
+    monitor = MixedPrecisionMonitor(tmp_path, update_freq=4, verbose=0)
+    fake_fit(model, [monitor], scripted(10, skip=(3, 6)))
+
+    data = read_back(tmp_path)
+    assert [step for step, _ in events(data)] == [3, 6]
+    assert scalars(data, tags.SKIPPED_STEPS) == {3: 1, 4: 1, 6: 2, 8: 2, 10: 2}
+    assert scalars(data, tags.LOSS_SCALE) == {
+        2: 1024.0, 3: 512.0, 4: 512.0, 5: 512.0, 6: 256.0, 8: 256.0, 10: 256.0
+    }  # fmt: skip
+
+
+def test_fake_policy_record_and_text_of_kmix_loss_scaling(tmp_path):
+    model = FakeModel(FakeRecorder(initial_scale=1024, min_scale=2, max_scale=2.0**20))
+    fake_fit(model, [MixedPrecisionMonitor(tmp_path, update_freq=7, verbose=0)], scripted(2))
+
+    data = read_back(tmp_path)
+    ((_, text),) = texts(data, tags.POLICY_RECORD)
+    record = tags.parse_policy_record(text)
+    assert (record.loss_scaling, record.min_scale, record.max_scale) == ("kmix", 2.0, 2.0**20)
+    assert (record.compute_dtype, record.update_freq, record.model_name) == ("float16", 7, "fake")
+    ((_, policy),) = texts(data, tags.POLICY)
+    assert "loss scaling: `kmix.LossScaleOptimizer` (scale 1024, range [2, 1048576])." in policy
+    assert tags.NOTES not in data  # float16 with kmix: everything is measured
+    patterns = {
+        pattern
+        for category in layout_pb2.Layout.FromString(
+            data["custom_scalars__config__"][0][1].item()
+        ).category
+        for chart in category.chart
+        for pattern in chart.multiline.tag
+    }
+    for tag in (tags.LOSS_SCALE_LOG2, tags.SKIPPED_STEPS, tags.SKIP_RATE, tags.GRAD_NORM):
+        assert f"^{tag}$" in patterns
+
+
+def test_fake_stock_keras_optimizer_logs_scale_and_inferred_skips_and_warns_once(tmp_path):
+    optimizer = built_stock(1024.0)
+    model = FakeModel(optimizer)
+    monitor = MixedPrecisionMonitor(tmp_path, update_freq=5, verbose=0)
+    step = stock_step(optimizer)
+    with pytest.warns(UserWarning, match="kmix.LossScaleOptimizer") as record:
+        fake_fit(model, [monitor], scripted(10, skip=(2, 3, 8)), step=step)
+        fake_fit(model, [monitor], scripted(5), step=step)
+    (warning,) = [w for w in record if "kmix.LossScaleOptimizer" in str(w.message)]
+    assert warning.filename.endswith("fake_optimizer.py")  # the hooks' caller, not kmix's
+
+    data = read_back(tmp_path)
+    assert scalars(data, tags.LOSS_SCALE)[5] == 256.0
+    assert scalars(data, tags.LOSS_SCALE)[10] == 128.0
+    assert scalars(data, tags.SKIPPED_STEPS)[5] == 2
+    assert scalars(data, tags.SKIPPED_STEPS)[10] == 3
+    assert tags.GRAD_NORM not in data and not events(data)
+    assert "kmix.LossScaleOptimizer('adam')" in texts(data, tags.NOTES)[0][1]
+    record = tags.parse_policy_record(texts(data, tags.POLICY_RECORD)[0][1])
+    assert (record.loss_scaling, record.min_scale, record.max_scale) == ("keras", None, None)
+    assert (
+        "loss scaling: the stock `keras.mixed_precision.LossScaleOptimizer`."
+        in (texts(data, tags.POLICY)[0][1])
+    )
+
+
+def test_fake_without_loss_scaling_logs_the_policy_and_why_the_rest_is_missing(tmp_path):
+    model = FakeModel(keras.optimizers.SGD(0.01), policy="float32")
+    monitor = MixedPrecisionMonitor(tmp_path, update_freq=1, verbose=0)
+    with pytest.warns(UserWarning, match="No loss-scale optimizer"):
+        fake_fit(model, [monitor], scripted(4), step=lambda kind: None)
+
+    data = read_back(tmp_path)
+    assert tags.LOSS_SCALE not in data and tags.SKIPPED_STEPS not in data
+    ((_, note),) = texts(data, tags.NOTES)
+    assert "No loss-scale optimizer" in note and "float32" in note
+    assert "loss scaling: none (`SGD`)." in texts(data, tags.POLICY)[0][1]
+    record = tags.parse_policy_record(texts(data, tags.POLICY_RECORD)[0][1])
+    assert (record.loss_scaling, record.min_scale, record.max_scale) == ("none", None, None)
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"), [(KeyboardInterrupt(), "interrupted"), (RuntimeError("disk"), "exception")]
+)
+def test_fake_run_ended_by_another_callback_leaves_every_event_on_disk(tmp_path, error, reason):
+    model = FakeModel(FakeRecorder(initial_scale=1024, min_scale=1))
+    before = model.optimizer.health_every
+    monitor = MixedPrecisionMonitor(tmp_path, update_freq=5, verbose=0)
+    with pytest.raises(type(error)):
+        fake_fit(model, [monitor, RaiseAt(13, error)], scripted(20, skip=(3, 12)))
+
+    data = read_back(tmp_path)
+    assert [step for step, _ in events(data)] == [3, 12]  # step 12 too, though unread then
+    assert max(scalars(data, tags.LOSS_SCALE)) == 13
+    ((step, text),) = texts(data, tags.RUN_END)
+    run_end = tags.parse_run_end(text)
+    assert (step, run_end.step, run_end.reason) == (13, 13, reason)
+    assert model.optimizer.health_every == before  # the monitor's request is withdrawn
+
+
+def test_fake_monitor_asks_for_health_every_update_freq_while_it_runs(tmp_path):
+    optimizer = FakeRecorder()
+    monitor = MixedPrecisionMonitor(tmp_path, update_freq=6, verbose=0)
+    seen = []
+    fake_fit(
+        FakeModel(optimizer),
+        [monitor],
+        scripted(3),
+        step=lambda kind: (seen.append(optimizer.health_every), optimizer.step(kind)),
+    )
+    assert seen == [2, 2, 2]  # gcd(100, 6)
+    assert optimizer.health_every == 100
