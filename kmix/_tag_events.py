@@ -5,9 +5,10 @@ there. Each event (and each note that events were lost) is written twice at its
 step: as a markdown line under ``kmix/events``, for people and TensorBoard's Text
 dashboard, and as a JSON record under ``kmix/event_record``, for readers. Readers
 read the records; they parse the lines only in logs that hold no record (written by
-kmix 0.1.0 and by versions before the records). :func:`format_event` is the one
-wording of an event, wherever it is shown as a line. Nothing here imports
-TensorFlow or Keras.
+kmix 0.1.0 and by versions before the records). :func:`format_event` words an
+event's line wherever one is shown: ``kmix/events``, the monitor's printed origin,
+and the Mixed Precision tab (served by the plugin). Nothing here imports TensorFlow
+or Keras.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ _EVENT_RE = re.compile(
 
 def format_event(event: ScaleEvent) -> str:
     """Formats a :class:`ScaleEvent` as one markdown line for ``kmix/events``.
+
+    The one wording of an event's line: the tab shows this line too.
 
     The line, with its optional parts in this order::
 

@@ -8,7 +8,7 @@ This module holds the tag names, the exponent-bin layout and the descriptions; i
 re-exports the formats written and read back, which live in two parts:
 
 * :mod:`kmix._tag_events`: scale events and lost-event notes, as the markdown line
-  of ``kmix/events`` (:func:`format_event`, the one wording of an event) and the
+  of ``kmix/events`` (:func:`format_event`, the wording of an event's line) and the
   structured record of ``kmix/event_record``;
 * :mod:`kmix._tag_records`: the other structured records, ``kmix/policy_record``
   and ``kmix/run_end``, and the run-end reasons.

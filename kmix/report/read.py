@@ -263,10 +263,12 @@ def read_events(log: KmixLog) -> EventLog:
 
 
 def _lines(text: str) -> list[str]:
+    """The non-blank lines of a text point, stripped."""
     return [line for line in (line.strip() for line in text.splitlines()) if line]
 
 
 def _once_in_step_order(events: list[tags.ScaleEvent]) -> tuple[tags.ScaleEvent, ...]:
+    """The first of each (step, kind, old scale, new scale), in step order (stable)."""
     once: dict[tuple[int, str, float, float], tags.ScaleEvent] = {}
     for event in events:
         once.setdefault((event.step, event.kind, event.old_scale, event.new_scale), event)

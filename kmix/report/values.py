@@ -188,7 +188,8 @@ class Summary:
     def to_dict(self) -> dict[str, Any]:
         """The summary as JSON-ready data: lists for tuples, None for non-finite numbers.
 
-        Events leave out ``index``, which the event lines do not hold.
+        Events leave out ``index``, which logs without event records do not hold,
+        so every log gives the same keys.
 
         Returns:
             A dict with one key per field.
