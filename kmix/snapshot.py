@@ -59,6 +59,14 @@ class Snapshot:
             raise KeyError(key)
         return getattr(self, key)
 
+    def _not_a_mapping(self, *args: Any) -> Any:
+        raise TypeError(
+            "a kmix Snapshot is a dataclass, not a mapping: snapshot['loss_scale'] reads one "
+            "field; for all of them use dataclasses.asdict(snapshot)"
+        )
+
+    __iter__ = keys = values = items = _not_a_mapping
+
 
 def snapshot(
     scale: float | None, counters: Sequence[int], health: Sequence[float] | None
