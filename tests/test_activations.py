@@ -328,6 +328,7 @@ class TapLossScaleOptimizer(keras.mixed_precision.LossScaleOptimizer):
 
 
 @pytest.mark.parametrize("jit_compile, steps_per_execution", [(False, 3), (True, 2)])
+@pytest.mark.slow
 def test_fit_takes_per_traced_step(float16_policy, jit_compile, steps_per_execution):
     model = keras.Sequential(
         [
@@ -383,6 +384,7 @@ MIRRORED_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_mirrored_strategy_replicas_record_their_own_calls():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "3"}
     done = subprocess.run(

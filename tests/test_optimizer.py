@@ -83,6 +83,7 @@ def fit(model, opt, steps, recorder=None, **compile_kwargs):
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.slow
 def test_exact_trace_under_fit(jit_compile):
     keras.mixed_precision.set_global_policy("mixed_float16")
     rec = Recorder()
@@ -129,6 +130,7 @@ def test_exact_trace_under_fit(jit_compile):
     assert opt.scale_events(since=4) == events[4:]
 
 
+@pytest.mark.slow
 def test_skipped_steps_leave_weights_and_inner_state_bit_for_bit():
     keras.mixed_precision.set_global_policy("mixed_float16")
     rec = Recorder()
@@ -145,6 +147,7 @@ def test_skipped_steps_leave_weights_and_inner_state_bit_for_bit():
     )
 
 
+@pytest.mark.slow
 def test_sgd_lr1_gives_known_weights_with_unscaled_gradients():
     """w <- w - grad with the gradient unscaled exactly (scale 2**10, float32 policy)."""
     w = keras.Variable(np.array([1.0, 2.0], "float32"))
@@ -204,6 +207,7 @@ def one_measured_step(inputs: int, units: int, jit_compile: bool):
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.slow
 def test_health_statistics_in_fit_match_numpy(jit_compile):
     """The stored statistics equal a NumPy reference on the same scaled gradients."""
     opt, state, ref = one_measured_step(4, 3, jit_compile)
@@ -227,6 +231,7 @@ def test_health_statistics_in_fit_match_numpy(jit_compile):
         np.testing.assert_array_equal(counts, reference_bins(grad.ravel()))
 
 
+@pytest.mark.slow
 def test_health_statistics_under_jit_on_a_large_kernel():
     """XLA once failed on large kernels (segment ids of unbounded size): 262,144 elements.
 
@@ -240,6 +245,7 @@ def test_health_statistics_under_jit_on_a_large_kernel():
         assert counts.sum() == grad.size
 
 
+@pytest.mark.slow
 def test_float32_layers_do_not_count_against_float16_headroom():
     """A float32 head in a mixed model may hold gradients beyond 65504 harmlessly."""
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -275,6 +281,7 @@ def test_float32_layers_do_not_count_against_float16_headroom():
     assert fresh.float16_mask.tolist() == [1.0, 1.0, 0.0, 0.0]
 
 
+@pytest.mark.slow
 def test_embedding_gradients_train_and_count_rows_once():
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential(
@@ -294,6 +301,7 @@ def test_embedding_gradients_train_and_count_rows_once():
     assert opt.read_state()["skipped_steps"] == 0
 
 
+@pytest.mark.slow
 def test_custom_gradient_tape_loop_with_fault_on_chosen_layer():
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = faulty_model(bad_steps=(2,))
@@ -316,6 +324,7 @@ def test_custom_gradient_tape_loop_with_fault_on_chosen_layer():
     assert (event.step, event.variable, event.loss_finite) == (2, "net/first/kernel", True)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_in_the_inner_optimizer():
     """SGD(lr=1) accumulating 2 steps: w <- w - mean(grad_1, grad_2), gradients unscaled."""
     model = keras.Sequential(
@@ -407,6 +416,7 @@ def test_defaults_follow_stock_keras_scale_trace(growth_steps):
     assert len(set(traces[0])) > 2  # the pattern made the scale move both ways
 
 
+@pytest.mark.slow
 def test_watching_changes_nothing_in_the_training_without_xla(tmp_path):
     """Monitor (statistics every 2 steps, histograms every 4) and guard: the same weights,
     bit for bit, as stock Keras's optimizer on a healthy run (jit_compile=False)."""
@@ -484,6 +494,7 @@ def train_small(model, opt, epochs=1, callbacks=()):
     )
 
 
+@pytest.mark.slow
 def test_keras_file_restores_scale_and_counters(tmp_path):
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = faulty_model(bad_steps=(2,))
@@ -536,6 +547,7 @@ class StopAfterEpoch(keras.callbacks.Callback):
             raise KeyboardInterrupt("simulated interruption")
 
 
+@pytest.mark.slow
 def test_resume_with_backup_and_restore_continues_with_identical_state(tmp_path):
     keras.mixed_precision.set_global_policy("mixed_float16")
 
@@ -561,6 +573,7 @@ def test_resume_with_backup_and_restore_continues_with_identical_state(tmp_path)
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_run_settings_are_not_saved_and_config_keeps_the_arguments(tmp_path):
     """A monitor's settings (health_every...) must not leak through a saved file."""
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
@@ -576,6 +589,7 @@ def test_run_settings_are_not_saved_and_config_keeps_the_arguments(tmp_path):
     assert len(loaded.variables) == len(opt.variables)
 
 
+@pytest.mark.slow
 def test_model_saved_with_stock_optimizer_loads_and_migrates(tmp_path):
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, dtype="float32")])
@@ -657,6 +671,7 @@ def run_script(*args):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_mirrored_strategy_overflow_on_one_replica_skips_on_all():
     got = run_script("kmix")
     assert got["finite"] and got["replicas_equal"]
@@ -665,6 +680,7 @@ def test_mirrored_strategy_overflow_on_one_replica_skips_on_all():
     assert got["iterations"] == 3  # 4 steps, the overflowing one skipped
 
 
+@pytest.mark.slow
 def test_stock_keras_corrupts_weights_in_the_same_case():
     """The fact kmix exists to fix: stock Keras reads replica 0 only and applies NaN."""
     got = run_script("keras")
@@ -672,6 +688,7 @@ def test_stock_keras_corrupts_weights_in_the_same_case():
 
 
 # ----------------------------------------------- truthful under every model, input, ending
+@pytest.mark.slow
 def test_a_lazily_built_model_gets_its_float16_mask_when_its_variables_exist(tmp_path):
     """No Input: variables appear at the first step; headroom must still be measured."""
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -688,6 +705,7 @@ def test_a_lazily_built_model_gets_its_float16_mask_when_its_variables_exist(tmp
     assert state.skipped_steps == 1 and opt.scale_events()[0].kind == "backoff"
 
 
+@pytest.mark.slow
 def test_an_input_of_unknown_length_counts_only_the_steps_that_ran():
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
@@ -700,6 +718,7 @@ def test_an_input_of_unknown_length_counts_only_the_steps_that_ran():
     assert opt.attempted_steps == 24 == int(opt.iterations.numpy())
 
 
+@pytest.mark.slow
 def test_two_monitors_compose_their_requests_and_restore_the_setting(tmp_path):
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
@@ -719,6 +738,7 @@ def test_two_monitors_compose_their_requests_and_restore_the_setting(tmp_path):
     assert (opt.health_every, opt.histogram_every) == (100, 0)
 
 
+@pytest.mark.slow
 def test_loss_flag_belongs_to_its_step():
     w = keras.Variable(np.ones(2, "float32"))
     opt = kmix.LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=8.0)
@@ -741,6 +761,7 @@ def test_loss_flag_belongs_to_its_step():
     assert (event.kind, event.loss_finite, event.variable) == ("backoff", None, w.path)
 
 
+@pytest.mark.slow
 def test_reusing_the_optimizer_after_unfreezing_gives_keras_clear_error():
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential(
@@ -754,6 +775,7 @@ def test_reusing_the_optimizer_after_unfreezing_gives_keras_clear_error():
         train_small(model, opt)
 
 
+@pytest.mark.slow
 def test_a_skipped_step_leaves_batch_normalization_statistics_as_they_were():
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential(

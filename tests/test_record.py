@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from keras import ops
@@ -95,6 +96,7 @@ STEP_SEQUENCES = (
 
 @settings(max_examples=25, deadline=None)
 @given(*STEP_SEQUENCES)
+@pytest.mark.slow
 def test_graph_update_matches_reference(steps, health_every, histogram_every):
     assert run_graph(steps, health_every, histogram_every) == reference(
         steps, health_every, histogram_every
@@ -178,6 +180,7 @@ def test_no_headroom_is_claimed_when_every_nonzero_value_was_nonfinite():
 
 @settings(max_examples=40, deadline=None)
 @given(*STEP_SEQUENCES)
+@pytest.mark.slow
 def test_a_quiet_step_is_exactly_the_constant_delta(steps, health_every, histogram_every):
     """Where the optimizer adds QUIET_DELTA instead of running the rule, the rule agrees."""
     state = initial_record()
