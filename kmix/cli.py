@@ -24,6 +24,7 @@ import dataclasses
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from kmix import __version__
 from kmix._cli_doctor import (
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         The parser; each subcommand sets ``run``, the function to call with the
         parsed arguments.
     """
-    parser = argparse.ArgumentParser(
+    parser = _KmixParser(
         prog="kmix",
         description="Safe and visible Keras mixed-precision training.",
     )
@@ -155,7 +156,46 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     doctor.set_defaults(run=run_doctor, imports_tensorflow=True)
+    parser.commands.update({"demo": demo, "report": report, "doctor": doctor})
     return parser
+
+
+class _KmixParser(argparse.ArgumentParser):
+    """The ``kmix`` parser: an argument no subcommand knows is that subcommand's error.
+
+    A subcommand's parser hands the arguments it does not know back to this one, which
+    stock argparse reports with ``kmix``'s usage (``usage: kmix [-h] [--version]
+    COMMAND ...``); the user needs the usage of the command they typed.
+
+    Attributes:
+        commands: the parser of each subcommand, by name.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, argparse.ArgumentParser] = {}
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        """Parses the command line; unknown arguments are an error of their subcommand.
+
+        Args:
+            args: the arguments after the program name; ``None`` reads ``sys.argv``.
+            namespace: the object to store the values in (a new one if ``None``).
+
+        Returns:
+            The parsed arguments.
+
+        Raises:
+            SystemExit: with status 2 after printing the usage of the subcommand given
+                (or ``kmix``'s, when there is none) and the error, for bad arguments.
+        """
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            owner = self.commands.get(getattr(parsed, "command", None) or "", self)
+            owner.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return parsed
 
 
 def _positive_int(text: str) -> int:
@@ -227,9 +267,15 @@ def _run_report(args: argparse.Namespace) -> int:
         args: the parsed arguments (``logdir``, ``out``, ``json``, ``no_plots``).
 
     Returns:
-        The exit status: 0, or 2 when the log dir has no kmix data or the plots
-        cannot be written.
+        The exit status: 0, or 2 when the log dir is empty (``''``), has no kmix
+        data, or the plots cannot be written.
     """
+    if not args.logdir:  # the reader would look for "" + "/train": a puzzling message
+        return _error(
+            "report",
+            "LOGDIR '' is empty: expected the log_dir given to "
+            "kmix.callbacks.MixedPrecisionMonitor, e.g. kmix report runs/demo",
+        )
     from kmix import report
 
     report.avoid_tensorflow()

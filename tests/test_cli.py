@@ -176,7 +176,7 @@ def test_report_prints_the_summary_and_writes_plots(kmix_here, run_dir):
     assert f"kmix report: {os.path.join(run_dir, tags.TRAIN_DIR)}" in out
     assert "steps seen      100" in out
     assert "skipped steps   4 of 100 (4.00%)" in out
-    assert "first non-finite: dense_2/kernel (3 variables)" in out
+    assert "first non-finite gradient dense_2/kernel (3 variables)" in out
     assert (
         "! 37% of gradient elements in dense_2/kernel sit below float16's smallest normal"
     ) in out
@@ -287,6 +287,40 @@ def test_bad_arguments_exit_2(kmix_here, args, says):
     result = kmix_here(*args)
     assert (result.returncode, result.stdout) == (2, "")
     assert says in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("args", "usage"),
+    [
+        (["demo", "--bogus"], "usage: kmix demo [-h]"),
+        (["report", "runs/x", "--bogus"], "usage: kmix report [-h]"),
+        (["report", "--bogus", "runs/x"], "usage: kmix report [-h]"),
+        (["doctor", "--bogus"], "usage: kmix doctor [-h]"),
+        (["--bogus"], "usage: kmix [-h]"),
+    ],
+    ids=["demo", "report", "report-option-first", "doctor", "no-command"],
+)
+def test_unknown_argument_prints_its_commands_usage(kmix_here, args, usage):
+    result = kmix_here(*args)
+    assert (result.returncode, result.stdout) == (2, "")
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith(usage), result.stderr
+    command = "kmix" if args[0] == "--bogus" else f"kmix {args[0]}"
+    assert lines[-1] == f"{command}: error: unrecognized arguments: --bogus"
+
+
+def test_build_parser_rejects_unknown_arguments_with_the_commands_usage(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.build_parser().parse_args(["report", "runs/x", "--bogus"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.startswith("usage: kmix report [-h]")
+
+
+def test_report_empty_logdir(kmix_here):
+    assert one_line_error(kmix_here("report", "")) == (
+        "kmix report: LOGDIR '' is empty: expected the log_dir given to "
+        "kmix.callbacks.MixedPrecisionMonitor, e.g. kmix report runs/demo"
+    )
 
 
 def test_demo_logdir_is_a_file(kmix_here, tmp_path):
@@ -629,7 +663,7 @@ def test_demo_command_at_its_defaults(tmp_path):
     assert "47/47" in out  # the progress bar: 1,497 images in batches of 32
     assert "test accuracy, mixed_float16 with kmix: " in out
     assert "test accuracy, same model in float32: " in out
-    assert "  step       1  backoff           16777216 (2^24) -> 8388608 (2^23)" in out
+    assert "  backoff at step 1: loss scale 16777216 → 8388608" in out
     assert f"TensorBoard: tensorboard --logdir {logdir}" in out
     assert "falling steadily" not in out
     assert "  - no problems found; notes for information:" in out
