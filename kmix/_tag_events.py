@@ -140,6 +140,18 @@ def format_event(event: ScaleEvent) -> str:
     return text
 
 
+def plain_text(line: str) -> str:
+    """A markdown line of this module without its markup, for a terminal.
+
+    Args:
+        line: e.g. :func:`format_event`'s line.
+
+    Returns:
+        The same words without ``**`` and backticks.
+    """
+    return line.replace("**", "").replace("`", "")
+
+
 def parse_event(line: str) -> ScaleEvent | None:
     """Reads a line written by :func:`format_event`, also by kmix 0.1.0.
 

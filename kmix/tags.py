@@ -33,6 +33,7 @@ from kmix._tag_events import (
     parse_event,
     parse_event_record,
     parse_events_lost,
+    plain_text,
 )
 from kmix._tag_records import (
     COMPLETED,
@@ -116,6 +117,7 @@ __all__ = [
     "parse_event",
     "parse_event_record",
     "parse_events_lost",
+    "plain_text",
     "parse_policy_record",
     "parse_run_end",
 ]

@@ -446,13 +446,13 @@ def test_format_summary_lists_every_event_and_finding(run_dir):
     ) in text
     assert "skipped steps   4 of 100 (4.00%); latest window 0.00%" in text
     assert (
-        "  step       1  backoff           65536 (2^16) -> 32768 (2^15)  "
-        "first non-finite: dense_2/kernel (3 variables)"
+        "  backoff at step 1: loss scale 65536 → 32768; "
+        "first non-finite gradient dense_2/kernel (3 variables)"
     ) in text
-    assert "  step      53  growth            8192 (2^13) -> 16384 (2^14)\n" in text
-    event_lines = [line for line in text.splitlines() if re.match(r"  step +\d+  [a-z]", line)]
+    assert "  growth at step 53: loss scale 8192 → 16384\n" in text
+    event_lines = [line for line in text.splitlines() if re.match(r"  [a-z_]+ at step \d+: ", line)]
     assert len(event_lines) == len(EVENTS)
-    assert event_lines[-1].endswith("loss non-finite")
+    assert event_lines[-1].endswith("; the loss itself was non-finite")
     assert "  overflow headroom (bits)   5 -> 0.5, 0.5..5, falling (10 points)" in text
     assert "policy          Global dtype policy `mixed_float16`." in text
     for finding in summary.findings:

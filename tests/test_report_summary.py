@@ -65,7 +65,7 @@ def test_forward_overflow_names_its_origin_everywhere():
         message
     )
     assert "1 skipped step(s) in a row kept the scale at 8 (2^3)" in summary.findings[-1].message
-    assert "forward overflow starts in block_3/ffn_out (Dense), inputs finite" in (
+    assert "forward overflow starts in block_3/ffn_out (Dense): inputs finite" in (
         report.format_summary(summary)
     )
     assert summary.to_dict()["events"][0]["origin"] == {

@@ -40,30 +40,6 @@ def _trend_line(name: str, trend: Trend | None, percent: bool) -> str:
     )
 
 
-def _event_line(event: tags.ScaleEvent) -> str:
-    line = (
-        f"  step {event.step:>7}  {event.kind:<17} "
-        f"{format_scale(event.old_scale)} -> {format_scale(event.new_scale)}"
-    )
-    if event.variable:
-        line += (
-            f"  first non-finite: {event.variable} "
-            f"({plural(event.nonfinite_variables, 'variable')})"
-        )
-    if event.loss_finite is None:
-        line += "  loss finite: unknown"
-    elif not event.loss_finite:
-        line += "  loss non-finite"
-    if event.origin is not None:
-        origin = event.origin
-        line += (
-            f"  forward overflow starts in {origin.layer} ({origin.layer_class}), inputs "
-            + ("finite" if origin.inputs_finite else "non-finite")
-            + ("" if origin.max_abs_input is None else f", max |input| {origin.max_abs_input:.4g}")
-        )
-    return line
-
-
 def _run_end_line(summary: Summary) -> str:
     end = summary.run_end
     if end is None:
@@ -144,7 +120,7 @@ def format_summary(summary: Summary) -> str:
             f"loss scaling: {record.loss_scaling}"
         )
     lines.append(f"scale events    {len(summary.events)}")
-    lines += [_event_line(event) for event in summary.events]
+    lines += ["  " + tags.plain_text(tags.format_event(event)) for event in summary.events]
     if summary.events_lost:
         lines.append(f"events lost     {summary.events_lost} (see the notes)")
     lines.append("gradient health (finite points: first -> last, min..max, trend)")
