@@ -180,6 +180,7 @@ class LossScaleGuard(StepCallback):
 
     @property
     def _rules(self) -> Rules:
+        """The settings the trip rules read."""
         return Rules(self.patience, self.max_skip_rate, self.window)
 
     # ------------------------------------------------------------------ checks
