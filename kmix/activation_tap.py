@@ -121,6 +121,34 @@ def _record_reachable(record: Record, tf: Any) -> bool:
     return all(reachable(t) for t in tensors if tf.is_tensor(t))
 
 
+_WIDER_FLOATS = frozenset({"float32", "float64"})
+
+
+def as_arrived(tensor: Any) -> Any:
+    """The value a layer was given, before ``Layer.__call__`` cast it to float16.
+
+    A float16 layer's ``call`` sees its float inputs after Keras's autocast: a finite
+    float32 value beyond 65504 arrives in ``call`` as inf. In a traced graph the cast is
+    a ``Cast`` op from a wider float type to float16; its input is the value as it came
+    (from the data, or from a float32 layer), which is what a forward origin must judge.
+
+    Args:
+        tensor: one input tensor of a tapped call.
+
+    Returns:
+        The cast's float32/float64 input when ``tensor`` is a graph tensor made by such a
+        cast; ``tensor`` itself otherwise (eager tensors, other ops, other dtypes).
+    """
+    try:
+        op = tensor.op
+    except AttributeError:  # an eager tensor (or not a TensorFlow tensor): no op to read
+        return tensor
+    if op is None or op.type != "Cast" or tensor.dtype.name != "float16":
+        return tensor
+    source = op.inputs[0]
+    return source if source.dtype.name in _WIDER_FLOATS else tensor
+
+
 class ActivationTap:
     """Records every float16 layer's inputs and outputs while a train step is traced.
 
@@ -252,7 +280,9 @@ class ActivationTap:
         base = getattr(layer, "path", None) or path
         calls = state.counts.get(base, 0) + 1
         state.counts[base] = calls
-        inputs = tuple(x for x in keras.tree.flatten((args, kwargs)) if ops.is_tensor(x))
+        inputs = tuple(
+            as_arrived(x) for x in keras.tree.flatten((args, kwargs)) if ops.is_tensor(x)
+        )
         name = base if calls == 1 else f"{base}#{calls}"
         state.records.append(Record(name, inputs, outputs, type(layer).__name__))
 

@@ -61,7 +61,8 @@ class ActivationStats(NamedTuple):
 
     Over the floating-point tensors of one layer's output (all of them, when it returns a
     tuple, list or dict; integer and bool tensors are ignored), with ``n`` their total
-    number of elements (a layer with no float element has ``n = 0`` and all fractions 0):
+    number of elements. A layer whose output has no float element is not measured: every
+    entry is NaN (readers leave it out; nothing is written for it).
 
     Attributes:
         max_abs: largest finite ``|x|``; 0 when there is none.
@@ -92,7 +93,9 @@ class ForwardOriginTensors(NamedTuple):
             first layer whose output is non-finite while all its inputs are finite; if
             there is none but some output is non-finite (the value came with the data),
             the first layer with a non-finite output; -1 when every output is finite.
-        max_abs_input: float32; that layer's largest finite ``|input|`` (0 for -1).
+        max_abs_input: float32; that layer's largest finite ``|input|`` over its float and
+            integer inputs, as they arrived (before Keras cast them to float16: see
+            :func:`kmix.activation_tap.as_arrived`); NaN when it has neither; 0 for -1.
         inputs_finite: bool; whether all that layer's float inputs were finite (True for
             -1).
     """
@@ -186,13 +189,17 @@ def activation_stats(outputs: list[Any]) -> ActivationStats:
         max_abs, size, nonfinite, zeros, below_normal = _layer_stats(structure)
         n = ops.maximum(size, 1.0)
         headroom = _LOG2_FLOAT16_MAX - ops.log2(ops.maximum(max_abs, FLOAT16_SMALLEST_SUBNORMAL))
-        values = (
-            max_abs,
-            headroom,
-            nonfinite / n,
-            below_normal / n,
-            zeros / n,
-            (below_normal - zeros) / n,
+        unmeasured = ops.equal(size, 0.0)  # no float element: nothing to say, NaN
+        values = tuple(
+            ops.where(unmeasured, np.float32(np.nan), value)
+            for value in (
+                max_abs,
+                headroom,
+                nonfinite / n,
+                below_normal / n,
+                zeros / n,
+                (below_normal - zeros) / n,
+            )
         )
         for column, value in zip(columns, values, strict=True):
             column.append(value)
@@ -208,6 +215,32 @@ def _finite_summary(structure: Any) -> tuple[Any, Any]:
         finite = ops.logical_and(finite, ops.all(is_finite))
         peak = ops.max(ops.where(is_finite, ops.abs(x), ops.zeros((), x.dtype)), initial=0.0)
         largest = ops.maximum(largest, ops.cast(peak, "float32"))
+    return finite, largest
+
+
+def _is_int_array(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not hasattr(x, "shape"):
+        return False
+    try:
+        return keras.backend.standardize_dtype(dtype).startswith(("int", "uint"))
+    except (TypeError, ValueError):
+        return False
+
+
+def _input_summary(structure: Any) -> tuple[Any, Any]:
+    """(all float inputs finite, largest finite |input| over float and integer tensors).
+
+    The largest value is NaN when the structure holds no float or integer tensor: it was
+    not measured (an integer id's magnitude counts: an Embedding's inputs are its ids).
+    """
+    finite, largest = _finite_summary(structure)
+    ints = [ops.convert_to_tensor(x) for x in keras.tree.flatten(structure) if _is_int_array(x)]
+    for x in ints:
+        peak = ops.max(ops.abs(x), initial=0)
+        largest = ops.maximum(largest, ops.cast(peak, "float32"))
+    if not ints and not float_tensors(structure):
+        largest = ops.convert_to_tensor(np.nan, "float32")
     return finite, largest
 
 
@@ -249,7 +282,7 @@ def forward_origin(inputs: list[Any], outputs: list[Any]) -> ForwardOriginTensor
         )
     in_finite, in_max, out_bad = [], [], []
     for layer_inputs, layer_outputs in zip(inputs, outputs, strict=True):
-        finite, largest = _finite_summary(layer_inputs)
+        finite, largest = _input_summary(layer_inputs)
         in_finite.append(finite)
         in_max.append(largest)
         out_bad.append(ops.logical_not(_finite_summary(layer_outputs)[0]))

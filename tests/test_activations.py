@@ -15,7 +15,8 @@ import pytest
 import tensorflow as tf
 from keras import ops
 
-from kmix import activations, health
+import kmix
+from kmix import activations
 
 F16_MAX = float(np.finfo(np.float16).max)
 F16_TINY = float(np.finfo(np.float16).smallest_normal)
@@ -66,7 +67,7 @@ def test_statistics_match_numpy_on_nested_outputs():
         numpy_stats(a),
         numpy_stats(b),
         numpy_stats(a[:2]),
-        {**numpy_stats([]), "headroom_bits": health.MAX_HEADROOM_BITS},
+        dict.fromkeys(numpy_stats([]), np.nan),  # no float element: not measured
     ]
     for key, values in got.items():
         assert values.dtype == np.float32 and values.shape == (4,), key
@@ -118,6 +119,15 @@ def test_forward_origin_nested_inputs_and_int_leaves():
     ]
     outputs = [(t([2.0]), t([1.0])), {"a": t([np.inf]), "b": t([4.0])}]
     assert origin(inputs, outputs) == (1, 600.0, True)
+
+
+def test_forward_origin_measures_integer_inputs_and_nothing_else():
+    """An Embedding's inputs are integer ids: their magnitude is what was measured; a layer
+    with no numeric input has no max (NaN, shown as unknown), never a 0."""
+    ids = [t([3, 7, 2], "int32"), t([1.0])]
+    assert origin(ids, [t([np.inf]), t([np.inf])]) == (0, 7.0, True)
+    found = activations.forward_origin([(ops.ones((2,), "bool"),)], [t([np.nan])])
+    assert int(found.layer_index) == 0 and math.isnan(float(found.max_abs_input))
 
 
 def test_forward_origin_nan_from_the_data():
@@ -256,6 +266,34 @@ def test_float16_overflow_is_named_with_inputs_finite(float16_policy):
     assert found["layer_index"] == 1 and bool(found["inputs_finite"])
     assert float(found["max_abs_input"]) == max_abs(h)
     assert stats["nonfinite_fraction"][1] == 1.0 and stats["nonfinite_fraction"][0] == 0.0
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_cast_overflow_names_the_layer_it_enters_with_the_finite_value(
+    float16_policy, jit_compile
+):
+    """A float32 block's finite 90000 becomes inf only in Keras's cast into the next
+    float16 layer: that layer is the origin, its input finite at 90000 (as it arrived),
+    not "non-finite inputs, max 0" (issue 21, item 1). The same for data past 65504."""
+    inputs = keras.Input((2,))
+    big = keras.initializers.Constant(300.0)
+    with kmix.policy_scope("float32"):
+        wide = keras.layers.Dense(2, name="wide", kernel_initializer=big, use_bias=False)
+    after = keras.layers.Dense(1, name="after", kernel_initializer="ones")
+    model = keras.Model(inputs, after(wide(inputs)))
+    tap = activations.ActivationTap(model).install()
+    assert tap.paths == ["after"]
+    x = np.full((1, 2), 150.0, "float32")  # wide: 2 * 150 * 300 = 90000 in float32
+    paths, stats, found = take_in_function(model, tap, x, jit_compile=jit_compile)
+    assert paths == ["after"] and stats["nonfinite_fraction"][0] == 1.0
+    assert found["layer_index"] == 0 and bool(found["inputs_finite"])
+    assert float(found["max_abs_input"]) == 90000.0
+
+    data_model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="first")])
+    tap = activations.ActivationTap(data_model).install()
+    _, _, found = take_in_function(data_model, tap, np.array([[1.0, 70000.0]], "float32"))
+    assert found["layer_index"] == 0 and bool(found["inputs_finite"])
+    assert float(found["max_abs_input"]) == 70000.0
 
 
 def test_jit_compile(float16_policy):
