@@ -91,8 +91,35 @@ _EVENT_RE = re.compile(
     r"(?:(?P<loss_nonfinite>; the loss itself was non-finite)"
     r"|(?P<loss_unknown>; whether the loss was finite is unknown))?"
     r"(?:; forward overflow starts in `(?P<layer>[^`]+)` \((?P<layer_class>[^)]*)\): "
-    r"inputs (?P<inputs>finite|non-finite)(?:, max \|input\| (?P<max_input>[^ ;]+))?)?"
+    r"inputs (?P<inputs>finite|non-finite)(?:, max \|input\| (?P<max_input>[^ ;,]+))?)?"
 )
+
+
+FLOAT16_MAX = 65504.0
+"""float16's largest finite value (as ``kmix.health.FLOAT16_MAX``; readers need no TF)."""
+
+
+def inputs_words(origin: ForwardOrigin, digits: int = 9) -> str:
+    """What a forward origin's inputs were, in the one wording of events, guard and report.
+
+    ``inputs finite, max |input| 812``; ``inputs non-finite``; and for a finite input past
+    float16's range, the cast that overflowed: ``inputs finite, max |input| 90000, past
+    float16's max 65504: the cast to float16 as they enter overflows``.
+
+    Args:
+        origin: the origin (``max_abs_input`` None when it was not measured).
+        digits: significant digits of the max (9 in event lines: exact for float32).
+
+    Returns:
+        The words, without a leading separator.
+    """
+    text = f"inputs {'finite' if origin.inputs_finite else 'non-finite'}"
+    if origin.max_abs_input is None:
+        return text
+    text += f", max |input| {origin.max_abs_input:.{digits}g}"
+    if origin.inputs_finite and origin.max_abs_input > FLOAT16_MAX:
+        text += f", past float16's max {FLOAT16_MAX:g}: the cast to float16 as they enter overflows"
+    return text
 
 
 def format_event(event: ScaleEvent) -> str:
@@ -133,10 +160,8 @@ def format_event(event: ScaleEvent) -> str:
     if origin is not None:
         text += (
             f"; forward overflow starts in `{origin.layer}` ({origin.layer_class}): "
-            f"inputs {'finite' if origin.inputs_finite else 'non-finite'}"
+            + inputs_words(origin)
         )
-        if origin.max_abs_input is not None:
-            text += f", max |input| {origin.max_abs_input:.9g}"
     return text
 
 

@@ -11,7 +11,8 @@ re-exports the formats written and read back, which live in two parts:
   of ``kmix/events`` (:func:`format_event`, the wording of an event's line) and the
   structured record of ``kmix/event_record``;
 * :mod:`kmix._tag_records`: the other structured records, ``kmix/policy_record``
-  and ``kmix/run_end``, and the run-end reasons.
+  (with the scale at train begin, each variable's compute dtype and the audit's
+  findings) and ``kmix/run_end``, and the run-end reasons.
 
 Import every name from here (``kmix.tags.ScaleEvent``), not from the parts.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 from kmix._tag_events import (
     EVENT_KINDS,
     EVENTS_LOST_RECORD,
+    FLOAT16_MAX,
     RECORD_TYPES,
     SCALE_EVENT_RECORD,
     SKIP_KINDS,
@@ -30,6 +32,7 @@ from kmix._tag_events import (
     format_event,
     format_event_record,
     format_events_lost,
+    inputs_words,
     parse_event,
     parse_event_record,
     parse_events_lost,
@@ -43,6 +46,7 @@ from kmix._tag_records import (
     LOSS_SCALINGS,
     RUN_END_REASONS,
     STOPPED_BY_GUARD,
+    AuditFinding,
     PolicyRecord,
     RunEnd,
     format_policy_record,
@@ -52,6 +56,7 @@ from kmix._tag_records import (
 )
 
 __all__ = [
+    "FLOAT16_MAX",
     "ACTIVATION_HEADROOM_BITS",
     "ACTIVATION_MAX_ABS",
     "ACTIVATION_NONFINITE_FRACTION",
@@ -100,6 +105,7 @@ __all__ = [
     "UNDERFLOW_BY_VARIABLE",
     "UNDERFLOW_FRACTION",
     "ZERO_FRACTION",
+    "AuditFinding",
     "EventsLost",
     "ForwardOrigin",
     "PolicyRecord",
@@ -112,6 +118,7 @@ __all__ = [
     "format_event",
     "format_event_record",
     "format_events_lost",
+    "inputs_words",
     "format_policy_record",
     "format_run_end",
     "parse_event",

@@ -216,3 +216,25 @@ def test_exponent_bin_against_numpy():
     assert tags.bin_exponent(0) is None and tags.bin_exponent(tags.NUM_EXPONENT_BINS - 1) is None
     left = tags.exponent_bucket_edges()[tags.exponent_bin(-24)][0]
     assert left == -24.0
+
+
+def test_a_cast_overflow_is_named_as_what_it_is_in_every_wording():
+    """A finite input past 65504 entering a float16 layer: the event line, the guard's
+    diagnosis and the report say that the cast into float16 overflowed (issue 21, item 1)."""
+    from kmix.callbacks import _diagnosis
+
+    cast = ForwardOrigin("after", "Dense", inputs_finite=True, max_abs_input=90000.0)
+    event = ScaleEvent(1, 4, "forward_overflow", 8.0, 8.0, None, 0, False, cast)
+    line = tags.format_event(event)
+    assert line.endswith(
+        "forward overflow starts in `after` (Dense): inputs finite, max |input| 90000, "
+        "past float16's max 65504: the cast to float16 as they enter overflows"
+    )
+    assert tags.parse_event(line).origin == cast
+    assert "max |input| 90000, past float16's max 65504: the cast to float16" in (
+        _diagnosis.forward_origin([event])
+    )
+    inside = dataclasses.replace(cast, max_abs_input=812.0)
+    assert tags.inputs_words(inside) == "inputs finite, max |input| 812"
+    no_max = dataclasses.replace(cast, max_abs_input=None)
+    assert tags.inputs_words(no_max) == "inputs finite"

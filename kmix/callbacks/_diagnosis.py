@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kmix import tags
 from kmix.callbacks._trip import NonfiniteLoss, OverflowAtFloor, SkipRate, Trip
 from kmix.tags import ScaleEvent
 
@@ -53,11 +54,10 @@ def forward_origin(events: Sequence[ScaleEvent]) -> str:
             f"({origin.layer_class}), whose inputs were already non-finite: the "
             "NaN/Inf comes with the data or from outside the tapped layers."
         )
-    max_abs = "" if origin.max_abs_input is None else f", max |input| {origin.max_abs_input:g}"
     return (
-        f" Forward overflow in `{origin.layer}` ({origin.layer_class}): inputs finite"
-        f"{max_abs}; keep this layer in float32 with `kmix.policy_scope('float32')` "
-        "or `dtype='float32'`."
+        f" Forward overflow in `{origin.layer}` ({origin.layer_class}): "
+        f"{tags.inputs_words(origin, digits=6)}; keep this layer in float32 with "
+        "`kmix.policy_scope('float32')` or `dtype='float32'`."
     )
 
 
