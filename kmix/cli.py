@@ -103,10 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="train a small CNN on shipped digits in mixed precision and report on it",
         description=(
             "Train a small convolutional network on the 8x8 handwritten digits that "
-            "ship with kmix, in mixed precision with kmix.LossScaleOptimizer, "
+            "ship with kmix, in mixed precision (--policy) with kmix.LossScaleOptimizer, "
             "MixedPrecisionMonitor and LossScaleGuard. The loss scale starts far too "
-            "high, so the first steps overflow and back off; the report shows the "
-            "recovery. Then the same model trains in float32 for comparison."
+            "high for float16, so with a float16 policy the first steps overflow and "
+            "back off; the report shows the recovery. Then the same model trains in "
+            "float32 for comparison."
         ),
     )
     demo.add_argument(
@@ -119,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         default="mixed_float16",
         choices=POLICY_NAMES,
-        help="dtype policy for the mixed-precision run (%(default)s)",
+        help="dtype policy of the logged run; auto chooses from the hardware (%(default)s)",
     )
     demo.add_argument(
         "--overwrite",

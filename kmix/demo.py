@@ -25,9 +25,10 @@ import dataclasses
 import importlib.resources
 import math
 import os
+import re
 import time
 import warnings
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -41,6 +42,9 @@ from kmix._demo_logdir import (
     record_run,
 )
 from kmix._words import plural
+
+if TYPE_CHECKING:
+    from kmix.hardware import Hardware
 
 __all__ = [
     "BATCH_SIZE",
@@ -75,6 +79,9 @@ INITIAL_SCALE = 2.0**24  # the optimizer's max_scale: gradients overflow float16
 GROWTH_STEPS = 50  # small, so that growth events appear within a few epochs
 UPDATE_FREQ = 10
 HISTOGRAM_FREQ = 25  # at least one histogram in the first epoch (47 steps)
+
+_RANGE_MAX = {"float32": "3.4e38", "bfloat16": "3.4e38", "float64": "1.8e308"}
+"""The largest finite value of each compute dtype but float16, as the introduction says it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +189,7 @@ def _train(
     scaled: bool,
     verbose: int,
     logged: bool = True,
+    detected: Hardware | None = None,
 ) -> Trained:
     """Builds, compiles, trains and evaluates one model.
 
@@ -197,6 +205,7 @@ def _train(
             False (the float32 comparison, of which only the test accuracy is shown),
             Keras runs a whole epoch per call (``steps_per_execution``): the same steps
             and weights, about 30% faster.
+        detected: the hardware to choose ``"auto"`` for; ``None`` detects it.
 
     Returns:
         The model, its policy text and its test accuracy.
@@ -209,7 +218,7 @@ def _train(
     with contextlib.ExitStack() as stack:
         with warnings.catch_warnings():  # the choice's reason says when float16 is slow here
             warnings.simplefilter("ignore", UserWarning)
-            choice = stack.enter_context(kmix.policy_scope(policy))
+            choice = stack.enter_context(kmix.policy_scope(policy, detected=detected))
         (x_train, y_train), (x_test, y_test) = data
         model = build_model()
         optimizer: Any = keras.optimizers.Adam(LEARNING_RATE)
@@ -223,17 +232,41 @@ def _train(
             metrics=["accuracy"],
             steps_per_execution=1 if logged else math.ceil(len(x_train) / BATCH_SIZE),
         )
-        model.fit(
-            x_train,
-            y_train,
-            batch_size=BATCH_SIZE,
-            epochs=epochs,
-            validation_data=(x_test, y_test) if logged else None,
-            callbacks=callbacks,
-            verbose=verbose,
-        )
+        with warnings.catch_warnings():
+            # The monitor's note that float16's statistics do not apply to this policy is
+            # said by the demo's introduction and report; as a warning it would point at
+            # no code of the user's.
+            warnings.filterwarnings("ignore", _not_float16_note(choice.name), UserWarning)
+            model.fit(
+                x_train,
+                y_train,
+                batch_size=BATCH_SIZE,
+                epochs=epochs,
+                validation_data=(x_test, y_test) if logged else None,
+                callbacks=callbacks,
+                verbose=verbose,
+            )
         _, accuracy = model.evaluate(x_test, y_test, batch_size=256, verbose=0)
     return Trained(model=model, policy=str(choice), accuracy=float(accuracy))
+
+
+def _compute_dtype(policy: str) -> str:
+    """The dtype a Keras policy name computes in: ``"mixed_bfloat16"`` -> ``"bfloat16"``."""
+    return policy.removeprefix("mixed_")
+
+
+def _not_float16_note(policy: str) -> str:
+    """A ``warnings`` filter pattern for the monitor's note on a policy without float16.
+
+    Args:
+        policy: the Keras policy name the model was built under.
+
+    Returns:
+        The regular expression matching the note exactly.
+    """
+    from kmix.callbacks.monitor import _NOT_FLOAT16_NOTE
+
+    return re.escape(_NOT_FLOAT16_NOTE.format(dtype=_compute_dtype(policy))) + r"\Z"
 
 
 def run(
@@ -246,6 +279,7 @@ def run(
     seed: int = 0,
     verbose: int = 1,
     overwrite: bool = False,
+    detected: Hardware | None = None,
 ) -> DemoResult:
     """Trains the demo in mixed precision (logged), then in float32, and reports.
 
@@ -262,6 +296,8 @@ def run(
         seed: random seed of both runs.
         verbose: Keras's verbosity for the logged run: 1 shows a progress bar.
         overwrite: replace a previous kmix demo run in ``logdir``.
+        detected: the hardware ``policy="auto"`` chooses for (see ``kmix.use``);
+            ``None`` detects it.
 
     Returns:
         A :class:`DemoResult`.
@@ -285,6 +321,7 @@ def run(
             compare_float32=compare_float32,
             seed=seed,
             verbose=verbose,
+            detected=detected,
         )
     finally:  # also when training fails or is interrupted: the run is the demo's own
         record_run(logdir)
@@ -300,6 +337,7 @@ def _train_and_report(
     compare_float32: bool,
     seed: int,
     verbose: int,
+    detected: Hardware | None,
 ) -> DemoResult:
     """The body of :func:`run`, once the log dir is ready; its ``seconds`` are 0."""
     import keras
@@ -317,7 +355,14 @@ def _train_and_report(
         keras.callbacks.TensorBoard(logdir),
     ]
     mixed = _train(
-        policy, data, epochs=epochs, seed=seed, callbacks=callbacks, scaled=True, verbose=verbose
+        policy,
+        data,
+        epochs=epochs,
+        seed=seed,
+        callbacks=callbacks,
+        scaled=True,
+        verbose=verbose,
+        detected=detected,
     )
     float32_accuracy = None
     if compare_float32:
@@ -330,6 +375,7 @@ def _train_and_report(
             scaled=False,
             verbose=0,
             logged=False,
+            detected=detected,
         ).accuracy
     log = report.read_log(logdir)
     summary = report.summarize(log)
@@ -349,34 +395,60 @@ def _train_and_report(
     )
 
 
-def _introduction(logdir: str, epochs: int, policy: str) -> str:
+def _introduction(logdir: str, epochs: int, policy: str, *, auto: bool = False) -> str:
     """The line ``kmix demo`` prints before it trains: what it runs and where it logs.
+
+    The overflow the demo provokes is promised only where the policy computes in
+    float16; any other compute dtype reaches far past 2^24 times the gradients.
 
     Args:
         logdir: TensorBoard log dir.
         epochs: epochs per run.
-        policy: the dtype policy of the logged run.
+        policy: the dtype policy of the logged run, as a Keras name (what ``"auto"``
+            chose, not ``"auto"``).
+        auto: whether ``"auto"`` chose ``policy``.
 
     Returns:
         One line, without its newline.
     """
-    return (
-        f"kmix demo: {plural(epochs, 'epoch')} on the 8x8 digits, policy {policy}. The loss "
-        "scale starts at 2^24, too high for float16 on purpose: the first float16 steps "
-        f"overflow and back off. Logs in {logdir}"
-    )
+    head = f"kmix demo: {plural(epochs, 'epoch')} on the 8x8 digits, policy {policy}"
+    if auto:
+        head += " (chosen by --policy auto)"
+    dtype = _compute_dtype(policy)
+    if dtype == "float16":
+        what = (
+            "The loss scale starts at 2^24, too high for float16 on purpose: the first "
+            "float16 steps overflow and back off."
+        )
+    else:
+        what = (
+            f"It computes in {dtype}, whose range reaches {_RANGE_MAX[dtype]} (float16's ends "
+            "at 65504), so it needs no loss scaling: the loss scale starts at 2^24 as in the "
+            "float16 demo, whose first steps overflow on purpose, and float16's headroom and "
+            "underflow are not measured (--policy mixed_float16 shows the overflow)."
+        )
+    return f"{head}. {what} Logs in {logdir}"
 
 
 def main(
-    logdir: str, epochs: int = 10, policy: str = "mixed_float16", *, overwrite: bool = False
+    logdir: str,
+    epochs: int = 10,
+    policy: str = "mixed_float16",
+    *,
+    overwrite: bool = False,
+    detected: Hardware | None = None,
 ) -> int:
     """Runs the demo and prints accuracies, the report and how to open TensorBoard.
+
+    Every line names the policy the run used: for ``"auto"``, the one it chose.
 
     Args:
         logdir: TensorBoard log dir.
         epochs: epochs per run, >= 1.
-        policy: the dtype policy of the logged run.
+        policy: the dtype policy of the logged run (any name ``kmix.use`` accepts).
         overwrite: replace a previous kmix demo run in ``logdir``.
+        detected: the hardware ``"auto"`` chooses for; ``None`` detects it (which
+            imports TensorFlow) when ``policy`` is ``"auto"``.
 
     Returns:
         The exit status: 0, or 1 when LossScaleGuard stopped training.
@@ -386,13 +458,21 @@ def main(
         OSError: ``logdir`` cannot be created or written.
     """
     from kmix import report
+    from kmix.policy import choose_auto
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    print(_introduction(logdir, epochs, policy))
-    result = run(logdir, epochs, policy, overwrite=overwrite)
+    name = policy
+    if policy == "auto":  # choose once: the run chooses for the same hardware
+        if detected is None:
+            from kmix.hardware import hardware
+
+            detected = hardware()
+        name = choose_auto(detected)[0]
+    print(_introduction(logdir, epochs, name, auto=policy == "auto"))
+    result = run(logdir, epochs, policy, overwrite=overwrite, detected=detected)
     print()
     print(f"policy: {result.policy}")
-    print(f"test accuracy, {policy} with kmix: {result.mixed_accuracy:.4f}")
+    print(f"test accuracy, {name} with kmix: {result.mixed_accuracy:.4f}")
     if result.float32_accuracy is not None:
         print(f"test accuracy, same model in float32: {result.float32_accuracy:.4f}")
     print()

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,6 +24,7 @@ import pytest
 from test_report import assert_png, write_run
 
 from kmix import cli, demo, report, tags
+from kmix.hardware import GPU, Hardware
 
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
 USER_ENV = {name: value for name, value in os.environ.items() if name != "TF_CPP_MIN_LOG_LEVEL"}
@@ -596,6 +598,81 @@ def test_demo_introduction_says_what_it_runs():
         "Logs in runs/x"
     )
     assert demo._introduction("d", 10, "float32").startswith("kmix demo: 10 epochs on the")
+
+
+def test_demo_introduction_without_float16_promises_no_overflow():
+    assert demo._introduction("d", 1, "float32") == (
+        "kmix demo: 1 epoch on the 8x8 digits, policy float32. It computes in float32, whose "
+        "range reaches 3.4e38 (float16's ends at 65504), so it needs no loss scaling: the loss "
+        "scale starts at 2^24 as in the float16 demo, whose first steps overflow on purpose, and "
+        "float16's headroom and underflow are not measured (--policy mixed_float16 shows the "
+        "overflow). Logs in d"
+    )
+    for policy, dtype in [("mixed_bfloat16", "bfloat16"), ("bfloat16", "bfloat16")]:
+        line = demo._introduction("d", 1, policy)
+        assert f"policy {policy}. It computes in {dtype}, whose range reaches 3.4e38" in line
+    assert "range reaches 1.8e308" in demo._introduction("d", 1, "float64")
+    assert "too high for float16 on purpose: the first float16 steps overflow" in (
+        demo._introduction("d", 1, "float16")
+    )
+    assert demo._introduction("d", 1, "mixed_bfloat16", auto=True).startswith(
+        "kmix demo: 1 epoch on the 8x8 digits, policy mixed_bfloat16 (chosen by --policy auto). "
+        "It computes in bfloat16"
+    )
+
+
+@pytest.mark.parametrize(
+    ("detected", "chosen", "float16"),
+    [
+        (Hardware(cpu_flags=("avx512_bf16",)), "mixed_bfloat16", False),
+        (Hardware(), "float32", False),
+        (Hardware(gpus=(GPU("GPU:0", "V100", (7, 0)),)), "mixed_float16", True),
+    ],
+    ids=["bfloat16-cpu", "plain-cpu", "v100"],
+)
+def test_demo_main_names_the_policy_auto_chose(capsys, monkeypatch, detected, chosen, float16):
+    calls = []
+
+    def fake_run(logdir, epochs, policy, **options):
+        calls.append((logdir, epochs, policy, options))
+        return demo.DemoResult(
+            logdir=logdir,
+            policy=f"{chosen}: the reason",
+            mixed_accuracy=0.9,
+            float32_accuracy=0.8,
+            guard_diagnosis=None,
+            summary=None,
+            plots=[],
+            seconds=1.0,
+        )
+
+    monkeypatch.setattr(demo, "run", fake_run)
+    monkeypatch.setattr(report, "format_summary", lambda summary: "the report")
+    assert demo.main("runs/x", 2, "auto", detected=detected) == 0
+    assert calls == [("runs/x", 2, "auto", {"overwrite": False, "detected": detected})]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(
+        f"kmix demo: 2 epochs on the 8x8 digits, policy {chosen} (chosen by --policy auto)."
+    )
+    assert ("the first float16 steps overflow" in lines[0]) == float16
+    assert ("needs no loss scaling" in lines[0]) == (not float16)
+    assert f"policy: {chosen}: the reason" in lines
+    assert f"test accuracy, {chosen} with kmix: 0.9000" in lines
+    assert not any("auto with kmix" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_demo_without_float16_warns_of_nothing(tmp_path):
+    # The monitor's note that float16's statistics do not apply is in the demo's own
+    # introduction and report; as a warning it reached the user as a raw
+    # "UserWarning: ... sys.exit(main())" line.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = demo.run(
+            str(tmp_path / "demo"), 1, "float32", train_limit=64, compare_float32=False, verbose=0
+        )
+    assert [str(w.message) for w in caught if "not float16" in str(w.message)] == []
+    assert "The model computes in float32, not float16" in report.format_summary(result.summary)
 
 
 @pytest.mark.slow
