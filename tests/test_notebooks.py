@@ -1,13 +1,17 @@
 """The notebooks run top to bottom in a fresh kernel and show what they claim.
 
 Each notebook is executed with nbclient in a temporary working directory (so its
-TensorBoard logs land there), and the line its last cell prints is checked.
+TensorBoard logs land there). What it computed is read from the kernel afterwards, by
+a cell the test appends to its in-memory copy (:func:`_run`): the notebook files print
+nothing for the tests.
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
+from typing import Any
 
 import pytest
 
@@ -27,9 +31,24 @@ def _stdout(cell) -> str:
     )
 
 
-def _run(name: str, workdir: pathlib.Path):
-    """Executes a notebook in ``workdir``; fails with the failing cell's error."""
+def _run(name: str, workdir: pathlib.Path, values: str) -> tuple[Any, dict[str, Any]]:
+    """Executes a notebook in ``workdir`` and reads what it computed from its kernel.
+
+    Args:
+        name: the notebook's file name in ``notebooks/``.
+        workdir: the kernel's working directory.
+        values: a Python expression over the notebook's variables giving a dict of
+            JSON-ready values, evaluated by a cell appended after the notebook's last
+            (to the copy in memory only).
+
+    Returns:
+        The executed notebook, without the appended cell, and the dict.
+    """
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+    cells = len(notebook.cells)
+    notebook.cells.append(
+        nbformat.v4.new_code_cell(f"import json as _json\nprint(_json.dumps({values}))")
+    )
     client = nbclient.NotebookClient(
         notebook,
         timeout=CELL_TIMEOUT_S,
@@ -40,15 +59,9 @@ def _run(name: str, workdir: pathlib.Path):
         client.execute()
     except nbclient.exceptions.CellExecutionError as error:
         pytest.fail(f"{name} failed:\n{error}", pytrace=False)
-    return notebook
-
-
-def _result(notebook, prefix: str) -> dict[str, str]:
-    """The ``key=value`` pairs of the ``PREFIX ...`` line the last cell prints."""
-    text = _stdout(notebook.cells[-1])
-    match = re.search(rf"^{prefix} (.*)$", text, re.MULTILINE)
-    assert match, f"the last cell did not print a {prefix} line; its output:\n{text}"
-    return dict(pair.split("=", 1) for pair in match[1].split())
+    probe = notebook.cells.pop()
+    assert len(notebook.cells) == cells
+    return notebook, json.loads(_stdout(probe))
 
 
 @pytest.mark.parametrize("name", ["01_quickstart.ipynb", "02_diagnose_overflow.ipynb"])
@@ -62,33 +75,75 @@ def test_stored_without_outputs(name):
             assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
 
 
+def _heading_level(cell) -> int | None:
+    """The level of the heading a markdown cell starts with (``## x`` is 2), or None."""
+    match = re.match(r"(#+) ", cell.source) if cell.cell_type == "markdown" else None
+    return len(match[1]) if match else None
+
+
+@pytest.mark.parametrize("name", ["01_quickstart.ipynb", "02_diagnose_overflow.ipynb"])
+def test_every_heading_has_content_and_nothing_prints_for_the_tests(name):
+    cells = nbformat.read(NOTEBOOKS / name, as_version=4).cells
+    for index, cell in enumerate(cells):
+        if cell.cell_type == "code":
+            # A "NAME key=value ..." line is for a test to parse, not for the reader.
+            assert not re.search(r'print\(\s*f?"[A-Z_]{3,} \w+=', cell.source), cell.source
+        level = _heading_level(cell)
+        if level is None or "\n" in cell.source.strip():
+            continue  # not a heading, or a heading with its text
+        following = cells[index + 1] if index + 1 < len(cells) else None
+        next_level = None if following is None else _heading_level(following)
+        assert following is not None and (next_level is None or next_level > level), (
+            f"the section {cell.source!r} is empty"
+        )
+
+
 @pytest.mark.slow
 def test_quickstart(tmp_path):
-    notebook = _run("01_quickstart.ipynb", tmp_path)
-    result = _result(notebook, "QUICKSTART")
-    assert int(result["steps"]) == 4 * 47  # 4 epochs of 1,497 images in batches of 32
-    assert int(result["skipped_steps"]) < int(result["steps"]) // 10
-    assert float(result["test_accuracy"]) > 0.8
-    assert float(result["loss_scale"]) >= 1.0
+    _, result = _run(
+        "01_quickstart.ipynb",
+        tmp_path,
+        "{'skipped_steps': int(summary.skipped_steps), 'steps': int(summary.steps_seen), "
+        "'loss_scale': float(summary.loss_scale.final), 'test_accuracy': float(test_accuracy)}",
+    )
+    assert result["steps"] == 4 * 47  # 4 epochs of 1,497 images in batches of 32
+    assert result["skipped_steps"] < result["steps"] // 10
+    assert result["test_accuracy"] > 0.8
+    assert result["loss_scale"] >= 1.0
     assert (tmp_path / "runs" / "quickstart" / "train").is_dir()
     assert (tmp_path / "runs" / "quickstart" / "report" / "loss_scale.png").is_file()
 
 
 @pytest.mark.slow
 def test_diagnose_overflow(tmp_path):
-    notebook = _run("02_diagnose_overflow.ipynb", tmp_path)
-    result = _result(notebook, "DIAGNOSIS")
+    notebook, result = _run(
+        "02_diagnose_overflow.ipynb",
+        tmp_path,
+        "{'offending_variable': f'{culprit_layer}/kernel', "
+        "'skipped_before': int(before['skipped']), 'skipped_after': int(after['skipped']), "
+        "'scale_before': float(before['loss_scale']), 'scale_after': float(after['loss_scale']), "
+        "'forward': {'origin': first.origin.layer, "
+        "'inputs_finite': bool(first.origin.inputs_finite), 'kind': first.kind, "
+        "'scale_kept': bool(first.old_scale == first.new_scale), "
+        "'skipped_after': int(forward_after['skipped'])}}",
+    )
     assert result["offending_variable"] == "energy_proj/kernel"
-    assert int(result["skipped_before"]) >= 1
-    assert int(result["skipped_after"]) == 0
-    assert float(result["scale_before"]) < float(result["scale_after"]) == 2.0**15
+    assert result["skipped_before"] >= 1
+    assert result["skipped_after"] == 0
+    assert result["scale_before"] < result["scale_after"] == 2.0**15
     for run in ("before", "after"):
         assert (tmp_path / "runs" / "overflow" / run / "train").is_dir()
-    forward = _result(notebook, "FORWARD")
-    assert forward == {
+    assert result["forward"] == {
         "origin": "sum_of_squares",
-        "inputs_finite": "True",
+        "inputs_finite": True,
         "kind": "forward_overflow",
-        "scale_kept": "True",
-        "skipped_after": "0",
+        "scale_kept": True,
+        "skipped_after": 0,
     }
+    # The comparison is printed under its heading, before Part 2.
+    heading = next(
+        i for i, cell in enumerate(notebook.cells) if cell.source.startswith("## Before vs after")
+    )
+    lines = _stdout(notebook.cells[heading + 1]).splitlines()
+    assert [line.split()[0] for line in lines] == ["skipped", "loss_scale", "loss", "accuracy"]
+    assert all(" before " in line and " after " in line for line in lines), lines
