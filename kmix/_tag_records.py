@@ -69,6 +69,23 @@ def record_fields(data: dict[str, Any] | None, cls: type) -> dict[str, Any] | No
 
 
 @dataclasses.dataclass(frozen=True)
+class AuditFinding:
+    """One finding of ``kmix.audit`` on the model, as the policy record holds it.
+
+    Attributes:
+        severity: ``"error"``, ``"warning"`` or ``"info"`` (the audit's severities).
+        layer: the layer's path; ``""`` for the model as a whole.
+        message: what is wrong.
+        fix: what to do about it.
+    """
+
+    severity: str
+    layer: str
+    message: str
+    fix: str
+
+
+@dataclasses.dataclass(frozen=True)
 class PolicyRecord:
     """What a run was configured with, written once at train begin.
 
@@ -84,6 +101,13 @@ class PolicyRecord:
         max_scale: the highest; None unless ``loss_scaling`` is ``"kmix"``.
         update_freq: the monitor's ``update_freq``.
         histogram_freq: the monitor's ``histogram_freq`` (0: no histograms).
+        loss_scale: the loss scale when the record was written (train begin); None
+            without loss scaling, and in logs written before this field.
+        variable_dtypes: trainable variable path -> compute dtype of the layer that
+            holds it (float16's range applies to ``"float16"`` ones only); None when
+            not recorded.
+        audit_findings: what ``kmix.audit`` found on the model at train begin; None
+            when the audit could not run or was not recorded.
     """
 
     global_policy: str
@@ -96,6 +120,9 @@ class PolicyRecord:
     max_scale: float | None
     update_freq: int
     histogram_freq: int
+    loss_scale: float | None = None
+    variable_dtypes: dict[str, str] | None = None
+    audit_findings: tuple[AuditFinding, ...] | None = None
 
 
 def format_policy_record(record: PolicyRecord) -> str:
@@ -119,15 +146,47 @@ def parse_policy_record(text: str) -> PolicyRecord | None:
 
     Returns:
         The :class:`PolicyRecord`; None if the text is not such a record (keys
-        added by later versions are ignored).
+        added by later versions are ignored). Fields added after kmix 0.1.0
+        (``loss_scale``, ``variable_dtypes``, ``audit_findings``) read as None
+        when missing or malformed.
     """
     fields = record_fields(json_object(text), PolicyRecord)
     if fields is None:
         return None
-    for name in ("min_scale", "max_scale"):
-        if fields[name] is not None:
-            fields[name] = float(fields[name])
+    for name in ("min_scale", "max_scale", "loss_scale"):
+        if fields.get(name) is not None:
+            fields[name] = _float_or_none(fields[name])
+    if "variable_dtypes" in fields:
+        fields["variable_dtypes"] = _variable_dtypes(fields["variable_dtypes"])
+    if "audit_findings" in fields:
+        fields["audit_findings"] = _audit_findings(fields["audit_findings"])
     return PolicyRecord(**fields)
+
+
+def _float_or_none(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _variable_dtypes(value: Any) -> dict[str, str] | None:
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        return None
+    return dict(value)
+
+
+def _audit_findings(value: Any) -> tuple[AuditFinding, ...] | None:
+    if not isinstance(value, list):
+        return None
+    found = []
+    for item in value:
+        fields = record_fields(item if isinstance(item, dict) else None, AuditFinding)
+        if fields is None or not all(isinstance(v, str) for v in fields.values()):
+            return None
+        found.append(AuditFinding(**fields))
+    return tuple(found)
 
 
 COMPLETED = "completed"

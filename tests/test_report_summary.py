@@ -3,6 +3,7 @@ the underflow split, activations, forecasts, the what-if, and absent statistics.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -262,3 +263,85 @@ def test_summary_keeps_the_mapping_access_of_0_1_0():
     summary = report.summarize(report.build_log("run", {tags.LOSS_SCALE: [(1, 8.0), (2, 8.0)]}, {}))
     assert summary["steps_seen"] == summary.steps_seen == 2
     assert summary["loss_scale"] == summary.to_dict()["loss_scale"]
+
+
+# ------------------------------------------------ the scale when events were lost
+def test_the_scale_at_train_begin_survives_a_ring_that_lost_the_first_events(tmp_path):
+    """The monitor writes the scale at train begin; the report starts from it (issue 21.9).
+
+    Twelve overflows from step 1 with an event ring of 2 and one read at the end: the
+    ten oldest events are lost, and the two kept both say 1 -> 1.
+    """
+    from fake_optimizer import FakeModel, FakeRecorder, fake_fit, scripted
+
+    from kmix.callbacks import MixedPrecisionMonitor
+
+    model = FakeModel(FakeRecorder(initial_scale=1024, min_scale=1, event_capacity=2))
+    monitor = MixedPrecisionMonitor(tmp_path, update_freq=1000, verbose=0)
+    fake_fit(model, [monitor], scripted(16, skip=range(1, 13)))
+
+    summary = report.summarize(report.read_log(str(tmp_path)))
+    assert summary.events_lost == 10
+    assert summary.policy_record.loss_scale == 1024.0
+    assert summary.loss_scale == report.LossScale(1024.0, 1.0, 1.0, 1024.0)
+    printed = report.format_summary(summary)
+    assert "loss scale      initial 1024 (2^10), final 1 (2^0), min 1 (2^0), max 1024" in printed
+    assert "(min and max of the scales the log holds: 10 scale events lost)" in printed
+
+
+def test_a_log_that_lost_its_beginning_says_the_scale_is_unknown():
+    """No scale at begin (logs before the record held it), events lost from step 0."""
+    lost = tags.format_events_lost(tags.EventsLost(10, 0, 16, 2))
+    lines = [(11, lost), event_line(11, "overflow_at_floor", 1.0, 1.0, "w")]
+    lines.append(event_line(12, "overflow_at_floor", 1.0, 1.0, "w"))
+    log = hand_log(
+        scalars={tags.LOSS_SCALE: ([11, 12, 16], [1.0, 1.0, 1.0])}, texts={tags.EVENTS: lines}
+    )
+    summary = report.summarize(log)
+    assert summary.loss_scale == report.LossScale(None, 1.0, None, None)
+    printed = report.format_summary(summary)
+    assert "initial n/a, final 1 (2^0), min n/a, max n/a (initial, min and max unknown: " in printed
+    assert "10 scale events lost before the first scale the log holds)" in printed
+    # The same log with the scale written at begin knows them.
+    begin = dataclasses.replace(RECORD, loss_scale=1024.0)
+    log.texts[tags.POLICY_RECORD] = [(0, tags.format_policy_record(begin))]
+    assert report.summarize(log).loss_scale == report.LossScale(1024.0, 1.0, 1.0, 1024.0)
+
+
+# ------------------------------------------- float16 statistics of float16 layers
+def test_variables_of_float32_layers_are_left_out_of_float16_statistics():
+    """A float32 head's gradients pass 65504 in float32: no float16 statistic of them."""
+    dtypes = {"dense/kernel": "float16", "head/kernel": "float32", "head/bias": "float32"}
+    record = dataclasses.replace(RECORD, variable_dtypes=dtypes)
+    histograms = {
+        "dense/kernel": [(25, exponent_histogram(m20=30, e0=70))],
+        "head/bias": [(25, exponent_histogram(e17=10))],
+    }
+    log = hand_log(
+        scalars={
+            tags.UNDERFLOW_BY_VARIABLE + "dense/kernel": ([25], [0.3]),
+            tags.SUBNORMAL_BY_VARIABLE + "dense/kernel": ([25], [0.3]),
+            tags.UNDERFLOW_BY_VARIABLE + "head/bias": ([25], [0.9]),
+            tags.SUBNORMAL_BY_VARIABLE + "head/bias": ([25], [0.9]),
+        },
+        histograms=histograms,
+        texts=text(tags.POLICY_RECORD, tags.format_policy_record(record)),
+    )
+    summary = report.summarize(log)
+    assert list(summary.gradient_exponents) == ["dense/kernel"]
+    assert (
+        list(summary.underflow_by_variable)
+        == list(summary.subnormal_by_variable)
+        == ["dense/kernel"]
+    )
+    assert summary.variables_not_float16 == {"head/bias": "float32"}  # head/kernel: no data
+    assert set(summary.precision_whatif["gradients"].by_variable) == set(histograms)
+    underflow = [f for f in summary.findings if f.rule == "underflow"]
+    assert len(underflow) == 1 and "dense/kernel" in underflow[0].message
+    (other,) = [f for f in summary.findings if f.rule == "not_float16_variables"]
+    assert other.severity == "info" and "head/bias" in other.message and "float32" in other.message
+    printed = report.format_summary(summary)
+    assert "not float16 (left out of the float16 statistics by variable): head/bias (float32)" in (
+        printed
+    )
+    assert "head/bias  step 25" not in printed

@@ -238,3 +238,32 @@ def test_a_cast_overflow_is_named_as_what_it_is_in_every_wording():
     assert tags.inputs_words(inside) == "inputs finite, max |input| 812"
     no_max = dataclasses.replace(cast, max_abs_input=None)
     assert tags.inputs_words(no_max) == "inputs finite"
+
+
+def test_policy_record_holds_the_begin_scale_dtypes_and_audit():
+    audit = (
+        tags.AuditFinding("warning", "head", "softmax in float16", "dtype='float32'"),
+        tags.AuditFinding("info", "", "not compiled", "compile it"),
+    )
+    record = PolicyRecord(
+        "mixed_float16", "m", "mixed_float16", "float16", "float32", "kmix", 1.0, 2.0**24, 10, 0,
+        loss_scale=1024.0,
+        variable_dtypes={"dense/kernel": "float16", "head/bias": "float32"},
+        audit_findings=audit,
+    )  # fmt: skip
+    assert tags.parse_policy_record(tags.format_policy_record(record)) == record
+    data = json.loads(tags.format_policy_record(record))
+    assert data["loss_scale"] == 1024.0 and data["audit_findings"][0]["layer"] == "head"
+    older = {k: v for k, v in data.items() if k not in ("loss_scale", "variable_dtypes")}
+    del older["audit_findings"]
+    parsed = tags.parse_policy_record(json.dumps(older))
+    assert (parsed.loss_scale, parsed.variable_dtypes, parsed.audit_findings) == (None, None, None)
+    for bad in (
+        {"loss_scale": "1024"},
+        {"variable_dtypes": ["dense/kernel"]},
+        {"variable_dtypes": {"dense/kernel": 16}},
+        {"audit_findings": {"severity": "warning"}},
+        {"audit_findings": [{"severity": "warning", "layer": "x"}]},
+    ):
+        parsed = tags.parse_policy_record(json.dumps(data | bad))
+        assert parsed is not None and getattr(parsed, next(iter(bad))) is None, bad

@@ -285,8 +285,19 @@ class MixedPrecisionMonitor(StepCallback):
         )
 
     def _policy_record(self) -> tags.PolicyRecord:
+        from kmix._layers import variable_compute_dtypes
+        from kmix.audit import audit
+
         model, source = self.model, self._source
         min_scale, max_scale = source.scale_bounds or (None, None)
+        dtypes = variable_compute_dtypes(model)
+        try:  # as in _layer_table: an audit unable to read this model is left out
+            found = tuple(
+                tags.AuditFinding(f.severity, f.layer, f.message, f.fix)
+                for f in audit(model).findings
+            )
+        except Exception:
+            found = None
         return tags.PolicyRecord(
             global_policy=keras.config.dtype_policy().name,
             model_name=model.name,
@@ -298,6 +309,11 @@ class MixedPrecisionMonitor(StepCallback):
             max_scale=max_scale,
             update_freq=self.update_freq,
             histogram_freq=self.histogram_freq,
+            loss_scale=self._last_state.loss_scale if source.scales_loss else None,
+            variable_dtypes={
+                v.path: dtypes[id(v)] for v in getattr(model, "trainable_weights", [])
+            },
+            audit_findings=found,
         )
 
     def _policy_text(self, record: tags.PolicyRecord, state: Snapshot) -> str:

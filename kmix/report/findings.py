@@ -17,9 +17,14 @@ Free of printing and matplotlib: the TensorBoard plugin reuses it. Thresholds:
   scale can fix it (the layer where it started is named when it was recorded);
 * any overflow at ``min_scale``: the gradients overflow even at the lowest scale;
 * a run that did not complete (``kmix/run_end``): why it ended;
+* what ``kmix.audit`` found on the model at train begin (recorded in the policy
+  record): its errors and warnings are warnings, its infos information;
+* the skip rate's advice follows the kinds of the skipped steps and kmix's scale
+  rule (:func:`skip_advice`);
 * for information: falling headroom forecast to reach 0 bits, the first overflow
   episode and the recovery from it, the variable most often first non-finite,
-  exact zeros, events lost, and the writer's notes.
+  exact zeros, variables of layers that do not compute in float16 (left out of
+  the float16 statistics), events lost, and the writer's notes (each text once).
 """
 
 from __future__ import annotations
@@ -120,8 +125,8 @@ def _rule_skip_rate(summary: Summary) -> list[Finding]:
                 "warning",
                 "skip_rate",
                 f"{percent(rate)} of steps were skipped ({summary.skipped_steps} of "
-                f"{summary.steps_seen}): those batches taught the model nothing; a lower "
-                "initial_scale or a higher hysteresis skips fewer",
+                f"{summary.steps_seen}): those batches taught the model nothing. "
+                + skip_advice(summary),
             )
         )
     if recent is not None and recent > RECENT_SKIP_RATE_WARN:
@@ -133,6 +138,111 @@ def _rule_skip_rate(summary: Summary) -> list[Finding]:
                 "stalled; LossScaleGuard stops such a run with a diagnosis",
             )
         )
+    return found
+
+
+def skip_advice(summary: Summary) -> str:
+    """What the recorded skipped steps were, kind by kind, and what would skip fewer.
+
+    The advice follows kmix's scale rule (:mod:`kmix.scaling`): every gradient
+    overflow is skipped whatever the hysteresis (a higher hysteresis only delays
+    the backoff, so the scale that overflows is kept longer); a forward overflow
+    and an overflow at ``min_scale`` are skipped whatever the scale. So:
+
+    * backoffs in a row from step 1: the initial scale was too high; an
+      ``initial_scale`` where they ended starts there;
+    * ``skip_absorbed``: skipped at a scale the hysteresis kept; ``hysteresis=1``
+      backs off at the first overflow;
+    * a backoff that is the first skip after a growth: the growth overflowed; a
+      larger ``dynamic_growth_steps`` grows less often;
+    * ``overflow_at_floor`` and ``forward_overflow``: no loss-scale setting
+      prevents them.
+
+    Args:
+        summary: the summary (its events, events lost and steps).
+
+    Returns:
+        One sentence per kind found, ``"By kind: ..."``; when no skipped step was
+        recorded as an event, a sentence saying their kinds are unknown.
+    """
+    skips = [e for e in summary.events if e.kind in tags.SKIP_KINDS]
+    if not skips:
+        return (
+            "Which kind of overflow they were is not recorded (no skipped step was "
+            "recorded as an event), so no setting can be advised from them."
+        )
+    start = _start_backoffs(skips)
+    after_growth = _backoffs_after_growth(summary.events)
+    counts = Counter(e.kind for e in skips)
+    parts = []
+    if start:
+        first, last = start[0], start[-1]
+        parts.append(
+            f"{plural(len(start), 'backoff')} in a row from step {first.step} lowered the "
+            f"initial scale {format_scale(first.old_scale)} to {format_scale(last.new_scale)}: "
+            f"initial_scale={last.new_scale:.9g} starts where they ended"
+        )
+    growth = [e for e in after_growth if e not in start]
+    if growth:
+        parts.append(
+            f"{len(growth)} {'was' if len(growth) == 1 else 'were'} the first overflow after "
+            "a growth: a larger dynamic_growth_steps grows, and so overflows, less often"
+        )
+    other = counts["backoff"] - len(start) - len(growth)
+    if other:
+        parts.append(f"{other} other gradient {_overflows(other)} backed the scale off")
+    if counts["skip_absorbed"]:
+        parts.append(
+            f"{counts['skip_absorbed']} {'was' if counts['skip_absorbed'] == 1 else 'were'} "
+            "skipped at a scale the hysteresis kept: kmix skips every gradient overflow "
+            "whatever the hysteresis, which only delays the backoff, so a higher hysteresis "
+            "skips no fewer; hysteresis=1 backs off at the first overflow"
+        )
+    if counts["overflow_at_floor"]:
+        parts.append(
+            f"{counts['overflow_at_floor']} {_overflows(counts['overflow_at_floor'])} at "
+            "min_scale: no loss scale prevents those"
+        )
+    if counts["forward_overflow"]:
+        parts.append(
+            f"{counts['forward_overflow']} forward {_overflows(counts['forward_overflow'])} "
+            "(the loss itself non-finite): no loss scale or hysteresis prevents those, only a "
+            "change to the forward pass"
+        )
+    text = "By kind: " + "; ".join(parts) + "."
+    unknown = summary.skipped_steps - len(skips)
+    if unknown > 0:
+        text += f" The kind of the other {unknown} is not recorded"
+        text += f" ({plural(summary.events_lost, 'event')} lost)." if summary.events_lost else "."
+    return text
+
+
+def _overflows(count: int) -> str:
+    return "overflow" if count == 1 else "overflows"
+
+
+def _start_backoffs(skips: list[tags.ScaleEvent]) -> list[tags.ScaleEvent]:
+    """The backoffs in a row from step 1 (none when step 1 was not a backoff)."""
+    if skips[0].step != 1 or skips[0].kind != "backoff":
+        return []
+    start = [skips[0]]
+    for event in skips[1:]:
+        if event.step != start[-1].step + 1 or event.kind != "backoff":
+            break
+        start.append(event)
+    return start
+
+
+def _backoffs_after_growth(events: tuple[tags.ScaleEvent, ...]) -> list[tags.ScaleEvent]:
+    """Backoffs that are the first skipped step after a growth, from the grown scale."""
+    found, grown = [], None
+    for event in events:
+        if event.kind == "growth":
+            grown = event.new_scale
+        elif event.kind in tags.SKIP_KINDS:
+            if event.kind == "backoff" and grown is not None and event.old_scale == grown:
+                found.append(event)
+            grown = None
     return found
 
 
@@ -355,8 +465,51 @@ def _rule_overflow_episodes(summary: Summary) -> list[Finding]:
 
 
 def _rule_notes(summary: Summary) -> list[Finding]:
+    """The writer's notes, each text once (a note written again at a later begin is one)."""
+    steps: dict[str, list[int]] = {}
+    for note in summary.notes:
+        steps.setdefault(note.text, []).append(note.step)
     return [
-        Finding("info", "note", f"note at step {note.step}: {note.text}") for note in summary.notes
+        Finding("info", "note", f"note at step {steps_list(at)}: {text}")
+        for text, at in steps.items()
+    ]
+
+
+AUDIT_SEVERITY = {"error": "warning", "warning": "warning", "info": "info"}
+"""A finding of ``kmix.audit`` (recorded in the policy record) -> the report's severity."""
+
+
+def _rule_audit(summary: Summary) -> list[Finding]:
+    """The findings of ``kmix.audit`` on the model, as recorded at train begin."""
+    record = summary.policy_record
+    if record is None or not record.audit_findings:
+        return []
+    return [
+        Finding(
+            AUDIT_SEVERITY.get(f.severity, "warning"),
+            "audit",
+            f"the audit of the model at train begin found ({f.severity}): "
+            + (f"`{f.layer}`: " if f.layer else "")
+            + f"{f.message}; fix: {f.fix}",
+        )
+        for f in record.audit_findings
+    ]
+
+
+def _rule_other_dtypes(summary: Summary) -> list[Finding]:
+    other = summary.variables_not_float16
+    if not other or not _float16(summary):
+        return []
+    dtypes = sorted(set(other.values()))
+    return [
+        Finding(
+            "info",
+            "not_float16_variables",
+            f"{plural(len(other), 'variable')} ({steps_list(list(other), 3)}) belong to "
+            f"layers computing in {' and '.join(dtypes)}: float16's range does not apply to "
+            "them, so they are left out of the per-variable underflow and exponent "
+            "statistics",
+        )
     ]
 
 
@@ -368,7 +521,9 @@ RULES: tuple[Callable[[Summary], list[Finding]], ...] = (
     _rule_headroom,
     _rule_activation_headroom,
     _rule_underflow,
+    _rule_audit,
     _rule_not_float16,
+    _rule_other_dtypes,
     _rule_forecast,
     _rule_culprit,
     _rule_overflow_episodes,
@@ -385,12 +540,15 @@ def findings(summary: Summary) -> list[Finding]:
 
     Returns:
         The findings in the order of :data:`RULES`, preceded by an info saying
-        "no problems found" when none is a warning (and that the rest are notes).
+        "no problems found" when none is a warning (and how many notes follow).
         A run that did not complete always has a warning, so it is never called
         healthy.
     """
     found = [finding for rule in RULES for finding in rule(summary)]
     if not any(f.severity == "warning" for f in found):
-        message = "no problems found" + ("; notes for information:" if found else "")
+        message = "no problems found"
+        if found:
+            follow = "follows" if len(found) == 1 else "follow"
+            message += f"; {plural(len(found), 'note')} for information {follow}"
         found.insert(0, Finding("info", "healthy", message))
     return found

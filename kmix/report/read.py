@@ -213,12 +213,15 @@ class EventLog:
         from_records: True when read from the ``kmix/event_record`` records; False
             when parsed from the ``kmix/events`` lines of a log that has no record
             (written by kmix 0.1.0 or by versions before the records).
+        lost_between: the notes that events were lost, as records: between which
+            steps they were (the scale there is not known from the events).
     """
 
     events: tuple[tags.ScaleEvent, ...]
     notes: tuple[tuple[int, str], ...]
     lost: int
     from_records: bool
+    lost_between: tuple[tags.EventsLost, ...] = ()
 
 
 def read_events(log: KmixLog) -> EventLog:
@@ -246,10 +249,11 @@ def read_events(log: KmixLog) -> EventLog:
             notes=tuple((step, tags.format_events_lost(r)) for step, r in said),
             lost=sum(r.count for _, r in said),
             from_records=True,
+            lost_between=tuple(r for _, r in said),
         )
     events: list[tags.ScaleEvent] = []
     notes: list[tuple[int, str]] = []
-    lost = 0
+    lost_between: list[tags.EventsLost] = []
     for step, text in log.texts.get(tags.EVENTS, []):  # logs without records
         for line in _lines(text):
             lost_note = tags.parse_events_lost(line)
@@ -257,9 +261,16 @@ def read_events(log: KmixLog) -> EventLog:
             if event is not None:
                 events.append(event)
                 continue
-            lost += 0 if lost_note is None else lost_note.count
+            if lost_note is not None:
+                lost_between.append(lost_note)
             notes.append((step, line))
-    return EventLog(_once_in_step_order(events), tuple(notes), lost, from_records=False)
+    return EventLog(
+        _once_in_step_order(events),
+        tuple(notes),
+        sum(note.count for note in lost_between),
+        from_records=False,
+        lost_between=tuple(lost_between),
+    )
 
 
 def _lines(text: str) -> list[str]:

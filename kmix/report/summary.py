@@ -18,7 +18,7 @@ import numpy as np
 
 from kmix import tags
 from kmix.report.findings import HEADROOM_WARN_BITS, findings
-from kmix.report.read import KmixLog, Series, read_events
+from kmix.report.read import EventLog, KmixLog, Series, read_events
 from kmix.report.values import (
     ExponentShares,
     Finding,
@@ -48,6 +48,7 @@ __all__ = [
     "exponent_shares",
     "forecast_zero_crossing",
     "summarize",
+    "variables_not_float16",
 ]
 
 TREND_TAGS = {
@@ -84,13 +85,17 @@ def summarize(log: KmixLog) -> Summary:
     Returns:
         The :class:`Summary`, its ``findings`` filled in.
     """
-    events, notes, lost = _events_and_notes(log)
+    read = read_events(log)
+    events, notes, lost = _events_and_notes(log, read)
     scale = log.scalars.get(tags.LOSS_SCALE)
     recent = log.scalars.get(tags.SKIP_RATE)
     steps_seen = _steps_seen(log, events)
     skipped = _skipped_steps(log.scalars.get(tags.SKIPPED_STEPS), events)
     policy = _latest_text(log, tags.POLICY)
-    record = _latest_record(log, tags.POLICY_RECORD, tags.parse_policy_record)
+    records = _records(log, tags.POLICY_RECORD, tags.parse_policy_record)
+    record = records[-1][1] if records else None
+    begin = next(((step, r.loss_scale) for step, r in records if r.loss_scale is not None), None)
+    other = variables_not_float16(record)
     if record is not None:
         dtype: str | None = record.compute_dtype
     else:
@@ -106,16 +111,18 @@ def summarize(log: KmixLog) -> Summary:
     summary = Summary(
         logdir=log.path,
         steps_seen=steps_seen,
-        loss_scale=_loss_scale(scale, events),
+        loss_scale=_loss_scale(scale, events, begin, read.lost_between),
         skipped_steps=skipped,
         skip_rate=skipped / steps_seen if steps_seen else 0.0,
         recent_skip_rate=None if recent is None else _finite(recent.values[-1]),
         events=tuple(events),
         event_counts=dict(Counter(event.kind for event in events)),
         trends={key: _trend(log.scalars.get(tag)) for key, tag in TREND_TAGS.items()},
-        underflow_by_variable=_latest_by_variable(log, tags.UNDERFLOW_BY_VARIABLE),
+        underflow_by_variable=_latest_by_variable(log, tags.UNDERFLOW_BY_VARIABLE, other),
         gradient_exponents={
-            variable: exponent_shares(*points[-1]) for variable, points in log.histograms.items()
+            variable: exponent_shares(*points[-1])
+            for variable, points in log.histograms.items()
+            if variable not in other
         },
         policy=policy,
         compute_dtype=dtype,
@@ -126,11 +133,12 @@ def summarize(log: KmixLog) -> Summary:
         underflow_split={
             key: _trend(log.scalars.get(tag)) for key, tag in UNDERFLOW_SPLIT_TAGS.items()
         },
-        subnormal_by_variable=_latest_by_variable(log, tags.SUBNORMAL_BY_VARIABLE),
+        subnormal_by_variable=_latest_by_variable(log, tags.SUBNORMAL_BY_VARIABLE, other),
         activation_headroom=activation,
         min_activation_headroom=_trend(log.scalars.get(tags.MIN_ACTIVATION_HEADROOM_BITS)),
         forecasts=_forecasts(log),
         precision_whatif={"gradients": whatif(log.histograms)},
+        variables_not_float16=_measured(other, log),
     )
     return dataclasses.replace(summary, findings=tuple(findings(summary)))
 
@@ -143,20 +151,47 @@ def _latest_text(log: KmixLog, tag: str) -> str | None:
 
 def _latest_record(log: KmixLog, tag: str, parse: Any) -> Any:
     """The latest text of ``tag`` that parses as a record (the last run of a resumed log)."""
-    for _, text in reversed(log.texts.get(tag, [])):
-        record = parse(text)
-        if record is not None:
-            return record
-    return None
+    records = _records(log, tag, parse)
+    return records[-1][1] if records else None
 
 
-def _events_and_notes(log: KmixLog) -> tuple[list[ScaleEvent], list[Note], int]:
+def _records(log: KmixLog, tag: str, parse: Any) -> list[tuple[int, Any]]:
+    """``(step, record)`` of every text of ``tag`` that parses as a record, in step order."""
+    parsed = ((step, parse(text)) for step, text in log.texts.get(tag, []))
+    return [(step, record) for step, record in parsed if record is not None]
+
+
+def variables_not_float16(record: tags.PolicyRecord | None) -> dict[str, str]:
+    """The variables a policy record says compute in another dtype than float16.
+
+    Args:
+        record: the run's policy record, or None.
+
+    Returns:
+        Variable path -> compute dtype of its layer, for every variable recorded
+        with a dtype other than ``"float16"``; empty when the record holds no
+        dtypes (logs written before ``variable_dtypes``: every variable is then
+        treated as before, by the model's compute dtype).
+    """
+    dtypes = None if record is None else record.variable_dtypes
+    return {path: dtype for path, dtype in (dtypes or {}).items() if dtype != "float16"}
+
+
+def _measured(other: dict[str, str], log: KmixLog) -> dict[str, str]:
+    """The variables of ``other`` that the log holds a float16 range statistic of."""
+    measured = set(log.histograms)
+    for prefix in (tags.UNDERFLOW_BY_VARIABLE, tags.SUBNORMAL_BY_VARIABLE):
+        measured |= {tag[len(prefix) :] for tag in log.scalars if tag.startswith(prefix)}
+    return {path: dtype for path, dtype in other.items() if path in measured}
+
+
+def _events_and_notes(log: KmixLog, read: EventLog) -> tuple[list[ScaleEvent], list[Note], int]:
     """Events (each once, in step order), notes, and how many events were said lost.
 
-    The events are :func:`kmix.report.read.read_events`'s; the notes are its lines
-    beside the events (lost-event notes) and the writer's ``kmix/notes``, in step order.
+    The events are :func:`kmix.report.read.read_events`'s (``read``); the notes are
+    its lines beside the events (lost-event notes) and the writer's ``kmix/notes``,
+    in step order.
     """
-    read = read_events(log)
     notes = [Note(step, text) for step, text in read.notes]
     notes += [Note(step, text) for step, text in log.texts.get(tags.NOTES, [])]
     notes.sort(key=lambda note: note.step)
@@ -176,21 +211,34 @@ def _skipped_steps(series: Series | None, events: list[ScaleEvent]) -> int:
     return counted + sum(e.kind in tags.SKIP_KINDS and e.step > since for e in events)
 
 
-def _loss_scale(series: Series | None, events: list[ScaleEvent]) -> LossScale:
-    """Initial, final, min and max scale from the scalar and the (complete) event list."""
-    values = [] if series is None else list(series.values)
-    values += [value for e in events for value in (e.old_scale, e.new_scale)]
-    if not values:
+def _loss_scale(
+    series: Series | None,
+    events: list[ScaleEvent],
+    begin: tuple[int, float] | None,
+    lost: tuple[tags.EventsLost, ...],
+) -> LossScale:
+    """Initial, final, min and max scale from what the log holds, none made up.
+
+    The known scales are ``(step, scale after that step)`` points: the scale written
+    at train begin (``begin``), the ``kmix/loss_scale`` points, and each event's old
+    scale (at the step before it) and new scale. The initial scale is the earliest of
+    them, the final the latest (on a tie the scalar's point wins, as it is read after
+    the events). When events were lost before the earliest known scale, the log lost
+    its beginning: initial, min and max are then unknown (None).
+    """
+    points = [] if begin is None else [(begin[0], 0, float(begin[1]))]
+    if series is not None:
+        points += [(int(s), 2, float(v)) for s, v in zip(series.steps, series.values, strict=True)]
+    for event in events:
+        points += [(event.step - 1, 1, event.old_scale), (event.step, 1, event.new_scale)]
+    if not points:
         return LossScale(None, None, None, None)
-    if events and (series is None or events[0].step <= series.steps[0]):
-        initial = events[0].old_scale
-    else:
-        initial = series.values[0]
-    if events and (series is None or events[-1].step > series.steps[-1]):
-        final = events[-1].new_scale
-    else:
-        final = series.values[-1]
-    return LossScale(_finite(initial), _finite(final), _finite(min(values)), _finite(max(values)))
+    first = min(points, key=lambda point: (point[0], point[1] != 0, -point[1]))
+    final = max(points, key=lambda point: (point[0], point[1]))[2]
+    if any(note.after_step < first[0] for note in lost):
+        return LossScale(None, _finite(final), None, None)
+    values = [value for _, _, value in points]
+    return LossScale(_finite(first[2]), _finite(final), _finite(min(values)), _finite(max(values)))
 
 
 def _trend(series: Series | None) -> Trend | None:
@@ -231,11 +279,13 @@ def _direction(values: np.ndarray) -> str:
     return "rising" if change > 0 else "falling"
 
 
-def _latest_by_variable(log: KmixLog, prefix: str) -> dict[str, float | None]:
+def _latest_by_variable(
+    log: KmixLog, prefix: str, leave_out: dict[str, str]
+) -> dict[str, float | None]:
     latest = {
         tag[len(prefix) :]: _finite(series.values[-1])
         for tag, series in log.scalars.items()
-        if tag.startswith(prefix)
+        if tag.startswith(prefix) and tag[len(prefix) :] not in leave_out
     }
     return dict(sorted(latest.items(), key=lambda item: -(item[1] or 0.0)))
 

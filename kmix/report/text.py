@@ -105,7 +105,8 @@ def format_summary(summary: Summary) -> str:
         + ", ".join(
             f"{key} {format_scale(getattr(scale, key))}"
             for key in ("initial", "final", "min", "max")
-        ),
+        )
+        + _scale_caveat(summary),
         f"skipped steps   {summary.skipped_steps} of {summary.steps_seen} "
         f"({_number(summary.skip_rate, True)})"
         + ("" if recent is None else f"; latest window {_number(recent, True)}"),
@@ -132,10 +133,12 @@ def format_summary(summary: Summary) -> str:
                 for part, split in _SPLIT_NAMES.items()
                 if summary.underflow_split.get(part) is not None
             ]
+    quoted = None
     if any(trend is None for trend in summary.trends.values()):
         why = [n.text for n in summary.notes if tags.parse_events_lost(n.text) is None]
         if why:
-            lines.append(f"  not logged because: {why[-1]}")
+            quoted = why[-1]
+            lines.append(f"  not logged because: {quoted}")
     for title, by_variable in (
         ("underflow by variable (latest, zeros included)", summary.underflow_by_variable),
         ("subnormal by variable (latest)", summary.subnormal_by_variable),
@@ -145,6 +148,11 @@ def format_summary(summary: Summary) -> str:
             width = max(map(len, by_variable))
             for variable, fraction in by_variable.items():
                 lines.append(f"  {variable:<{width}}  {_number(fraction, True)}")
+    if summary.variables_not_float16:
+        lines.append(
+            "not float16 (left out of the float16 statistics by variable): "
+            + ", ".join(f"{v} ({d})" for v, d in summary.variables_not_float16.items())
+        )
     if summary.activation_headroom:
         lines.append("activation headroom by layer (bits)")
         width = max(map(len, summary.activation_headroom))
@@ -161,13 +169,32 @@ def format_summary(summary: Summary) -> str:
                     for key in ("zero", "below_normal", "in_range", "above_max", "nonfinite")
                 )
             )
+    elif summary.precision_whatif.get("gradients") is not None:
+        lines.append(
+            "gradient exponents: only of variables whose layers do not compute in float16 "
+            "(see the what-if)"
+        )
     else:
         lines.append(_histogram_hint(summary))
     lines += _whatif_lines(summary)
     lines.append("findings")
     marks = {"warning": "!", "info": "-"}
-    lines += [f"  {marks[f.severity]} {f.message}" for f in summary.findings]
+    lines += [
+        f"  {marks[f.severity]} {f.message}"
+        for f in summary.findings
+        if not (quoted and f.rule == "note" and f.message.endswith(f": {quoted}"))
+    ]  # a note quoted under "not logged because" is not repeated
     return "\n".join(lines)
+
+
+def _scale_caveat(summary: Summary) -> str:
+    """What the loss-scale line cannot say when scale events were lost."""
+    if not summary.events_lost:
+        return ""
+    lost = plural(summary.events_lost, "scale event")
+    if summary.loss_scale.initial is None:
+        return f" (initial, min and max unknown: {lost} lost before the first scale the log holds)"
+    return f" (min and max of the scales the log holds: {lost} lost)"
 
 
 def to_json(summary: Summary) -> str:

@@ -36,7 +36,14 @@ class Finding:
 
 @dataclasses.dataclass(frozen=True)
 class LossScale:
-    """Initial, final, lowest and highest loss scale; None when unknown or non-finite."""
+    """Initial, final, lowest and highest loss scale; None when unknown or non-finite.
+
+    ``initial`` is the scale written at train begin (``PolicyRecord.loss_scale``)
+    or, in logs without it, the earliest scale the log holds; it is None when
+    scale events were lost before any scale was written (the log lost its
+    beginning), and then ``min`` and ``max`` are None too. When events were lost
+    later, ``min`` and ``max`` are over the scales the log holds.
+    """
 
     initial: float | None
     final: float | None
@@ -156,6 +163,11 @@ class Summary:
         min_activation_headroom: :class:`Trend` of the minimum over layers, or None.
         forecasts: falling headroom series and where they would reach 0 bits.
         precision_whatif: ``{"gradients": PrecisionWhatIf | None}``.
+        variables_not_float16: variable -> the compute dtype of its layer, for the
+            variables whose layer the policy record says does not compute in
+            float16. Float16's range does not apply to them: they are left out of
+            ``underflow_by_variable``, ``subnormal_by_variable`` and
+            ``gradient_exponents`` (the precision what-if keeps them).
         plots: the PNG files written for it (set by the caller).
     """
 
@@ -182,6 +194,7 @@ class Summary:
     min_activation_headroom: Trend | None
     forecasts: tuple[Forecast, ...]
     precision_whatif: dict[str, PrecisionWhatIf | None]
+    variables_not_float16: dict[str, str] = dataclasses.field(default_factory=dict)
     findings: tuple[Finding, ...] = ()
     plots: tuple[str, ...] = ()
 
