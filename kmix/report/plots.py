@@ -8,8 +8,9 @@ from typing import Any
 import numpy as np
 
 from kmix import tags
+from kmix._words import plural
 from kmix.report.findings import HEADROOM_WARN_BITS, UNDERFLOW_WARN_FRACTION
-from kmix.report.read import KmixLog
+from kmix.report.read import KmixLog, read_events
 from kmix.report.summary import TREND_TAGS, Summary
 
 PLOT_FILES = ("loss_scale.png", "health.png", "grad_exponents.png", "activations.png")
@@ -29,14 +30,20 @@ def write_plots(log: KmixLog, summary: Summary, out_dir: str) -> list[str]:
     """Writes the PNG plots of a run with matplotlib (no global backend is changed).
 
     * ``loss_scale.png``: the loss scale over steps on a log2 axis, skipped steps
-      marked;
+      marked, and the stretches whose scale events were lost shaded;
     * ``health.png``: overflow headroom, underflow fraction (and its subnormal
-      part) and gradient norm, those that were logged;
+      part, and per float16 variable) and gradient norm, those that were logged;
     * ``grad_exponents.png``: a heatmap of the latest gradient exponents per
-      variable with float16's limits drawn as lines (only with histograms);
+      variable, float16 variables first with float16's limits drawn as lines over
+      them, variables of other dtypes below, marked (only with histograms);
     * ``activations.png``: activation headroom per float16 layer over steps (the
-      :data:`MAX_LAYERS_PLOTTED` tightest), with float16's max at 0 bits and the
-      warning line (only when activation statistics were recorded).
+      :data:`MAX_LAYERS_PLOTTED` tightest; identical lines drawn once, their
+      layers named together), with float16's max at 0 bits and the warning line
+      (only when activation statistics were recorded).
+
+    Lines over steps span steps 0 to the last step seen, their legends sit beside
+    the axes, their titles say how many readings they show, and a series of at
+    most :data:`MARKER_POINTS` points is drawn with markers.
 
     Args:
         log: what :func:`kmix.report.read_log` returned.
@@ -92,6 +99,14 @@ def _plot_loss_scale(figure: Any, log: KmixLog, summary: Summary) -> bool:
                 label=label,
                 zorder=3,
             )
+    for k, lost in enumerate(read_events(log).lost_between):
+        ax.axvspan(
+            lost.after_step,
+            lost.upto_step,
+            color="0.85",
+            zorder=0,
+            label=None if k else "scale events lost: the scale here is not known",
+        )
     ax.set_yscale("log", base=2)
     ax.set_xlabel("step")
     ax.set_ylabel("loss scale (log2)")
@@ -101,48 +116,95 @@ def _plot_loss_scale(figure: Any, log: KmixLog, summary: Summary) -> bool:
     return True
 
 
+MARKER_POINTS = 30
+"""A series of at most this many points is drawn with a marker at each point, so a
+single reading (or a few) shows as points instead of an invisible one-point line."""
+
+
+def _style(points: int) -> dict[str, Any]:
+    """Line style for a series of ``points`` points: markers when they are few."""
+    return {"marker": "o", "markersize": 4} if points <= MARKER_POINTS else {}
+
+
+def _readings(count: int, steps: list[int]) -> str:
+    """``"1 reading, at step 100"``, ``"12 readings"``."""
+    if count == 1 and steps:
+        return f"1 reading, at step {steps[0]}"
+    return plural(count, "reading")
+
+
+def _step_axis(ax: Any, summary: Summary, last: int) -> None:
+    """Steps from 0 to the last step seen, so a few readings sit where they were taken."""
+    right = max(summary.steps_seen, last, 1)
+    ax.set_xlim(-0.02 * right, 1.02 * right)
+
+
+def _outside_legend(ax: Any, **kwargs: Any) -> None:
+    """A legend right of the axes (constrained layout makes room): it covers no line."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **kwargs)
+
+
 def _plot_health(figure: Any, log: KmixLog, summary: Summary) -> bool:
     present = [key for key, tag in TREND_TAGS.items() if tag in log.scalars]
     if not present:
         return False
     axes = figure.subplots(len(present), 1, sharex=True, squeeze=False)[:, 0]
+    steps: set[int] = set()
     for ax, key in zip(axes, present, strict=True):
         series = log.scalars[TREND_TAGS[key]]
+        steps.update(series.steps.tolist())
+        style = _style(series.steps.size)
         if key == "underflow_fraction":
-            ax.plot(series.steps, 100 * series.values, label="all gradients", linewidth=2)
+            lines = {"all gradients": series}
             subnormal = log.scalars.get(tags.SUBNORMAL_FRACTION)
             if subnormal is not None:
+                lines["subnormal part"] = subnormal
+            lines |= {
+                tag[len(tags.UNDERFLOW_BY_VARIABLE) :]: values
+                for tag, values in sorted(log.scalars.items())
+                if tag.startswith(tags.UNDERFLOW_BY_VARIABLE)
+                and tag[len(tags.UNDERFLOW_BY_VARIABLE) :] not in summary.variables_not_float16
+            }  # float16's range does not apply to the others' layers
+            for names in identical_series(lines):
+                values = lines[names[0]]
                 ax.plot(
-                    subnormal.steps, 100 * subnormal.values, label="subnormal part", linewidth=2
+                    values.steps,
+                    100 * values.values,
+                    label=_group_label(names, wrap=True),
+                    linewidth=2 if names[0] in ("all gradients", "subnormal part") else 0.8,
+                    **_style(values.steps.size),
                 )
-            for tag, other in sorted(log.scalars.items()):
-                if tag.startswith(tags.UNDERFLOW_BY_VARIABLE):
-                    name = tag[len(tags.UNDERFLOW_BY_VARIABLE) :]
-                    ax.plot(other.steps, 100 * other.values, label=name, linewidth=0.8)
             ax.axhline(100 * UNDERFLOW_WARN_FRACTION, color="tab:red", linestyle="--")
             ax.set_ylabel("underflow (%)")
-            ax.legend(fontsize="x-small", ncol=2)
+            _outside_legend(ax, fontsize="x-small")
         elif key == "overflow_headroom_bits":
-            ax.plot(series.steps, series.values)
+            ax.plot(series.steps, series.values, **style)
             ax.axhline(0, color="black", linestyle="-", linewidth=0.8)
             ax.axhline(HEADROOM_WARN_BITS, color="tab:red", linestyle="--")
             ax.set_ylabel("headroom (bits)")
         else:
-            ax.plot(series.steps, series.values)
+            ax.plot(series.steps, series.values, **style)
             ax.set_yscale("log")
             ax.set_ylabel("gradient norm")
         ax.grid(True, alpha=0.3)
-    axes[0].set_title("Gradient health (dashed: warning thresholds)")
+    ordered = sorted(steps)
+    _step_axis(axes[-1], summary, ordered[-1] if ordered else 0)
+    axes[0].set_title(
+        f"Gradient health, {_readings(len(ordered), ordered)} (dashed: warning thresholds)"
+    )
     axes[-1].set_xlabel("step")
     return True
 
 
 def _plot_exponents(figure: Any, log: KmixLog, summary: Summary) -> bool:
+    """Float16 variables first, with float16's limits; other dtypes below, without them."""
     if not log.histograms:
         return False
     from matplotlib.colors import LogNorm
 
-    variables = sorted(log.histograms)
+    other = summary.variables_not_float16
+    float16 = sorted(v for v in log.histograms if v not in other)
+    variables = float16 + sorted(v for v in log.histograms if v in other)
     rows = np.stack([log.histograms[v][-1][1] for v in variables])
     fractions = rows / np.maximum(rows.sum(axis=1, keepdims=True), 1)
     edges = tags.exponent_bucket_edges()
@@ -156,18 +218,68 @@ def _plot_exponents(figure: Any, log: KmixLog, summary: Summary) -> bool:
         cmap="viridis",
     )
     figure.colorbar(image, ax=ax, label="share of elements")
-    for x, label, color in (
-        (tags.FLOAT16_MIN_SUBNORMAL_EXPONENT, "min subnormal 2^-24", "tab:red"),
-        (tags.FLOAT16_MIN_NORMAL_EXPONENT, "min normal 2^-14", "tab:orange"),
-        (tags.FLOAT16_MAX_EXPONENT + 1, "max 65504", "tab:red"),
-    ):
-        ax.axvline(x, color=color, linestyle="--", linewidth=1.2, label=f"float16 {label}")
-    ax.set_yticks(range(len(variables)), variables, fontsize="small")
+    if float16:
+        for x, label, color in (
+            (tags.FLOAT16_MIN_SUBNORMAL_EXPONENT, "min subnormal 2^-24", "tab:red"),
+            (tags.FLOAT16_MIN_NORMAL_EXPONENT, "min normal 2^-14", "tab:orange"),
+            (tags.FLOAT16_MAX_EXPONENT + 1, "max 65504", "tab:red"),
+        ):
+            ax.vlines(
+                x,
+                -0.5,
+                len(float16) - 0.5,
+                color=color,
+                linestyle="--",
+                linewidth=1.2,
+                label=f"float16 {label}",
+            )
+        ax.legend(
+            fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3
+        )  # below the axes: it covers no cell
+    if len(float16) < len(variables):
+        ax.axhline(len(float16) - 0.5, color="black", linewidth=1.0)
+        dtypes = " and ".join(sorted({other[v] for v in variables[len(float16) :]}))
+        ax.text(
+            0.99,
+            (len(variables) - len(float16)) / len(variables),
+            f"below: {dtypes} layers, float16's limits do not apply",
+            transform=ax.transAxes,
+            ha="right",
+            va="top",
+            fontsize="small",
+            bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"},
+        )
+    labels = [v if v not in other else f"{v} ({other[v]})" for v in variables]
+    ax.set_yticks(range(len(variables)), labels, fontsize="small")
     ax.set_xlabel("log2 |scaled gradient| (leftmost column: zero; rightmost: inf/NaN)")
     steps = sorted({log.histograms[v][-1][0] for v in variables})
     ax.set_title(f"Gradient exponents per variable at step {', '.join(map(str, steps))}")
-    ax.legend(fontsize="small", loc="upper left")
     return True
+
+
+def identical_series(series: dict[str, Any]) -> list[list[str]]:
+    """Groups the names whose series are identical (same steps, same values).
+
+    Args:
+        series: name -> :class:`~kmix.report.read.Series`.
+
+    Returns:
+        The groups, each in the order of ``series``, ordered by their first name.
+    """
+    groups: dict[tuple[bytes, bytes], list[str]] = {}
+    for name, values in series.items():
+        key = (values.steps.tobytes(), values.values.tobytes())
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
+
+
+def _group_label(names: list[str], wrap: bool = False) -> str:
+    """One name, or the names of identical lines drawn as one (a line each if ``wrap``)."""
+    if len(names) == 1:
+        return names[0]
+    parts = names[:3] + ([f"and {len(names) - 3} more"] if len(names) > 3 else [])
+    parts.append("(identical: one line)")
+    return (",\n" if wrap else ", ").join(parts[:-1]) + ("\n" if wrap else " ") + parts[-1]
 
 
 def _plot_activations(figure: Any, log: KmixLog, summary: Summary) -> bool:
@@ -179,15 +291,33 @@ def _plot_activations(figure: Any, log: KmixLog, summary: Summary) -> bool:
     if not series:
         return False
     tightest = sorted(series, key=lambda layer: np.nanmin(series[layer].values))
+    shown = tightest[:MAX_LAYERS_PLOTTED]
     ax = figure.add_subplot()
-    for layer in tightest[:MAX_LAYERS_PLOTTED]:
-        ax.plot(series[layer].steps, series[layer].values, label=layer, linewidth=1.2)
+    steps: set[int] = set()
+    for names in identical_series({layer: series[layer] for layer in shown}):
+        values = series[names[0]]
+        steps.update(values.steps.tolist())
+        ax.plot(
+            values.steps,
+            values.values,
+            label=_group_label(names),
+            linewidth=1.2,
+            **_style(values.steps.size),
+        )
     ax.axhline(0, color="black", linewidth=1.0, label="float16 max (65504)")
     ax.axhline(HEADROOM_WARN_BITS, color="tab:red", linestyle="--", label="warning")
+    ordered = sorted(steps)
+    _step_axis(ax, summary, ordered[-1] if ordered else 0)
     ax.set_xlabel("step")
     ax.set_ylabel("headroom to 65504 (bits)")
-    shown = min(len(tightest), MAX_LAYERS_PLOTTED)
-    ax.set_title(f"Activation headroom: the {shown} tightest of {len(tightest)} float16 layers")
+    which = (
+        f"of {plural(len(shown), 'float16 layer')}"
+        if len(shown) == len(tightest)
+        else f"the {len(shown)} tightest of {len(tightest)} float16 layers"
+    )
+    ax.set_title(f"Activation headroom {which}, {_readings(len(ordered), ordered)}")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="x-small", ncol=2)
+    ax.legend(  # below the axes: it covers no line
+        fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3
+    )
     return True

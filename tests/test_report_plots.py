@@ -1,0 +1,144 @@
+"""kmix.report.plots: what each PNG draws, read back from matplotlib's figure (issue 21,
+items 11, 14, 17): a single reading shows, legends cover no line, identical lines are
+said to be one, float16's limits are drawn over float16 variables only."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from test_report import event_line, exponent_histogram, hand_log
+
+from kmix import report, tags
+from kmix.report import plots
+from kmix.tags import PolicyRecord
+
+pytest.importorskip("matplotlib")
+
+RECORD = PolicyRecord(
+    "mixed_float16", "m", "mixed_float16", "float16", "float32", "kmix", 1.0, 2.0**24, 100, 0
+)
+
+
+def drawn(plot, log):
+    """The figure ``plot`` drew for ``log``, laid out and rendered (as savefig would)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(9, 6), layout="constrained")
+    assert plot(figure, log, report.summarize(log))
+    FigureCanvasAgg(figure).draw()
+    return figure
+
+
+def one_reading_log():
+    """192 steps, update_freq=100: one health reading, at step 100."""
+    return hand_log(
+        scalars={
+            tags.LOSS_SCALE: ([100, 192], [32768.0, 32768.0]),
+            tags.OVERFLOW_HEADROOM_BITS: ([100], [1.12]),
+            tags.UNDERFLOW_FRACTION: ([100], [0.5625]),
+            tags.SUBNORMAL_FRACTION: ([100], [0.0]),
+            tags.GRAD_NORM: ([100], [2.98]),
+            tags.UNDERFLOW_BY_VARIABLE + "dense/kernel": ([100], [0.5625]),
+            tags.UNDERFLOW_BY_VARIABLE + "dense/bias": ([100], [0.5625]),
+            tags.ACTIVATION_HEADROOM_BITS + "dense": ([100], [15.6]),
+        }
+    )
+
+
+@pytest.mark.parametrize("plot", [plots._plot_health, plots._plot_activations])
+def test_a_single_reading_is_drawn_as_a_point_and_said(plot):
+    figure = drawn(plot, one_reading_log())
+    axes = figure.axes
+    data = [line for ax in axes for line in ax.get_lines() if len(line.get_xdata()) == 1]
+    data = [line for line in data if line.get_xdata()[0] == 100]  # not the reference lines
+    assert data and all(line.get_marker() == "o" for line in data)
+    assert "1 reading, at step 100" in axes[0].get_title()
+    left, right = axes[-1].get_xlim()
+    assert left <= 0 and right >= 192  # the step sits within the run, not on a 95..105 axis
+
+
+def test_many_readings_are_lines_and_are_counted():
+    steps = list(range(10, 410, 10))
+    log = hand_log(scalars={tags.OVERFLOW_HEADROOM_BITS: (steps, [5.0] * len(steps))})
+    figure = drawn(plots._plot_health, log)
+    (line,) = [line for line in figure.axes[0].get_lines() if len(line.get_xdata()) == 40]
+    assert line.get_marker() in ("None", None, "")
+    assert "40 readings" in figure.axes[0].get_title()
+
+
+@pytest.mark.parametrize("plot", [plots._plot_health, plots._plot_activations])
+def test_legends_cover_no_line(plot):
+    steps = list(range(10, 410, 10))
+    ramp = np.linspace(0.0, 0.5, len(steps))
+    log = hand_log(
+        scalars={
+            tags.UNDERFLOW_FRACTION: (steps, ramp),
+            tags.UNDERFLOW_BY_VARIABLE + "a/kernel": (steps, ramp / 2),
+            tags.ACTIVATION_HEADROOM_BITS + "a": (steps, 20 - 10 * ramp),
+            tags.ACTIVATION_HEADROOM_BITS + "b": (steps, 18 - 10 * ramp),
+        }
+    )
+    figure = drawn(plot, log)
+    legends = [ax.get_legend() for ax in figure.axes if ax.get_legend() is not None]
+    assert legends
+    for legend in legends:
+        box = legend.get_window_extent()
+        for ax in figure.axes:
+            assert not box.overlaps(ax.get_window_extent()), "the legend covers an axes"
+
+
+def test_identical_activation_lines_are_drawn_once_and_named_together():
+    steps = [10, 20, 30]
+    log = hand_log(
+        scalars={
+            tags.ACTIVATION_HEADROOM_BITS + "conv2d_1": (steps, [18.0, 14.0, 13.5]),
+            tags.ACTIVATION_HEADROOM_BITS + "max_pooling2d": (steps, [18.0, 14.0, 13.5]),
+            tags.ACTIVATION_HEADROOM_BITS + "dense": (steps, [16.0, 15.0, 15.0]),
+        }
+    )
+    figure = drawn(plots._plot_activations, log)
+    labels = [line.get_label() for line in figure.axes[0].get_lines()]
+    data = [label for label in labels if "float16 max" not in label and label != "warning"]
+    assert len(data) == 2
+    assert "conv2d_1, max_pooling2d (identical: one line)" in data
+    assert plots.identical_series(
+        {name: log.scalars[tags.ACTIVATION_HEADROOM_BITS + name] for name in ("dense", "conv2d_1")}
+    ) == [["dense"], ["conv2d_1"]]
+
+
+def test_float16_limits_are_drawn_over_float16_variables_only():
+    record = dataclasses.replace(
+        RECORD, variable_dtypes={"conv/kernel": "float16", "dense/bias": "float32"}
+    )
+    log = hand_log(
+        histograms={
+            "conv/kernel": [(25, exponent_histogram(e3=10))],
+            "dense/bias": [(25, exponent_histogram(e17=10))],
+        },
+        texts={tags.POLICY_RECORD: [(0, tags.format_policy_record(record))]},
+    )
+    figure = drawn(plots._plot_exponents, log)
+    ax = figure.axes[0]
+    labels = [label.get_text() for label in ax.get_yticklabels()]
+    assert labels == ["conv/kernel", "dense/bias (float32)"]
+    limits = [c for c in ax.collections if str(c.get_label()).startswith("float16 ")]
+    assert len(limits) == 3
+    for collection in limits:
+        for segment in collection.get_segments():
+            rows = sorted(segment[:, 1])
+            assert rows == [-0.5, 0.5]  # row 0 (conv/kernel) only
+    assert any("float16's limits do not apply" in t.get_text() for t in ax.texts)
+
+
+def test_the_stretch_whose_events_were_lost_is_shaded():
+    lost = tags.format_events_lost(tags.EventsLost(10, 0, 16, 2))
+    log = hand_log(
+        scalars={tags.LOSS_SCALE: ([11, 12, 16], [1.0, 1.0, 1.0])},
+        texts={tags.EVENTS: [(11, lost), event_line(11, "overflow_at_floor", 1.0, 1.0, "w")]},
+    )
+    figure = drawn(plots._plot_loss_scale, log)
+    labels = [h.get_label() for h in figure.axes[0].get_legend().legend_handles]
+    assert "scale events lost: the scale here is not known" in labels
