@@ -10,10 +10,15 @@ process, configurations alternating round by round:
 * ``stock``: Keras's ``LossScaleOptimizer(Adam)``; ``optimizer``: kmix's, no callbacks;
 * ``watched``: kmix's, ``optimizer.watch(model)`` called by hand, no callbacks (the
   in-graph part of the monitor alone);
+* ``wrapped``: as ``watched`` with the activation tap removed again (the train-step
+  wrapper alone, no forward statistics);
 * ``monitor``: kmix's with ``MixedPrecisionMonitor(verbose=0)`` (defaults).
 
-It also times every host read of the monitor (``_on_read``, wall clock) and prints the
-reads' cost per step (their total over the steps fitted), which is the host part.
+Each step's time is measured twice: wall clock, and the process's CPU time (all
+threads; less sensitive to other processes on a shared machine, since waiting for a
+core is not counted). It also times every host read of the monitor (``_on_read``, wall
+clock) and prints the reads' cost per step (their total over the steps fitted): the host
+part.
 
 Usage: ``python bench/bench_monitor_parts.py [--steps 300] [--rounds 7] [--model mlp]``
 """
@@ -55,13 +60,17 @@ monitor_module.MixedPrecisionMonitor._on_read = _timed_on_read
 
 
 class BatchTimer(keras.callbacks.Callback):
-    """Times between the first and the last batch end of a fit."""
+    """Wall and CPU times between the first and the last batch end of a fit."""
 
     def on_train_begin(self, logs=None):  # noqa: ANN001, ANN201
-        self.ends: list[float] = []
+        self.ends: list[tuple[float, float]] = []
 
     def on_train_batch_end(self, batch, logs=None):  # noqa: ANN001, ANN201
-        self.ends.append(time.perf_counter())
+        self.ends.append((time.perf_counter(), time.process_time()))
+
+    def per_step(self) -> tuple[float, float]:
+        steps = len(self.ends) - 1
+        return tuple((b - a) / steps for a, b in zip(self.ends[0], self.ends[-1], strict=True))
 
 
 def build(name: str, config: str, log_dir: str) -> tuple[keras.Model, tf.data.Dataset, list]:
@@ -74,8 +83,11 @@ def build(name: str, config: str, log_dir: str) -> tuple[keras.Model, tf.data.Da
         else kmix.LossScaleOptimizer(keras.optimizers.Adam())
     )
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    if config == "watched":
+    if config in ("watched", "wrapped"):
         opt.watch(model)
+    if config == "wrapped":
+        opt.hooks._tap.remove()
+        model.make_train_function(force=True)
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
     callbacks = (
         [kmix.callbacks.MixedPrecisionMonitor(log_dir, verbose=0)] if config == "monitor" else []
@@ -90,12 +102,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     keras.mixed_precision.set_global_policy("mixed_float16")
-    configs = ("stock", "optimizer", "watched", "monitor")
+    configs = ("stock", "optimizer", "wrapped", "watched", "monitor")
     root = tempfile.mkdtemp(prefix="kmix-bench-parts-")
     setups = {c: build(args.model, c, os.path.join(root, c)) for c in configs}
     for model, data, callbacks in setups.values():  # warm up: trace everything
         model.fit(data, steps_per_epoch=3, epochs=1, verbose=0, callbacks=callbacks)
-    times: dict[str, list[float]] = {c: [] for c in configs}
+    times: dict[str, list[tuple[float, float]]] = {c: [] for c in configs}
     READ_SECONDS.clear()
     print(f"load before: {os.getloadavg()[0]:.2f}")
     for _ in range(args.rounds):
@@ -105,15 +117,19 @@ def main() -> None:
             model.fit(
                 data, steps_per_epoch=args.steps, epochs=1, verbose=0, callbacks=[*callbacks, timer]
             )
-            times[config].append((timer.ends[-1] - timer.ends[0]) / (len(timer.ends) - 1))
+            times[config].append(timer.per_step())
     print(f"load after: {os.getloadavg()[0]:.2f}")
-    stock = times["stock"]
     print(f"\n{MODELS[args.model][0]}, {args.steps} steps x {args.rounds} rounds\n")
-    print("| configuration | ms / step | ratio to stock (median over rounds) |")
-    print("|---|---|---|")
+    print("| configuration | wall ms / step | ratio | CPU ms / step | CPU ratio |")
+    print("|---|---|---|---|---|")
     for config in configs:
-        ratio = statistics.median(t / s for t, s in zip(times[config], stock, strict=True))
-        print(f"| {config} | {1e3 * statistics.median(times[config]):.2f} | {ratio:.3f}x |")
+        cells = []
+        for kind in (0, 1):
+            mine = [t[kind] for t in times[config]]
+            stock = [t[kind] for t in times["stock"]]
+            ratio = statistics.median(m / s for m, s in zip(mine, stock, strict=True))
+            cells += [f"{1e3 * statistics.median(mine):.2f}", f"{ratio:.3f}x"]
+        print(f"| {config} | " + " | ".join(cells) + " |")
     steps = args.rounds * args.steps
     print(
         f"\nmonitor host reads: {len(READ_SECONDS)} reads, median "

@@ -1,4 +1,4 @@
-"""Argument checks shared by kmix's public classes.
+"""Argument checks and user warnings shared by kmix's public classes.
 
 Every error names the argument, echoes the value and says what is valid, e.g.
 "Invalid `patience` for kmix.callbacks.LossScaleGuard: patience=0. `patience` must be
@@ -8,6 +8,8 @@ an integer >= 1."
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 from typing import Any
 
 import numpy as np
@@ -76,3 +78,15 @@ def check_choice(owner: str, name: str, value: Any, choices: dict[Any, str]) -> 
         valid = " or ".join(f"{choice!r} ({meaning})" for choice, meaning in choices.items())
         raise invalid(owner, name, value, valid)
     return value
+
+
+def warn_user(message: str) -> None:
+    """Warns once, pointing at the user's code (the first frame outside Keras, TF, kmix)."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in {
+        "kmix",
+        "keras",
+        "tensorflow",
+    }:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level)

@@ -108,6 +108,33 @@ class OptimizerConfig:
         for name, value in checked.items():
             object.__setattr__(self, name, value)
 
+    @classmethod
+    def from_arguments(cls, **arguments: Any) -> OptimizerConfig:
+        """Validates the optimizer's constructor arguments (the inverse of :meth:`arguments`).
+
+        Args:
+            **arguments: the constructor's keyword arguments (``initial_scale``,
+                ``dynamic_growth_steps`` and the names :meth:`arguments` returns).
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ValueError: an argument is outside its range (the message names it).
+        """
+        rule_names = ("growth_factor", "backoff_factor", "hysteresis", "min_scale", "max_scale")
+        return cls(
+            rule=scaling.ScaleConfig(
+                growth_steps=arguments["dynamic_growth_steps"],
+                backoff_on_forward_overflow=arguments["backoff_on_forward_overflow"],
+                **{name: arguments[name] for name in rule_names},
+            ),
+            initial_scale=arguments["initial_scale"],
+            health_every=arguments["health_every"],
+            histogram_every=arguments["histogram_every"],
+            event_capacity=arguments["event_capacity"],
+        )
+
     def arguments(self) -> dict[str, Any]:
         """kmix's constructor arguments beyond Keras's own, for ``get_config``.
 

@@ -60,6 +60,15 @@ def variable_compute_dtypes(model: Any) -> dict[int, str]:
     return dtypes
 
 
+def _declared_state(model: Any) -> list[Any]:
+    """Every variable the model's layers declare non-trainable themselves, once, in walk order."""
+    found: dict[int, Any] = {}
+    for layer in [model, *(layer for _, layer in walk_layers(model))]:
+        for variable in getattr(layer, "_non_trainable_variables", []):
+            found.setdefault(id(variable), variable)
+    return list(found.values())
+
+
 def forward_state_variables(model: Any) -> list[Any]:
     """Float variables the model's layers declare non-trainable: state their call updates.
 
@@ -73,9 +82,19 @@ def forward_state_variables(model: Any) -> list[Any]:
     Returns:
         The variables, each once, in walk order.
     """
-    found: dict[int, Any] = {}
-    for layer in [model, *(layer for _, layer in walk_layers(model))]:
-        for variable in getattr(layer, "_non_trainable_variables", []):
-            if "float" in str(variable.dtype):
-                found.setdefault(id(variable), variable)
-    return list(found.values())
+    return [v for v in _declared_state(model) if "float" in str(v.dtype)]
+
+
+def unrestored_state_variables(model: Any) -> list[Any]:
+    """Non-float variables the model's layers declare non-trainable (e.g. step counters).
+
+    A skipped step restores only :func:`forward_state_variables`, not these. Random
+    generator states (Dropout's) are not listed: they are not the layers' own variables.
+
+    Args:
+        model: a model (its layers may not be built yet: they then hold none).
+
+    Returns:
+        The variables, each once, in walk order.
+    """
+    return [v for v in _declared_state(model) if "float" not in str(v.dtype)]

@@ -88,13 +88,17 @@ def install_hooks() -> None:
 
 
 def _finish_runs_when_fit_raises() -> None:
-    """Wraps ``keras.Model.fit`` once: if it raises, open kmix runs of the model finish."""
+    """Wraps ``keras.Model.fit`` once: a kmix optimizer protects the model's forward state
+    first; if ``fit`` raises, open kmix runs of the model finish."""
     original = keras.Model.fit
     if getattr(original, "_kmix_finishes_runs", False):
         return
 
     @functools.wraps(original)
     def fit(self: keras.Model, *args: Any, **kwargs: Any) -> Any:
+        protect = getattr(getattr(self, "optimizer", None), "protect_forward_state", None)
+        if callable(protect):  # kmix's optimizer: a skipped batch never happened
+            protect(self)
         try:
             return original(self, *args, **kwargs)
         except BaseException as error:

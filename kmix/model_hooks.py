@@ -4,7 +4,9 @@
 
 * wraps the model's ``train_step`` so that it notes the values of the non-trainable
   float variables the forward pass assigns (BatchNormalization's moving statistics)
-  before the forward pass runs: a skipped step puts them back (:func:`restore`);
+  before the forward pass runs: a skipped step puts them back (:func:`restore`). This
+  part alone (:meth:`ModelHooks.protect`) runs before every ``model.fit`` whose
+  optimizer is kmix's, callbacks or not (``kmix._runs`` wraps ``fit``);
 * taps the forward pass (:class:`kmix.activations.ActivationTap`), so a forward
   overflow can name its first layer and activation statistics can be kept;
 * knows which trainable variables compute in float16 (:meth:`ModelHooks.float16_mask`).
@@ -26,8 +28,13 @@ import keras
 import numpy as np
 from keras import ops
 
+from kmix._checks import warn_user
 from kmix._graph import reachable
-from kmix._layers import forward_state_variables, variable_compute_dtypes
+from kmix._layers import (
+    forward_state_variables,
+    unrestored_state_variables,
+    variable_compute_dtypes,
+)
 from kmix.activation_tap import ActivationTap
 from kmix.activations import ACTIVATION_CAPACITY, measure_forward
 
@@ -51,6 +58,7 @@ class ModelHooks:
         self._model_ref: Any = None
         self._tap: ActivationTap | None = None
         self._trace = threading.local()  # what the wrapped train step left for apply
+        self._told: set[int] = set()  # models whose unrestored variables were named
         self.layers: list[tuple[str, str]] = []
 
     @property
@@ -58,14 +66,34 @@ class ModelHooks:
         """The watched model, or None (none yet, or it was garbage-collected)."""
         return self._model_ref() if self._model_ref is not None else None
 
-    def watch(self, model: keras.Model) -> None:
-        """Hooks ``model`` (idempotent for the same model); retraces a traced train step.
+    def protect(self, model: keras.Model) -> None:
+        """Wraps ``model``'s train step so a skipped step gives its forward state back.
+
+        Idempotent for the same model; retraces a train step traced without the wrapper.
+        Says once, by name, which of the model's own variables a skipped step does not
+        give back (integer ones, such as a step counter a layer keeps).
 
         Args:
             model: the model the optimizer trains.
         """
         self._model_ref = weakref.ref(model)
         self._wrap_train_step(model)
+        unrestored = [v.path for v in unrestored_state_variables(model)]
+        if unrestored and id(model) not in self._told:
+            self._told.add(id(model))
+            warn_user(
+                "kmix: a skipped step gives back the float variables the forward pass "
+                "assigned (BatchNormalization's statistics); these integer variables keep "
+                f"the skipped step's update: {', '.join(unrestored)}."
+            )
+
+    def watch(self, model: keras.Model) -> None:
+        """:meth:`protect`, and taps the float16 layers' calls (forward statistics).
+
+        Args:
+            model: the model the optimizer trains.
+        """
+        self.protect(model)
         if self._tap is None or self._tap.model is not model:
             if self._tap is not None:
                 self._tap.remove()

@@ -23,7 +23,6 @@ from keras import ops
 from kmix import (
     _runs,  # noqa: F401  (wraps fit: runs end with evidence)
     health,
-    scaling,
 )
 from kmix._checks import check_int
 from kmix._cluster import worker_count
@@ -81,19 +80,16 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
     """A dynamic loss-scale optimizer that never corrupts weights and records why.
 
     It subclasses ``keras.mixed_precision.LossScaleOptimizer``, so ``model.compile``
-    does not wrap it again. On every step it checks the scaled gradients of every
-    replica and the unscaled loss; if all are finite it unscales the gradients and
-    applies the inner optimizer, otherwise it skips the step: weights and inner state
-    untouched, and, once it knows the model (kmix's callbacks tell it at train
-    begin; custom loops call :meth:`watch`), the non-trainable state the forward
-    pass assigned (BatchNormalization's moving statistics) too. The scale follows
-    :func:`kmix.scaling.update_scale`: gradient overflows back it off; a non-finite
-    loss (a forward overflow) keeps it, since no scale can fix the forward pass.
-    Counters, gradient health and a ring of recent events are kept in optimizer
-    variables (:mod:`kmix.step_recorder`), computed in-graph, for :mod:`kmix.callbacks`
-    to read. Under a ``tf.distribute`` strategy the skip decision, counters and events
-    are agreed across replicas; the gradient health statistics describe the first
-    local replica's gradients (before Keras all-reduces them).
+    does not wrap it again. Each step it checks the scaled gradients of every replica
+    and the unscaled loss: all finite, it unscales them and applies the inner optimizer;
+    otherwise it skips the step, leaving weights, inner state and the state the forward
+    pass assigned (BatchNormalization's statistics: :meth:`protect_forward_state`) as
+    they were. The scale follows :func:`kmix.scaling.update_scale`: gradient overflows
+    back it off; a non-finite loss (a forward overflow) keeps it, since no scale can fix
+    the forward pass. Counters, gradient health and a ring of recent events are kept
+    in-graph (:mod:`kmix.step_recorder`) for :mod:`kmix.callbacks` to read. Under a
+    ``tf.distribute`` strategy the skip decision, counters and events are agreed across
+    replicas; gradient health describes the first local replica's gradients.
 
     Example:
         >>> opt = kmix.LossScaleOptimizer(keras.optimizers.Adam(1e-3))  # doctest: +SKIP
@@ -150,20 +146,18 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
                 f"Keras backend is {keras.backend.backend()!r}. Set "
                 "KERAS_BACKEND=tensorflow before importing keras."
             )
-        config = OptimizerConfig(
-            rule=scaling.ScaleConfig(
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_steps=dynamic_growth_steps,
-                hysteresis=hysteresis,
-                min_scale=min_scale,
-                max_scale=max_scale,
-                backoff_on_forward_overflow=backoff_on_forward_overflow,
-            ),
+        config = OptimizerConfig.from_arguments(
             initial_scale=initial_scale,
+            dynamic_growth_steps=dynamic_growth_steps,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
             health_every=health_every,
             histogram_every=histogram_every,
             event_capacity=event_capacity,
+            backoff_on_forward_overflow=backoff_on_forward_overflow,
         )
         super().__init__(
             _resolve_inner(inner_optimizer),
@@ -177,11 +171,6 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
         self.hooks = ModelHooks()
         self._trace = threading.local()  # what scale_loss saw in this step's graph
         _warn_if_fit_cannot_run_here()
-
-    @property
-    def event_capacity(self) -> int:
-        """How many recent events the in-graph ring keeps."""
-        return self.config.event_capacity
 
     def build(self, var_list: list[Any]) -> None:
         """Creates the step record's variables (:class:`StepRecorder`), then the inner ones."""
@@ -328,16 +317,12 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
 
     # ------------------------------------------------------------- the model
     def watch(self, model: keras.Model) -> list[str]:
-        """Learns the model: which variables compute in float16, what its forward pass assigns.
+        """:meth:`protect_forward_state`, and taps the float16 layers (:mod:`kmix.model_hooks`).
 
-        Float16's range (headroom, underflow) matters only where float16 computes;
-        the mask is taken whenever the model's variables come to exist (now if they
-        do, else when the optimizer is built at the first step). The model's train
-        step is wrapped so that a skipped step leaves the non-trainable float
-        variables its forward pass assigns (BatchNormalization's moving statistics)
-        as they were, and its float16 layers are tapped (:mod:`kmix.model_hooks`).
-        kmix's callbacks call this at train begin; custom loops may call it
-        themselves. Calling it again for the same model does nothing new.
+        Float16's range statistics then cover only the variables whose layers compute in
+        float16 (the mask is taken once the variables exist), and a forward overflow is
+        named by layer. kmix's callbacks call this at train begin; custom loops may call
+        it themselves. Calling it again for the same model does nothing new.
 
         Args:
             model: the model whose trainable variables this optimizer updates.
@@ -346,14 +331,28 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
             The paths of the model's trainable variables counted as float16 now
             (empty while a lazily built model has no variables yet).
         """
+        self.protect_forward_state(model)
         self.hooks.watch(model)
-        if self.built:
-            mask = self.hooks.float16_mask(self._trainable_variables)
-            self.recorder.settings.set_base("float16_mask", mask)
         mask = self.hooks.float16_mask(model.trainable_weights)
         return [v.path for v, m in zip(model.trainable_weights, mask, strict=True) if m]
 
     watch_float16_layers = watch  # the 0.1.0 name
+
+    def protect_forward_state(self, model: keras.Model) -> None:
+        """Makes a skipped step leave ``model``'s forward-pass state as it was; no tap.
+
+        kmix calls it before each ``model.fit`` with this optimizer, callbacks or not. A
+        custom loop calling ``model.train_step`` gets it by calling this once; one with
+        its own forward pass does not (its BatchNormalization statistics keep the
+        skipped batch's update).
+
+        Args:
+            model: the model whose trainable variables this optimizer updates.
+        """
+        self.hooks.protect(model)
+        if self.built:
+            mask = self.hooks.float16_mask(self._trainable_variables)
+            self.recorder.settings.set_base("float16_mask", mask)
 
     # ------------------------------------------------------------ settings
     health_every = _setting(

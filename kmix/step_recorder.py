@@ -374,6 +374,11 @@ class RecordReads:
 
     recorder: StepRecorder
 
+    @property
+    def event_capacity(self) -> int:
+        """How many recent events the in-graph ring keeps."""
+        return self.recorder.config.event_capacity
+
     loss_scale = _state_field("loss_scale", "The current loss scale.")
     skipped_steps = _state_field("skipped_steps", "Cumulative skipped (non-finite) steps.")
     attempted_steps = _state_field(

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -183,10 +184,14 @@ def test_sgd_lr1_gives_known_weights_with_unscaled_gradients():
 def one_measured_step(inputs: int, units: int, jit_compile: bool):
     """One fit step of Dense(units) -> Dense(1) with statistics and histograms due (scale 256).
 
+    Under ``mixed_float16``: float16's range statistics describe float16 layers only, and
+    kmix knows the model's layers on every fit (a float32 model has no range statistics).
+
     Returns:
         The optimizer, its state after the step, and the same step's scaled gradients
         recomputed eagerly from the initial weights (float64), the reference.
     """
+    keras.mixed_precision.set_global_policy("mixed_float16")
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [keras.Input((inputs,)), keras.layers.Dense(units), keras.layers.Dense(1)]
@@ -262,17 +267,21 @@ def test_float32_layers_do_not_count_against_float16_headroom():
     )
     model.compile(optimizer=opt, loss="mse")
     x, y = np.ones((1, 2), "float32"), np.full((1, 1), 10.0, "float32")
+    # Every fit tells kmix the model (callbacks or not): head's float32 gradient, 2 * 2 *
+    # (0 - 10) * 2**20 for its kernel, does not count; body's float16 gradients are all
+    # zero (head's zero kernel sends none back).
     model.fit(x, y, verbose=0, epochs=1)
-    # Without the mask, head/kernel's float32 gradient counts: body outputs 2, the
-    # prediction is 0, so d loss/d kernel = 2 * 2 * (0 - 10), times the scale 2**20.
-    assert opt.read_state()["headroom_bits"] == pytest.approx(np.log2(65504 / (40 * 2.0**20)))
+    assert opt.float16_mask.tolist() == [1.0, 1.0, 0.0, 0.0]
     assert opt.watch_float16_layers(model) == ["net/body/kernel", "net/body/bias"]
     model.fit(x, y, verbose=0, epochs=1)
     state = opt.read_state()
-    # head's zero kernel sends no gradient back: body's float16 gradients are all zero.
     assert state["skipped_steps"] == 0 and state["max_abs_scaled"] == 0.0
     assert state["headroom_bits"] == pytest.approx(kmix.health.MAX_HEADROOM_BITS)
     assert state["underflow_fraction"] == 1.0  # body's 6 zeros; head's 3 values not counted
+    # Without a model (a bare apply) every variable counts, that gradient included.
+    bare = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), health_every=1)
+    bare.apply([tf.constant([40.0 * 2.0**20])], [keras.Variable(np.zeros(1, "float32"))])
+    assert bare.read_state()["headroom_bits"] == pytest.approx(np.log2(65504 / (40 * 2.0**20)))
 
     # Told before it is built (as the monitor does when fit builds it lazily):
     fresh = kmix.LossScaleOptimizer("sgd")
@@ -776,14 +785,18 @@ def test_reusing_the_optimizer_after_unfreezing_gives_keras_clear_error():
 
 
 @pytest.mark.slow
-def test_a_skipped_step_leaves_batch_normalization_statistics_as_they_were():
+@pytest.mark.parametrize("watched", [True, False])
+def test_a_skipped_step_leaves_batch_normalization_statistics_as_they_were(watched):
+    """With kmix's callbacks (watch) and with none at all: plain compile and fit is safe
+    too, since kmix's fit wrapper protects the model first (issue 21, item 5)."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential(
         [keras.Input((2,)), keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(1)]
     )
     opt = kmix.LossScaleOptimizer("sgd", initial_scale=1.0)
     model.compile(optimizer=opt, loss="mse")
-    opt.watch(model)  # what kmix's callbacks do at train begin
+    if watched:
+        opt.watch(model)  # what kmix's callbacks do at train begin
     x = np.array([[1.0, 2.0], [3.0, 4.0], [np.inf, 1.0], [5.0, 6.0]], "float32")
     y = np.zeros((4, 1), "float32")
     model.fit(x[:2], y[:2], batch_size=2, verbose=0, shuffle=False)
@@ -792,6 +805,36 @@ def test_a_skipped_step_leaves_batch_normalization_statistics_as_they_were():
     assert opt.skipped_steps == 1 and opt.scale_events()[-1].kind == "forward_overflow"
     for variable, before in zip(model.get_layer("bn").non_trainable_variables, moving, strict=True):
         np.testing.assert_array_equal(variable.numpy(), before)
+
+
+class StepCounter(keras.layers.Layer):
+    """Identity that counts its calls in an integer variable (a step counter)."""
+
+    def build(self, input_shape):
+        self.calls = self.add_weight(shape=(), dtype="int64", initializer="zeros", trainable=False)
+
+    def call(self, x):
+        self.calls.assign_add(1)
+        return x
+
+
+@pytest.mark.slow
+def test_an_integer_variable_the_forward_pass_assigns_is_named_as_not_restored():
+    """Only float state is given back on a skipped step: the integer counter advances, and
+    kmix says so by name once, when fit begins (issue 21, item 6)."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential(
+        [keras.Input((2,)), StepCounter(name="counter"), keras.layers.Dense(1)]
+    )
+    opt = kmix.LossScaleOptimizer("sgd", initial_scale=1.0)
+    model.compile(optimizer=opt, loss="mse")
+    x = np.array([[1.0, 2.0], [np.inf, 1.0]], "float32")
+    with pytest.warns(UserWarning, match=r"integer variables keep the skipped step's update: "):
+        model.fit(x, np.zeros((2, 1), "float32"), batch_size=1, verbose=0, shuffle=False)
+    assert opt.skipped_steps == 1 and int(model.get_layer("counter").calls.numpy()) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per model
+        model.fit(x[:1], np.zeros((1, 1), "float32"), verbose=0)
 
 
 def test_input_handling_errors_name_the_argument():

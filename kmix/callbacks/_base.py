@@ -8,28 +8,14 @@ not finish still ends with its evidence on disk.
 
 from __future__ import annotations
 
-import sys
-import warnings
-
 import keras
 
 from kmix import _runs
+from kmix._checks import warn_user  # noqa: F401  (re-exported for the callbacks)
 from kmix._runs import end_run, reason_for  # noqa: F401  (re-exported for the callbacks)
 from kmix.callbacks._source import Source, source_for
 from kmix.snapshot import Snapshot
 from kmix.tags import COMPLETED
-
-
-def warn_user(message: str) -> None:
-    """Warns once, pointing at the user's code (the first frame outside Keras, TF, kmix)."""
-    frame, level = sys._getframe(1), 2
-    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in {
-        "kmix",
-        "keras",
-        "tensorflow",
-    }:
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, stacklevel=level)
 
 
 class StepCallback(keras.callbacks.Callback):
