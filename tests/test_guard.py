@@ -607,33 +607,44 @@ def event(step, kind="forward_overflow", variable=None, origin=None):
 @pytest.mark.parametrize(
     ("events", "records", "says"),
     [
-        ([event(7, variable="a/kernel"), event(6)], True, "First non-finite gradient: `a/kernel`"),
-        ([event(7)], True, "none (the gradients stayed finite)"),
-        ([], False, "kmix.LossScaleOptimizer does"),
+        (
+            [event(7, variable="a/kernel"), event(6)],
+            "kmix",
+            "First non-finite gradient: `a/kernel`",
+        ),
+        ([event(7)], "kmix", "none (the gradients stayed finite)"),
+        (
+            [],
+            "keras",
+            "(the stock Keras optimizer does not record it; kmix.LossScaleOptimizer does)",
+        ),
+        ([], "none", "unknown (this run has no loss-scale optimizer, so nothing records which"),
         (
             [event(7, origin=ForwardOrigin("net/big", "Dense", True, 40000.0))],
-            True,
+            "kmix",
             "Forward overflow in `net/big` (Dense): inputs finite, max |input| 40000;",
         ),
         (
             [event(7, origin=ForwardOrigin("net/big", "Dense", True, None))],
-            True,
+            "kmix",
             "Forward overflow in `net/big` (Dense): inputs finite; keep",
         ),
         (
             [event(7, origin=ForwardOrigin("net/a", "Dense", False, None))],
-            True,
+            "kmix",
             "in `net/a` (Dense), whose inputs were already non-finite",
         ),
     ],
 )
 def test_the_nonfinite_loss_diagnosis_names_where_it_started(events, records, says):
     text = diagnosis(
-        NonfiniteLoss(10, 5), patience=5, max_skip_rate=0.5, events=events, records_events=records
+        NonfiniteLoss(10, 5), patience=5, max_skip_rate=0.5, events=events, loss_scaling=records
     )
     assert text.startswith("kmix.LossScaleGuard stopped training at step 10: the loss has been")
     assert "for 5 consecutive steps (since step 6; patience=5)" in text
     assert says in text
+    # A run without loss scaling is not told about a loss scale it does not have.
+    assert ("loss scal" in text.split("First non-finite")[0]) == (records != "none")
 
 
 def test_the_floor_and_skip_rate_diagnoses_say_the_numbers():
@@ -642,7 +653,7 @@ def test_the_floor_and_skip_rate_diagnoses_say_the_numbers():
         patience=4,
         max_skip_rate=0.5,
         events=[event(4, "overflow_at_floor", "b/kernel")],
-        records_events=True,
+        loss_scaling="kmix",
     )
     assert "the loss scale is 0.5, at or below its floor 1, and the gradients" in floor
     assert "for 4 consecutive steps (since step 1; patience=4)" in floor

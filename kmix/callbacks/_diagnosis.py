@@ -13,23 +13,29 @@ from kmix import tags
 from kmix.callbacks._trip import NonfiniteLoss, OverflowAtFloor, SkipRate, Trip
 from kmix.tags import ScaleEvent
 
-UNRECORDED_VARIABLE = (
-    "unknown (the stock Keras optimizer does not record it; kmix.LossScaleOptimizer does)"
-)
+UNRECORDED_VARIABLE = {
+    "keras": "unknown (the stock Keras optimizer does not record it; kmix.LossScaleOptimizer does)",
+    "none": (
+        "unknown (this run has no loss-scale optimizer, so nothing records which gradient "
+        "went non-finite first; kmix.LossScaleOptimizer does)"
+    ),
+}
+"""Why the first non-finite gradient is unknown, by the run's loss scaling (not kmix)."""
 
 
-def first_variable(events: Sequence[ScaleEvent], records_events: bool) -> str:
+def first_variable(events: Sequence[ScaleEvent], loss_scaling: str) -> str:
     """Where the latest recorded event says the gradients first went non-finite.
 
     Args:
         events: the recent events, newest first.
-        records_events: the source records events (else the variable is unknown).
+        loss_scaling: the run's loss scaling, as ``kmix.tags.LOSS_SCALINGS`` spells it
+            (``"kmix"`` records events; ``"keras"`` and ``"none"`` do not).
 
     Returns:
         The variable in backquotes, or why there is none.
     """
-    if not records_events:
-        return UNRECORDED_VARIABLE
+    if loss_scaling in UNRECORDED_VARIABLE:
+        return UNRECORDED_VARIABLE[loss_scaling]
     for event in events:
         if event.variable is not None:
             return f"`{event.variable}`"
@@ -62,7 +68,7 @@ def forward_origin(events: Sequence[ScaleEvent]) -> str:
 
 
 def nonfinite_loss_text(
-    trip: NonfiniteLoss, patience: int, events: Sequence[ScaleEvent], records_events: bool
+    trip: NonfiniteLoss, patience: int, events: Sequence[ScaleEvent], loss_scaling: str
 ) -> str:
     """The diagnosis of ``nonfinite_loss``.
 
@@ -70,18 +76,23 @@ def nonfinite_loss_text(
         trip: the trip.
         patience: the guard's ``patience``.
         events: the events of the last ``patience`` indices, newest first.
-        records_events: the source records events.
+        loss_scaling: the run's loss scaling (see :func:`first_variable`).
 
     Returns:
         The message.
     """
     step, streak = trip.step, trip.streak
+    produced = (
+        "The forward pass produces it (this run does not scale the loss)."
+        if loss_scaling == "none"
+        else "The forward pass produces it, so lowering the loss scale cannot help."
+    )
     return (
         f"kmix.LossScaleGuard stopped training at step {step}: the loss has been "
-        f"NaN/Inf before any loss scaling for {streak} consecutive steps (since step "
-        f"{step - streak + 1}; patience={patience}). The forward pass produces "
-        f"it, so lowering the loss scale cannot help.{forward_origin(events)} First "
-        f"non-finite gradient: {first_variable(events, records_events)}. Usual causes: "
+        f"NaN/Inf{'' if loss_scaling == 'none' else ' before any loss scaling'} for "
+        f"{streak} consecutive steps (since step {step - streak + 1}; patience={patience}). "
+        f"{produced}{forward_origin(events)} First "
+        f"non-finite gradient: {first_variable(events, loss_scaling)}. Usual causes: "
         "NaN/Inf in the input data or labels; a learning rate so high that the weights "
         "diverged; log, sqrt or division of zero or negative values in the model or the "
         "loss; an activation or reduction (softmax, exp, large sums) overflowing float16 — "
@@ -90,7 +101,7 @@ def nonfinite_loss_text(
 
 
 def floor_text(
-    trip: OverflowAtFloor, patience: int, events: Sequence[ScaleEvent], records_events: bool
+    trip: OverflowAtFloor, patience: int, events: Sequence[ScaleEvent], loss_scaling: str
 ) -> str:
     """The diagnosis of ``overflow_at_floor``.
 
@@ -98,7 +109,7 @@ def floor_text(
         trip: the trip.
         patience: the guard's ``patience``.
         events: the events of the last ``patience`` indices, newest first.
-        records_events: the source records events.
+        loss_scaling: the run's loss scaling (see :func:`first_variable`).
 
     Returns:
         The message.
@@ -109,7 +120,7 @@ def floor_text(
         f"{trip.loss_scale:g}, at or below its floor {trip.floor:g}, and the gradients "
         f"have overflowed for {streak} consecutive steps (since step "
         f"{step - streak + 1}; patience={patience}), so every step is skipped. "
-        f"First non-finite gradient: {first_variable(events, records_events)}. Float16 "
+        f"First non-finite gradient: {first_variable(events, loss_scaling)}. Float16 "
         "cannot hold these gradients even unscaled. Usual causes: exploding gradients "
         "(lower the learning rate or clip, e.g. clipnorm=1.0); a layer whose float16 output "
         "overflows (run kmix.audit(model) and keep it in float32). 'mixed_bfloat16' "
@@ -148,7 +159,7 @@ def diagnosis(
     patience: int,
     max_skip_rate: float,
     events: Sequence[ScaleEvent] = (),
-    records_events: bool = False,
+    loss_scaling: str = "none",
 ) -> str:
     """The message for any trip.
 
@@ -158,13 +169,13 @@ def diagnosis(
         max_skip_rate: the guard's ``max_skip_rate``.
         events: for a streak trip, the events of the last ``patience`` indices, newest
             first (unused for ``skip_rate``).
-        records_events: the source records events.
+        loss_scaling: the run's loss scaling (see :func:`first_variable`).
 
     Returns:
         The message.
     """
     if isinstance(trip, NonfiniteLoss):
-        return nonfinite_loss_text(trip, patience, events, records_events)
+        return nonfinite_loss_text(trip, patience, events, loss_scaling)
     if isinstance(trip, OverflowAtFloor):
-        return floor_text(trip, patience, events, records_events)
+        return floor_text(trip, patience, events, loss_scaling)
     return skip_rate_text(trip, max_skip_rate)

@@ -286,7 +286,7 @@ class LossScaleGuard(StepCallback):
             patience=self.patience,
             max_skip_rate=self.max_skip_rate,
             events=() if trip.reason == SKIP_RATE else self._recent_events(),
-            records_events=self._source.records_events,
+            loss_scaling=self._source.kind,
         )
         self.diagnosis, self.reason, self.step = message, trip.reason, trip.step
         # Every open kmix callback of this model writes its evidence first.
