@@ -456,3 +456,55 @@ def test_a_100000_step_run_is_served_downsampled_in_under_2_seconds():
     assert len(headroom["steps"]) <= view.DEFAULT_POINTS + 3
     assert min(headroom["values"]) == -2.0  # the one overflow survives downsampling
     assert len(data["summary"]["events"]) == len(provider.events)  # events are never sampled
+
+
+# ------------------------------------------ float16 views of float16 layers only
+MIXED_HISTOGRAM_STEPS = range(25, 401, 25)
+
+
+def write_mixed_run(path: str) -> None:
+    """A float16 layer and a float32 head whose scaled gradients pass 65504 (in float32),
+    one health reading, and a ring that lost the first events of a scale begun at 1024."""
+    record = tags.PolicyRecord(
+        "mixed_float16", "m", "mixed_float16", "float16", "float32", "kmix", 1.0, 2.0**24,
+        100, 25, loss_scale=1024.0,
+        variable_dtypes={"dense/kernel": "float16", "head/kernel": "float32"},
+    )  # fmt: skip
+    lost = tags.EventsLost(10, 0, 400, 2)
+    writer = tf.summary.create_file_writer(path)
+    with writer.as_default():
+        tf.summary.text(tags.POLICY_RECORD, tags.format_policy_record(record), step=0)
+        tf.summary.text(tags.EVENTS, tags.format_events_lost(lost), step=11)
+        tf.summary.scalar(tags.LOSS_SCALE, 1.0, step=400)
+        tf.summary.scalar(tags.OVERFLOW_HEADROOM_BITS, 1.12, step=100)
+        for step in MIXED_HISTOGRAM_STEPS:
+            for variable, hist in (
+                ("dense/kernel", _histogram({3: 10})),
+                ("head/kernel", _histogram({17: 10})),
+            ):
+                tf.summary.write(
+                    tags.GRAD_EXPONENT + variable,
+                    hist,
+                    step=step,
+                    metadata=histogram_metadata.create_summary_metadata(variable, ""),
+                )
+    writer.close()
+
+
+def test_float32_layers_are_left_out_of_the_float16_headroom_grid(tmp_path):
+    write_mixed_run(str(tmp_path / "mixed" / "train"))
+    data = get_json(serve(default_provider(tmp_path)), f"{URL}/run?run=mixed/train")
+    grid = data["headroom_by_variable"]
+    assert grid["names"] == ["dense/kernel"]  # head/kernel: -2 bits were drawn red
+    assert grid["bits"] == [[12.0] * len(MIXED_HISTOGRAM_STEPS)]
+    assert grid["left_out"] == {"head/kernel": "float32"}
+    assert data["summary"]["variables_not_float16"] == {"head/kernel": "float32"}
+    heat = data["exponents"]["heatmap"]  # the page draws head/kernel apart, without limits
+    assert heat["variables"] == ["dense/kernel", "head/kernel"]
+    assert data["summary"]["loss_scale"]["initial"] == 1024.0
+    assert (
+        data["scale_caveat"] == " (min and max of the scales the log holds: 10 scale events lost)"
+    )
+    assert data["series"]["overflow_headroom_bits"]["points"] == 1
+    assert data["loss_scale_begin"] == {"step": 0, "value": 1024.0}
+    assert data["events_lost_between"] == [[0, 400]]

@@ -23,7 +23,7 @@ import keras
 import pytest
 import tensorflow as tf
 from spiky import spiky_data, spiky_model
-from test_tbplugin import LongRunProvider, serve
+from test_tbplugin import LongRunProvider, default_provider, serve, write_mixed_run
 
 import kmix
 from kmix.callbacks import MixedPrecisionMonitor
@@ -46,6 +46,7 @@ if not os.path.exists(CHROMIUM):
         allow_module_level=True,
     )
 sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+pytestmark = pytest.mark.slow  # a fit, a TensorBoard subprocess and a browser
 
 
 def free_port() -> int:
@@ -217,4 +218,57 @@ def test_a_100000_step_run_draws_in_under_2_seconds(page, tensorboard):
     assert drawn_ms < 2000, status
     events = len(LongRunProvider().events)
     assert frame.locator(".loss-scale .marker").count() == events
+    assert page.errors == []
+
+
+def test_float16_views_of_a_run_with_a_float32_head(page, tensorboard, tmp_path):
+    """Float16's limits over float16 rows only, a colour scale, steps labelled across the
+    grid, a single reading drawn as a point, reference lines named outside the chart."""
+    write_mixed_run(str(tmp_path / "mixed" / "train"))
+    payload = serve(default_provider(tmp_path)).get("/data/plugin/kmix/run?run=mixed/train")
+    page.route(
+        "**/data/plugin/kmix/runs",
+        lambda route: route.fulfill(json={"runs": ["mixed"], "other_runs": []}),
+    )
+    page.route(
+        "**/data/plugin/kmix/run?run=mixed*",
+        lambda route: route.fulfill(body=payload.get_data(), content_type="application/json"),
+    )
+    frame = open_tab(page, tensorboard)
+    scale = frame.locator(".loss-scale svg").first
+    assert scale.locator("rect.lost-events").count() == 1
+    line = scale.locator("path.loss-scale-line").get_attribute("d")
+    assert line.startswith("M") and "V" in line  # from 1024 at begin down to 1
+    heat = frame.locator(".exponent-heatmap")
+    head = heat.locator("text[data-variable='head/kernel']")
+    assert head.get_attribute("data-dtype") == "float32"
+    assert head.evaluate("label => label.firstChild.textContent") == "head/kernel (float32)"
+    head_top = float(head.get_attribute("y")) - 11
+    limits = heat.locator("line.limit")
+    assert limits.count() == 3
+    for k in range(3):
+        assert float(limits.nth(k).get_attribute("y2")) <= head_top  # above the float32 row
+    assert "float16's limits do not apply" in heat.locator(".dtype-note").text_content()
+    assert heat.locator(".colour-scale rect").count() >= 10
+    assert "100%" in heat.locator(".colour-scale").text_content()
+
+    grid = frame.locator(".headroom-grid").first
+    ticks = grid.locator(".step-ticks text").all_text_contents()
+    assert len(ticks) > 2 and ticks[0] == "25" and ticks[-1] == "400"
+    assert "head/kernel" in grid.locator(".left-out").text_content()
+    cells = grid.locator("rect title").all_text_contents()
+    assert cells and not any(cell.startswith("head/kernel") for cell in cells)
+
+    chart = frame.locator(".headroom svg").first
+    assert chart.locator("circle.point").count() == 1  # the one reading, at step 100
+    assert all("65504" not in text for text in chart.locator("text").all_text_contents())
+    legend = frame.locator(".headroom .legend").first.text_content()
+    assert "float16 max (65504)" in legend and "(1 reading)" in legend
+    facts = frame.locator(".summary dl.facts").text_content()
+    assert "initial 1024 (2^10)" in facts and "10 scale events lost" in facts
+
+    shot = tmp_path / "mixed_precision_float32_head.png"
+    page.screenshot(path=str(shot), full_page=True)
+    if os.environ.get("KMIX_SCREENSHOT_DIR"):
+        shutil.copy(shot, os.environ["KMIX_SCREENSHOT_DIR"])
     assert page.errors == []

@@ -103,8 +103,9 @@ def _plot_loss_scale(figure: Any, log: KmixLog, summary: Summary) -> bool:
         ax.axvspan(
             lost.after_step,
             lost.upto_step,
-            color="0.85",
-            zorder=0,
+            color="0.88",
+            alpha=0.9,
+            zorder=2.5,  # over the line, which is a guess there; under the event markers
             label=None if k else "scale events lost: the scale here is not known",
         )
     ax.set_yscale("log", base=2)

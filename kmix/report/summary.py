@@ -44,6 +44,7 @@ __all__ = [
     "Note",
     "Summary",
     "Trend",
+    "begin_scale",
     "compute_dtype",
     "exponent_shares",
     "forecast_zero_crossing",
@@ -94,7 +95,7 @@ def summarize(log: KmixLog) -> Summary:
     policy = _latest_text(log, tags.POLICY)
     records = _records(log, tags.POLICY_RECORD, tags.parse_policy_record)
     record = records[-1][1] if records else None
-    begin = next(((step, r.loss_scale) for step, r in records if r.loss_scale is not None), None)
+    begin = begin_scale(log)
     other = variables_not_float16(record)
     if record is not None:
         dtype: str | None = record.compute_dtype
@@ -159,6 +160,20 @@ def _records(log: KmixLog, tag: str, parse: Any) -> list[tuple[int, Any]]:
     """``(step, record)`` of every text of ``tag`` that parses as a record, in step order."""
     parsed = ((step, parse(text)) for step, text in log.texts.get(tag, []))
     return [(step, record) for step, record in parsed if record is not None]
+
+
+def begin_scale(log: KmixLog) -> tuple[int, float] | None:
+    """The loss scale written at the first train begin of a log, and that step.
+
+    Args:
+        log: the log.
+
+    Returns:
+        ``(step, scale)`` of the earliest policy record that holds a scale (the
+        scale before the first step after it); None in logs without one.
+    """
+    records = _records(log, tags.POLICY_RECORD, tags.parse_policy_record)
+    return next(((step, r.loss_scale) for step, r in records if r.loss_scale is not None), None)
 
 
 def variables_not_float16(record: tags.PolicyRecord | None) -> dict[str, str]:

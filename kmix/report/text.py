@@ -106,7 +106,7 @@ def format_summary(summary: Summary) -> str:
             f"{key} {format_scale(getattr(scale, key))}"
             for key in ("initial", "final", "min", "max")
         )
-        + _scale_caveat(summary),
+        + scale_caveat(summary),
         f"skipped steps   {summary.skipped_steps} of {summary.steps_seen} "
         f"({_number(summary.skip_rate, True)})"
         + ("" if recent is None else f"; latest window {_number(recent, True)}"),
@@ -187,8 +187,17 @@ def format_summary(summary: Summary) -> str:
     return "\n".join(lines)
 
 
-def _scale_caveat(summary: Summary) -> str:
-    """What the loss-scale line cannot say when scale events were lost."""
+def scale_caveat(summary: Summary) -> str:
+    """What the loss-scale line cannot say when scale events were lost.
+
+    Args:
+        summary: the summary.
+
+    Returns:
+        ``""`` when no event was lost; else a parenthesis, with a leading space,
+        saying which of initial, min and max are unknown or only over the scales
+        the log holds.
+    """
     if not summary.events_lost:
         return ""
     lost = plural(summary.events_lost, "scale event")

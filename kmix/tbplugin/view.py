@@ -13,6 +13,9 @@ from typing import Any
 import numpy as np
 
 from kmix import report, tags
+from kmix.report.read import read_events
+from kmix.report.summary import begin_scale
+from kmix.report.text import scale_caveat
 from kmix.tbplugin.reader import TEXT_SAMPLES_DEFAULT, RunPoints
 
 DEFAULT_POINTS = 1000
@@ -218,17 +221,37 @@ def histogram_steps(rows: dict[str, list[tuple[int, np.ndarray]]]) -> list[int]:
     return sorted({step for points in rows.values() for step, _ in points})
 
 
-def _headroom_grid(rows: dict[str, list[tuple[int, np.ndarray]]]) -> dict[str, Any]:
+def headroom_grid(
+    rows: dict[str, list[tuple[int, np.ndarray]]], leave_out: dict[str, str]
+) -> dict[str, Any] | None:
+    """Whole bits of headroom to float16's max per variable and histogram step.
+
+    Float16's max describes float16 layers only: the variables of ``leave_out``
+    (their layers compute in another dtype) are not in the grid but named beside it.
+
+    Args:
+        rows: variable -> ``[(step, counts)]``.
+        leave_out: variable -> compute dtype of its layer, for variables not in float16.
+
+    Returns:
+        ``{"steps", "names", "bits", "left_out"}`` (``bits``: one row per name, one
+        value per step, ``"nonfinite"`` for inf/NaN, None without a histogram);
+        ``left_out``: the variables of ``rows`` in ``leave_out``, with their dtype.
+        None when ``rows`` is empty.
+    """
+    if not rows:
+        return None
     steps = histogram_steps(rows)
     if len(steps) > MAX_HEADROOM_STEPS:
         picked = np.unique(np.linspace(0, len(steps) - 1, MAX_HEADROOM_STEPS).round().astype(int))
         steps = [steps[i] for i in picked]
-    names = sorted(rows)
+    names = sorted(name for name in rows if name not in leave_out)
     grid = []
     for name in names:
         by_step = dict(rows[name])
         grid.append([_bits(by_step.get(step)) for step in steps])
-    return {"steps": steps, "names": names, "bits": grid}
+    left_out = {name: leave_out[name] for name in sorted(rows) if name in leave_out}
+    return {"steps": steps, "names": names, "bits": grid, "left_out": left_out}
 
 
 def _bits(counts: np.ndarray | None) -> float | str | None:
@@ -253,6 +276,11 @@ def _activation_grid(log: report.KmixLog, limit: int) -> dict[str, Any] | None:
         grid.append([by_step.get(step) for step in steps])
     names = [t[len(ACTIVATION_HEADROOM) :] for t in layers]
     return {"steps": steps, "names": names, "bits": json_safe(grid)}
+
+
+def _begin(log: report.KmixLog) -> dict[str, Any] | None:
+    begin = begin_scale(log)
+    return None if begin is None else {"step": begin[0], "value": begin[1]}
 
 
 def events_check(summary: dict[str, Any]) -> dict[str, Any]:
@@ -300,8 +328,14 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
         A JSON-ready dict: ``run``, ``empty``, and for a run with kmix data
         ``summary`` (the report's), ``event_lines`` (one per event of the summary:
         :func:`event_lines`), ``events_check``, ``series``, ``exponents`` (histogram
-        ``steps`` and the gradient ``heatmap`` at the latest, or None),
-        ``headroom_by_variable``, ``activation_headroom`` and ``float16``.
+        ``steps`` and the gradient ``heatmap`` at the latest, or None; the page
+        draws the variables of ``summary["variables_not_float16"]`` apart, without
+        float16's limits), ``headroom_by_variable`` (:func:`headroom_grid`),
+        ``scale_caveat`` (what the loss-scale line cannot say, as ``kmix report``
+        words it), ``loss_scale_begin`` (``{"step", "value"}`` of the scale written at
+        train begin, or None), ``events_lost_between`` (``[after, upto]`` steps of
+        each stretch whose scale events were lost), ``activation_headroom`` and
+        ``float16``.
     """
     if points.empty:
         return {
@@ -332,7 +366,12 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
             for key, tag in SERIES_TAGS.items()
         },
         "exponents": exponents,
-        "headroom_by_variable": _headroom_grid(log.histograms) if log.histograms else None,
+        "headroom_by_variable": headroom_grid(log.histograms, typed.variables_not_float16),
+        "scale_caveat": scale_caveat(typed),
+        "loss_scale_begin": _begin(log),
+        "events_lost_between": [
+            [lost.after_step, lost.upto_step] for lost in read_events(log).lost_between
+        ],
         "activation_headroom": _activation_grid(log, MAX_HEADROOM_STEPS),
         "float16": {
             "min_subnormal_exponent": tags.FLOAT16_MIN_SUBNORMAL_EXPONENT,

@@ -178,13 +178,27 @@ function stepRange(run) {
     lo = Math.min(lo, e.step);
     hi = Math.max(hi, e.step);
   }
+  if (run.loss_scale_begin) lo = Math.min(lo, run.loss_scale_begin.step);
+  for (const [after, upto] of run.events_lost_between || []) {
+    lo = Math.min(lo, after);
+    hi = Math.max(hi, upto);
+  }
   return Number.isFinite(lo) ? [Math.min(lo, hi), hi] : [0, 1];
 }
 
 /** Loss scale on a log2 axis, a step line, with a marker per event. */
 function lossScaleChart(run, view) {
-  const series = run.series.loss_scale;
+  const begin = run.loss_scale_begin;
   const events = run.summary.events;
+  let series = run.series.loss_scale;
+  if (begin && begin.value > 0) { // the scale written at train begin starts the line
+    if (!series || !series.steps.length || series.steps[0] > begin.step) {
+      series = {
+        steps: [begin.step].concat(series ? series.steps : []),
+        values: [begin.value].concat(series ? series.values : []),
+      };
+    }
+  }
   const logs = [];
   if (series) series.values.forEach((v) => v > 0 && logs.push(Math.log2(v)));
   events.forEach((e) => [e.old_scale, e.new_scale].forEach((v) => v > 0 && logs.push(Math.log2(v))));
@@ -200,6 +214,11 @@ function lossScaleChart(run, view) {
       return ticks;
     },
   });
+  if (series && series.steps.length === 1 && series.values[0] > 0) {
+    f.root.append(svg('circle', {
+      class: 'point', cx: f.x(series.steps[0]), cy: f.y(Math.log2(series.values[0])), r: 3, fill: '#1565c0',
+    }, svg('title', {text: `step ${series.steps[0]}: loss scale ${fmtScale(series.values[0])}`})));
+  }
   if (series && series.steps.length) {
     let d = '';
     series.steps.forEach((step, i) => {
@@ -212,6 +231,13 @@ function lossScaleChart(run, view) {
     const last = series.steps[series.steps.length - 1];
     if (d && last < f.x.domain[1]) d += `H${f.x(f.x.domain[1]).toFixed(1)}`;
     f.root.append(svg('path', {d, class: 'series loss-scale-line', stroke: '#1565c0'}));
+  }
+  // Over the line: where events were lost, the line between two known scales is a guess.
+  for (const [after, upto] of run.events_lost_between || []) {
+    f.root.append(svg('rect', {
+      class: 'lost-events', x: f.x(after), y: f.m.top, width: Math.max(f.x(upto) - f.x(after), 1),
+      height: f.height - f.m.bottom - f.m.top, fill: '#e0e0e0', 'fill-opacity': 0.85,
+    }, svg('title', {text: `scale events lost between steps ${after} and ${upto}: the scale here is not known`})));
   }
   f.root.append(f.highlight);
   const markers = svg('g', {class: 'markers'});
@@ -260,38 +286,49 @@ function lineChart(run, view, {lines, refs, yLabel}) {
     xDomain: stepRange(run), yDomain: [lo - pad, hi + pad], height: 200, yLabel,
     yTicks: ([a, b]) => niceTicks(a, b, 5).map((t) => ({value: t, label: fmtNumber(t)})),
   });
-  refs.forEach((r, i) => {
+  // Reference lines are named in the legend below, never on the chart: a label there
+  // would be crossed by the lines it explains.
+  refs.forEach((r) => {
     f.root.append(svg('line', {
       x1: f.m.left, x2: WIDTH - f.m.right, y1: f.y(r.value), y2: f.y(r.value),
-      stroke: r.color, 'stroke-dasharray': r.dash || null, 'stroke-width': 1.2,
-    }));
-    const [px, anchor] = i % 2 ? [f.m.left + 4, 'start'] : [WIDTH - f.m.right - 4, 'end'];
-    f.root.append(svg('text', {x: px, y: f.y(r.value) - 4, 'text-anchor': anchor, class: 'band-label', fill: r.color, text: r.label}));
+      stroke: r.color, 'stroke-dasharray': r.dash || null, 'stroke-width': 1.2, class: 'ref-line',
+    }, svg('title', {text: r.label})));
   });
   for (const line of lines) {
     let d = '';
-    let open = false;
+    const values = line.series.values;
     line.series.steps.forEach((step, i) => {
-      const v = line.series.values[i];
+      const v = values[i];
       if (v === null) {
-        open = false;
         f.root.append(svg('line', {
           x1: f.x(step), x2: f.x(step), y1: f.height - f.m.bottom, y2: f.height - f.m.bottom - 8,
           stroke: '#c62828', 'stroke-width': 2, class: 'nonfinite-tick',
         }, svg('title', {text: `step ${step}: ${line.label} not finite (overflow)`})));
         return;
       }
-      d += `${open ? 'L' : 'M'}${f.x(step).toFixed(1)},${f.y(v).toFixed(1)}`;
-      open = true;
+      const joined = i > 0 && values[i - 1] !== null;
+      d += `${joined ? 'L' : 'M'}${f.x(step).toFixed(1)},${f.y(v).toFixed(1)}`;
+      const alone = !joined && (i === values.length - 1 || values[i + 1] === null);
+      if (alone) { // a reading without a neighbour draws no line: show it as a point
+        f.root.append(svg('circle', {cx: f.x(step), cy: f.y(v), r: 3, fill: line.color, class: 'point'},
+          svg('title', {text: `step ${step}: ${line.label} ${fmtNumber(v)}`})));
+      }
     });
     f.root.append(svg('path', {d, class: 'series', stroke: line.color}, svg('title', {text: line.label})));
   }
   f.root.append(f.highlight);
   view.onSelect((e) => placeHighlight(f, e && e.step));
+  const readings = (l) => {
+    const n = l.series.points === undefined ? l.series.steps.length : l.series.points;
+    return n === 1 ? ' (1 reading)' : '';
+  };
   const legend = el('div', {class: 'legend'}, lines.map((l) => el('span', {}, [
     svg('svg', {viewBox: '0 0 12 12'}, svg('line', {x1: 0, x2: 12, y1: 6, y2: 6, stroke: l.color, 'stroke-width': 3})),
-    l.label,
-  ])));
+    l.label + readings(l),
+  ])).concat(refs.map((r) => el('span', {class: 'ref'}, [
+    svg('svg', {viewBox: '0 0 12 12'}, svg('line', {x1: 0, x2: 12, y1: 6, y2: 6, stroke: r.color, 'stroke-width': 1.5, 'stroke-dasharray': r.dash ? '3 2' : null})),
+    r.label,
+  ]))));
   return el('div', {}, [f.root, legend]);
 }
 
@@ -305,46 +342,90 @@ function viridis(t) {
   return `rgb(${c[0]},${c[1]},${c[2]})`;
 }
 
-/** Variables x exponent bins at one step, with float16's range drawn as bands. */
-function exponentHeatmap(map, f16, selectedVariable) {
+/** A share of elements as a colour: viridis over log10(share) from 1e-6 to 1. */
+function shareColor(share) {
+  return viridis((Math.log10(share) + 6) / 6);
+}
+
+/** The colour scale of the exponent heatmap: a viridis bar with share ticks. */
+function colourScale(x0, y, width) {
+  const g = svg('g', {class: 'colour-scale'});
+  const steps = 48;
+  for (let i = 0; i < steps; i++) {
+    g.append(svg('rect', {x: x0 + (i * width) / steps, y, width: width / steps + 0.5, height: 10, fill: viridis(i / (steps - 1))}));
+  }
+  g.append(svg('text', {x: x0 - 6, y: y + 9, 'text-anchor': 'end', class: 'band-label muted', text: 'share of elements'}));
+  for (const [t, label] of [[0, '≤0.0001%'], [1 / 3, '0.01%'], [2 / 3, '1%'], [1, '100%']]) {
+    g.append(svg('line', {x1: x0 + t * width, x2: x0 + t * width, y1: y + 10, y2: y + 13, stroke: '#616161'}));
+    g.append(svg('text', {x: x0 + t * width, y: y + 23, 'text-anchor': 'middle', class: 'band-label muted', text: label}));
+  }
+  return g;
+}
+
+/**
+ * Variables x exponent bins at one step. Float16 variables come first, with float16's
+ * range drawn as bands over their rows; variables whose layers compute in another dtype
+ * (`other`: name -> dtype) come below a rule, without float16's limits.
+ */
+function exponentHeatmap(map, f16, selectedVariable, other = {}) {
   const first = f16.exponent_min - 2;
   const last = first + f16.bins;
   const rowH = 14;
   const labelW = 190;
   const top = 30;
-  const height = top + map.variables.length * rowH + 40;
+  const rows = map.variables.map((name, row) => row);
+  const half = rows.filter((row) => !(map.variables[row] in other));
+  const rest = rows.filter((row) => map.variables[row] in other);
+  const ordered = half.concat(rest);
+  const gap = rest.length ? 18 : 0;
+  const yOf = (k) => top + k * rowH + (k >= half.length ? gap : 0);
+  const halfBottom = top + half.length * rowH;
+  const bottom = top + ordered.length * rowH + gap;
+  const height = bottom + 80;
   const root = svg('svg', {viewBox: `0 0 ${WIDTH} ${height}`, role: 'img', class: 'exponent-heatmap'});
   const x = linear([first, last], [labelW, WIDTH - 10]);
   const cellW = x(first + 1) - x(first);
-  const bottom = top + map.variables.length * rowH;
   const bands = [
     {from: first + 1, to: f16.min_subnormal_exponent, color: '#ffcdd2', label: 'flushed to 0 (< 2^-24)'},
     {from: f16.min_subnormal_exponent, to: f16.min_normal_exponent, color: '#ffe0b2', label: 'subnormal'},
     {from: f16.max_exponent + 1, to: last - 1, color: '#ffcdd2', label: '> 65504'},
   ];
-  for (const b of bands) {
-    root.append(svg('rect', {x: x(b.from), y: top, width: x(b.to) - x(b.from), height: bottom - top, fill: b.color, class: 'band'}));
-    root.append(svg('text', {x: (x(b.from) + x(b.to)) / 2, y: top - 6, 'text-anchor': 'middle', class: 'band-label muted', text: b.label}));
+  if (half.length) {
+    for (const b of bands) {
+      root.append(svg('rect', {x: x(b.from), y: top, width: x(b.to) - x(b.from), height: halfBottom - top, fill: b.color, class: 'band'}));
+      root.append(svg('text', {x: (x(b.from) + x(b.to)) / 2, y: top - 6, 'text-anchor': 'middle', class: 'band-label muted', text: b.label}));
+    }
   }
-  map.variables.forEach((name, row) => {
-    const y = top + row * rowH;
-    const label = name.length > 30 ? `…${name.slice(-29)}` : name;
-    root.append(svg('text', {x: labelW - 6, y: y + rowH - 3, 'text-anchor': 'end', 'data-variable': name, text: label}, svg('title', {text: name})));
+  if (rest.length) {
+    const dtypes = [...new Set(rest.map((row) => other[map.variables[row]]))].sort().join(' and ');
+    root.append(svg('line', {x1: 2, x2: WIDTH - 10, y1: halfBottom + 2, y2: halfBottom + 2, stroke: '#9e9e9e', class: 'dtype-rule'}));
+    root.append(svg('text', {x: labelW, y: halfBottom + 14, class: 'band-label muted dtype-note', text: `below: ${dtypes} layers, float16's limits do not apply to them`}));
+  }
+  ordered.forEach((row, k) => {
+    const name = map.variables[row];
+    const y = yOf(k);
+    const dtype = other[name];
+    const suffix = dtype ? ` (${dtype})` : '';
+    const room = 30 - suffix.length;
+    const label = (name.length > room ? `…${name.slice(-(room - 1))}` : name) + suffix;
+    const shown = name + suffix;
+    root.append(svg('text', {x: labelW - 6, y: y + rowH - 3, 'text-anchor': 'end', 'data-variable': name, 'data-dtype': dtype || null, text: label}, svg('title', {text: shown})));
     map.shares[row].forEach((share, i) => {
       if (!(share > 0)) return;
-      const t = (Math.log10(share) + 6) / 6;
       root.append(svg('rect', {
-        class: 'cell', x: x(first + i) + 0.5, y: y + 0.5, width: cellW - 1, height: rowH - 1, fill: viridis(t),
+        class: 'cell', x: x(first + i) + 0.5, y: y + 0.5, width: cellW - 1, height: rowH - 1, fill: shareColor(share),
       }, svg('title', {text: `${name}: ${binLabel(i, first, f16)}: ${fmtPercent(share, 3)} of ${map.elements[row]} elements`})));
     });
   });
-  for (const [e, label] of [
-    [f16.min_subnormal_exponent, 'float16 min subnormal 2^-24'],
-    [f16.min_normal_exponent, 'min normal 2^-14'],
-    [f16.max_exponent + 1, 'max 65504'],
-  ]) {
-    root.append(svg('line', {x1: x(e), x2: x(e), y1: top - 2, y2: bottom + 4, stroke: '#c62828', 'stroke-width': 1.2, 'stroke-dasharray': '3 2'},
-      svg('title', {text: label})));
+  if (half.length) {
+    for (const [e, label] of [
+      [f16.min_subnormal_exponent, 'float16 min subnormal 2^-24'],
+      [f16.min_normal_exponent, 'min normal 2^-14'],
+      [f16.max_exponent + 1, 'max 65504'],
+    ]) {
+      root.append(svg('line', {x1: x(e), x2: x(e), y1: top - 2, y2: halfBottom + 2, stroke: '#c62828', 'stroke-width': 1.2, 'stroke-dasharray': '3 2', class: 'limit'},
+        svg('title', {text: label})));
+    }
   }
   const ticks = [[first, 'zero'], [last - 1, 'inf/NaN']];
   for (let e = -40; e <= 16; e += 4) ticks.push([e, String(e)]);
@@ -352,9 +433,10 @@ function exponentHeatmap(map, f16, selectedVariable) {
     root.append(svg('text', {x: x(e + 0.5), y: bottom + 14, 'text-anchor': 'middle', class: 'band-label muted', text: label}));
   }
   root.append(svg('text', {x: (labelW + WIDTH) / 2, y: bottom + 30, 'text-anchor': 'middle', class: 'muted', text: 'log2 |scaled gradient| (bin of each power of two)'}));
-  const row = map.variables.indexOf(selectedVariable);
-  if (row >= 0) {
-    root.append(svg('rect', {class: 'row-outline', x: 2, y: top + row * rowH, width: WIDTH - 8, height: rowH}));
+  root.append(colourScale(labelW, bottom + 44, Math.min(260, WIDTH - labelW - 20)));
+  const k = ordered.findIndex((row) => map.variables[row] === selectedVariable);
+  if (k >= 0) {
+    root.append(svg('rect', {class: 'row-outline', x: 2, y: yOf(k), width: WIDTH - 8, height: rowH}));
   }
   return root;
 }
@@ -367,12 +449,26 @@ function binLabel(i, first, f16) {
   return `[2^${first + i}, 2^${first + i + 1})`;
 }
 
-/** Names x steps, coloured by headroom bits (red: overflow, green: room). */
+/** Columns to label under a grid of `n` step columns: about `count`, evenly spread. */
+function columnTicks(n, count) {
+  if (n <= count) return [...Array(n).keys()];
+  const picked = new Set();
+  for (let k = 0; k < count; k++) picked.add(Math.round((k * (n - 1)) / (count - 1)));
+  return [...picked].sort((a, b) => a - b);
+}
+
+/**
+ * Names x steps, coloured by headroom bits (red: overflow, green: room). Steps are
+ * labelled under their columns; `grid.left_out` (name -> dtype) names the variables
+ * whose layers do not compute in float16, which have no float16 headroom.
+ */
 function headroomGrid(grid, title) {
   const rowH = 14;
   const labelW = 190;
   const top = 22;
-  const height = top + grid.names.length * rowH + 26;
+  const leftOut = Object.entries(grid.left_out || {});
+  const bottom = top + grid.names.length * rowH;
+  const height = bottom + 46 + (leftOut.length ? 14 : 0);
   const root = svg('svg', {viewBox: `0 0 ${WIDTH} ${height}`, role: 'img', class: 'headroom-grid'});
   root.append(svg('text', {x: labelW, y: 14, class: 'muted', text: title}));
   const n = grid.steps.length;
@@ -389,12 +485,25 @@ function headroomGrid(grid, title) {
         svg('title', {text: `${name} at step ${grid.steps[i]}: ${words}`})));
     });
   });
-  const bottom = top + grid.names.length * rowH;
-  if (n) {
-    root.append(svg('text', {x: labelW, y: bottom + 14, class: 'band-label muted', text: `step ${grid.steps[0]}`}));
-    root.append(svg('text', {x: WIDTH - 10, y: bottom + 14, 'text-anchor': 'end', class: 'band-label muted', text: `step ${grid.steps[n - 1]}`}));
-    root.append(svg('text', {x: (labelW + WIDTH) / 2, y: bottom + 14, 'text-anchor': 'middle', class: 'band-label muted',
+  if (n && grid.names.length) {
+    const ticks = svg('g', {class: 'step-ticks'});
+    const width = WIDTH - 10 - labelW;
+    for (const i of columnTicks(n, Math.max(2, Math.min(8, Math.floor(width / 70))))) {
+      const cx = labelW + (i + 0.5) * cellW;
+      ticks.append(svg('line', {x1: cx, x2: cx, y1: bottom, y2: bottom + 3, stroke: '#9e9e9e'}));
+      ticks.append(svg('text', {x: cx, y: bottom + 13, 'text-anchor': 'middle', class: 'band-label muted', text: grid.steps[i].toLocaleString('en-US')}));
+    }
+    root.append(ticks);
+    root.append(svg('text', {x: labelW - 6, y: bottom + 13, 'text-anchor': 'end', class: 'band-label muted', text: 'step'}));
+    root.append(svg('text', {x: (labelW + WIDTH) / 2, y: bottom + 28, 'text-anchor': 'middle', class: 'band-label muted',
       text: 'dark red: inf/NaN · red: < 0 bits · orange: < 1 · yellow: < 4 · green: more · blank: all zero'}));
+  }
+  if (leftOut.length) {
+    const dtypes = [...new Set(leftOut.map(([, dtype]) => dtype))].sort().join(' and ');
+    const names = leftOut.map(([name]) => name);
+    const listed = names.slice(0, 4).join(', ') + (names.length > 4 ? ` and ${names.length - 4} more` : '');
+    root.append(svg('text', {x: labelW, y: bottom + 42, class: 'band-label muted left-out',
+      text: `not shown: ${listed} (${dtypes} layers: float16's max does not apply)`}));
   }
   return root;
 }
@@ -493,7 +602,7 @@ function summaryPanel(run) {
     ['steps seen', String(s.steps_seen)],
     ['skipped steps', `${s.skipped_steps} (${fmtPercent(s.skip_rate)})`],
     ['latest skip rate', fmtPercent(s.recent_skip_rate)],
-    ['loss scale', `initial ${fmtScale(scale.initial)}, final ${fmtScale(scale.final)}, min ${fmtScale(scale.min)}, max ${fmtScale(scale.max)}`],
+    ['loss scale', `initial ${fmtScale(scale.initial)}, final ${fmtScale(scale.final)}, min ${fmtScale(scale.min)}, max ${fmtScale(scale.max)}${run.scale_caveat || ''}`],
     ['compute dtype', s.compute_dtype || 'unknown'],
     ['events', counts],
   ];
@@ -609,7 +718,8 @@ function exponentPanel(run, view, select, slot) {
   const data = run.exponents;
   let current = data.heatmap;
   let variable = null;
-  const draw = () => slot.replaceChildren(exponentHeatmap(current, run.float16, variable));
+  const other = run.summary.variables_not_float16 || {};
+  const draw = () => slot.replaceChildren(exponentHeatmap(current, run.float16, variable, other));
   select.replaceChildren(...data.steps.map((s) => el('option', {value: s, text: s})));
   select.value = String(current.step);
   const load = async (step) => {
@@ -653,6 +763,12 @@ function fillRun(section, run) {
   q('.loss-scale').append(lossScaleChart(run, view));
   const kinds = new Set(run.summary.events.map((e) => e.kind));
   q('.legend').append(...Object.keys(KINDS).filter((k) => kinds.has(k)).map((k) => el('span', {}, [swatch(k), KINDS[k].label])));
+  if ((run.events_lost_between || []).length) {
+    q('.legend').append(el('span', {class: 'lost'}, [
+      svg('svg', {viewBox: '0 0 12 12', 'aria-hidden': 'true'}, svg('rect', {x: 0, y: 0, width: 12, height: 12, fill: '#e0e0e0'})),
+      'scale events lost: the scale is not known there',
+    ]));
+  }
   const table = eventsTable(run, view);
   if (table.filters) q('.filters').replaceWith(table.filters);
   q('.events').append(table.wrap);
