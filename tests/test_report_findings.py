@@ -140,3 +140,5 @@ def test_a_bfloat16_run_says_each_note_once():
     printed = report.format_summary(summary)
     assert printed.count(note) == 1
     assert f"  not logged because: {note}" in printed
+    assert "  - note at step 0, 192: quoted above under 'not logged because'" in printed
+    assert "no problems found; 2 notes for information follow" in printed  # both listed

@@ -179,11 +179,11 @@ def format_summary(summary: Summary) -> str:
     lines += _whatif_lines(summary)
     lines.append("findings")
     marks = {"warning": "!", "info": "-"}
-    lines += [
-        f"  {marks[f.severity]} {f.message}"
-        for f in summary.findings
-        if not (quoted and f.rule == "note" and f.message.endswith(f": {quoted}"))
-    ]  # a note quoted under "not logged because" is not repeated
+    for f in summary.findings:
+        message = f.message
+        if quoted and f.rule == "note" and message.endswith(f": {quoted}"):
+            message = message[: -len(quoted)] + "quoted above under 'not logged because'"
+        lines.append(f"  {marks[f.severity]} {message}")  # each note's text once
     return "\n".join(lines)
 
 
