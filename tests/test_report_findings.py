@@ -75,6 +75,10 @@ def test_skips_without_events_are_not_explained():
     message = skip_finding(log)
     assert "Which kind of overflow they were is not recorded" in message
     assert "hysteresis" not in message and "initial_scale" not in message
+    assert "stock Keras" not in message
+    stock = dataclasses.replace(RECORD, loss_scaling="keras", min_scale=None, max_scale=None)
+    log.texts[tags.POLICY_RECORD] = [(0, tags.format_policy_record(stock))]
+    assert "kmix.LossScaleOptimizer records each skipped step and why" in skip_finding(log)
 
 
 def test_the_audit_recorded_at_begin_is_in_the_report():

@@ -167,9 +167,16 @@ def skip_advice(summary: Summary) -> str:
     """
     skips = [e for e in summary.events if e.kind in tags.SKIP_KINDS]
     if not skips:
+        stock = summary.policy_record is not None and summary.policy_record.loss_scaling == "keras"
         return (
             "Which kind of overflow they were is not recorded (no skipped step was "
-            "recorded as an event), so no setting can be advised from them."
+            "recorded as an event), so no setting can be advised from them"
+            + (
+                "; the stock Keras optimizer records none, kmix.LossScaleOptimizer records "
+                "each skipped step and why."
+                if stock
+                else "."
+            )
         )
     start = _start_backoffs(skips)
     after_growth = _backoffs_after_growth(summary.events)
