@@ -42,7 +42,7 @@ def test_hysteresis_is_never_advised_to_skip_fewer():
     assert "10 were skipped at a scale the hysteresis kept" in message
     assert "a higher hysteresis skips no fewer; hysteresis=1 backs off at the first" in message
     assert "initial_scale" not in message  # no backoff at the start
-    assert "1 other gradient overflow backed the scale off" in message
+    assert "By kind: 1 gradient overflow backed the scale off" in message
 
 
 def test_forward_overflows_get_no_loss_scale_advice():

@@ -197,7 +197,8 @@ def skip_advice(summary: Summary) -> str:
         )
     other = counts["backoff"] - len(start) - len(growth)
     if other:
-        parts.append(f"{other} other gradient {_overflows(other)} backed the scale off")
+        which = "other " if start or growth else ""
+        parts.append(f"{other} {which}gradient {_overflows(other)} backed the scale off")
     if counts["skip_absorbed"]:
         parts.append(
             f"{counts['skip_absorbed']} {'was' if counts['skip_absorbed'] == 1 else 'were'} "
