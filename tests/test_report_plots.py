@@ -142,3 +142,7 @@ def test_the_stretch_whose_events_were_lost_is_shaded():
     figure = drawn(plots._plot_loss_scale, log)
     labels = [h.get_label() for h in figure.axes[0].get_legend().legend_handles]
     assert "scale events lost: the scale here is not known" in labels
+    (span,) = [p for p in figure.axes[0].patches if p.get_label().startswith("scale events")]
+    # The ring keeps the newest events: the lost ones came before the kept one at step 11.
+    assert (span.get_x(), span.get_x() + span.get_width()) == (0, 10)
+    assert report.read.read_events(log).unknown_scale() == [(0, 10)]

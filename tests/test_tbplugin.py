@@ -475,6 +475,7 @@ def write_mixed_run(path: str) -> None:
     with writer.as_default():
         tf.summary.text(tags.POLICY_RECORD, tags.format_policy_record(record), step=0)
         tf.summary.text(tags.EVENTS, tags.format_events_lost(lost), step=11)
+        tf.summary.scalar(tags.LOSS_SCALE, 1.0, step=10)
         tf.summary.scalar(tags.LOSS_SCALE, 1.0, step=400)
         tf.summary.scalar(tags.OVERFLOW_HEADROOM_BITS, 1.12, step=100)
         for step in MIXED_HISTOGRAM_STEPS:
@@ -507,4 +508,4 @@ def test_float32_layers_are_left_out_of_the_float16_headroom_grid(tmp_path):
     )
     assert data["series"]["overflow_headroom_bits"]["points"] == 1
     assert data["loss_scale_begin"] == {"step": 0, "value": 1024.0}
-    assert data["events_lost_between"] == [[0, 400]]
+    assert data["events_lost_between"] == [[0, 10]]  # before the note's step, 11

@@ -99,10 +99,10 @@ def _plot_loss_scale(figure: Any, log: KmixLog, summary: Summary) -> bool:
                 label=label,
                 zorder=3,
             )
-    for k, lost in enumerate(read_events(log).lost_between):
+    for k, (first, last) in enumerate(read_events(log).unknown_scale()):
         ax.axvspan(
-            lost.after_step,
-            lost.upto_step,
+            first,
+            last,
             color="0.88",
             alpha=0.9,
             zorder=2.5,  # over the line, which is a guess there; under the event markers

@@ -213,15 +213,31 @@ class EventLog:
         from_records: True when read from the ``kmix/event_record`` records; False
             when parsed from the ``kmix/events`` lines of a log that has no record
             (written by kmix 0.1.0 or by versions before the records).
-        lost_between: the notes that events were lost, as records: between which
-            steps they were (the scale there is not known from the events).
+        lost_between: ``(step, note)`` of each note that events were lost: the step
+            it was written at (that of the oldest event kept after the loss, as the
+            ring keeps the newest) and the note as a record.
     """
 
     events: tuple[tags.ScaleEvent, ...]
     notes: tuple[tuple[int, str], ...]
     lost: int
     from_records: bool
-    lost_between: tuple[tags.EventsLost, ...] = ()
+    lost_between: tuple[tuple[int, tags.EventsLost], ...] = ()
+
+    def unknown_scale(self) -> list[tuple[int, int]]:
+        """The stretches of steps whose scale the log does not know: events were lost.
+
+        The events lost between two reads are older than every event kept after
+        them, so they lie after the note's ``after_step`` and before the step the
+        note was written at.
+
+        Returns:
+            ``(first, last)`` steps of each stretch, in the order of the notes.
+        """
+        return [
+            (note.after_step, max(note.after_step, min(note.upto_step, step) - 1))
+            for step, note in self.lost_between
+        ]
 
 
 def read_events(log: KmixLog) -> EventLog:
@@ -249,11 +265,11 @@ def read_events(log: KmixLog) -> EventLog:
             notes=tuple((step, tags.format_events_lost(r)) for step, r in said),
             lost=sum(r.count for _, r in said),
             from_records=True,
-            lost_between=tuple(r for _, r in said),
+            lost_between=tuple(said),
         )
     events: list[tags.ScaleEvent] = []
     notes: list[tuple[int, str]] = []
-    lost_between: list[tags.EventsLost] = []
+    lost_between: list[tuple[int, tags.EventsLost]] = []
     for step, text in log.texts.get(tags.EVENTS, []):  # logs without records
         for line in _lines(text):
             lost_note = tags.parse_events_lost(line)
@@ -262,12 +278,12 @@ def read_events(log: KmixLog) -> EventLog:
                 events.append(event)
                 continue
             if lost_note is not None:
-                lost_between.append(lost_note)
+                lost_between.append((step, lost_note))
             notes.append((step, line))
     return EventLog(
         _once_in_step_order(events),
         tuple(notes),
-        sum(note.count for note in lost_between),
+        sum(note.count for _, note in lost_between),
         from_records=False,
         lost_between=tuple(lost_between),
     )

@@ -112,7 +112,7 @@ def summarize(log: KmixLog) -> Summary:
     summary = Summary(
         logdir=log.path,
         steps_seen=steps_seen,
-        loss_scale=_loss_scale(scale, events, begin, read.lost_between),
+        loss_scale=_loss_scale(scale, events, begin, [n for _, n in read.lost_between]),
         skipped_steps=skipped,
         skip_rate=skipped / steps_seen if steps_seen else 0.0,
         recent_skip_rate=None if recent is None else _finite(recent.values[-1]),
@@ -230,7 +230,7 @@ def _loss_scale(
     series: Series | None,
     events: list[ScaleEvent],
     begin: tuple[int, float] | None,
-    lost: tuple[tags.EventsLost, ...],
+    lost: list[tags.EventsLost],
 ) -> LossScale:
     """Initial, final, min and max scale from what the log holds, none made up.
 

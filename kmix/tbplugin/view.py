@@ -333,8 +333,9 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
         float16's limits), ``headroom_by_variable`` (:func:`headroom_grid`),
         ``scale_caveat`` (what the loss-scale line cannot say, as ``kmix report``
         words it), ``loss_scale_begin`` (``{"step", "value"}`` of the scale written at
-        train begin, or None), ``events_lost_between`` (``[after, upto]`` steps of
-        each stretch whose scale events were lost), ``activation_headroom`` and
+        train begin, or None), ``events_lost_between`` (``[first, last]`` steps of
+        each stretch whose scale is unknown: events were lost,
+        :meth:`kmix.report.read.EventLog.unknown_scale`), ``activation_headroom`` and
         ``float16``.
     """
     if points.empty:
@@ -369,9 +370,7 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
         "headroom_by_variable": headroom_grid(log.histograms, typed.variables_not_float16),
         "scale_caveat": scale_caveat(typed),
         "loss_scale_begin": _begin(log),
-        "events_lost_between": [
-            [lost.after_step, lost.upto_step] for lost in read_events(log).lost_between
-        ],
+        "events_lost_between": [list(pair) for pair in read_events(log).unknown_scale()],
         "activation_headroom": _activation_grid(log, MAX_HEADROOM_STEPS),
         "float16": {
             "min_subnormal_exponent": tags.FLOAT16_MIN_SUBNORMAL_EXPONENT,
