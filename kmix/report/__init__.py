@@ -21,15 +21,16 @@ One module per concern:
   :meth:`Summary.to_dict`), its parts and :class:`Finding`;
 * :mod:`kmix.report.summary`: :class:`KmixLog` -> :class:`Summary`;
 * :mod:`kmix.report.findings`: the :data:`RULES` table over a :class:`Summary`,
-  and its thresholds;
+  and its thresholds; :mod:`kmix.report.advice`: what would skip fewer steps,
+  from the kinds of skipped steps recorded and kmix's scale rule;
 * :mod:`kmix.report.whatif`: what the recorded exponent histograms would lose in
   float16, bfloat16 and FP8;
 * :mod:`kmix.report.text`: terminal text and JSON; :mod:`kmix.report.plots`: PNGs.
 
-``read``, ``values``, ``summary``, ``findings`` and ``whatif`` neither print nor
-import matplotlib: the TensorBoard plugin reuses them. They import one way:
+``read``, ``values``, ``summary``, ``findings``, ``advice`` and ``whatif`` neither
+print nor import matplotlib: the TensorBoard plugin reuses them. They import one way:
 ``summary`` uses ``read``, ``findings``, ``values`` and ``whatif``; ``findings`` uses
-``values``, never ``summary``. (The name ``findings`` in this
+``advice`` and ``values``, never ``summary``. (The name ``findings`` in this
 package is the function; the module is ``sys.modules["kmix.report.findings"]``.)
 """
 

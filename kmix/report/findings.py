@@ -20,7 +20,7 @@ Free of printing and matplotlib: the TensorBoard plugin reuses it. Thresholds:
 * what ``kmix.audit`` found on the model at train begin (recorded in the policy
   record): its errors and warnings are warnings, its infos information;
 * the skip rate's advice follows the kinds of the skipped steps and kmix's scale
-  rule (:func:`skip_advice`);
+  rule (:func:`kmix.report.advice.skip_advice`);
 * for information: falling headroom forecast to reach 0 bits, the first overflow
   episode and the recovery from it, the variable most often first non-finite,
   exact zeros, variables of layers that do not compute in float16 (left out of
@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 from kmix import tags
 from kmix._words import format_scale, percent, plural, steps_list
+from kmix.report.advice import skip_advice
 from kmix.report.values import Finding, Summary
 
 UNDERFLOW_WARN_FRACTION = 0.25
@@ -138,119 +139,6 @@ def _rule_skip_rate(summary: Summary) -> list[Finding]:
                 "stalled; LossScaleGuard stops such a run with a diagnosis",
             )
         )
-    return found
-
-
-def skip_advice(summary: Summary) -> str:
-    """What the recorded skipped steps were, kind by kind, and what would skip fewer.
-
-    The advice follows kmix's scale rule (:mod:`kmix.scaling`): every gradient
-    overflow is skipped whatever the hysteresis (a higher hysteresis only delays
-    the backoff, so the scale that overflows is kept longer); a forward overflow
-    and an overflow at ``min_scale`` are skipped whatever the scale. So:
-
-    * backoffs in a row from step 1: the initial scale was too high; an
-      ``initial_scale`` where they ended starts there;
-    * ``skip_absorbed``: skipped at a scale the hysteresis kept; ``hysteresis=1``
-      backs off at the first overflow;
-    * a backoff that is the first skip after a growth: the growth overflowed; a
-      larger ``dynamic_growth_steps`` grows less often;
-    * ``overflow_at_floor`` and ``forward_overflow``: no loss-scale setting
-      prevents them.
-
-    Args:
-        summary: the summary (its events, events lost and steps).
-
-    Returns:
-        One sentence per kind found, ``"By kind: ..."``; when no skipped step was
-        recorded as an event, a sentence saying their kinds are unknown.
-    """
-    skips = [e for e in summary.events if e.kind in tags.SKIP_KINDS]
-    if not skips:
-        stock = summary.policy_record is not None and summary.policy_record.loss_scaling == "keras"
-        return (
-            "Which kind of overflow they were is not recorded (no skipped step was "
-            "recorded as an event), so no setting can be advised from them"
-            + (
-                "; the stock Keras optimizer records none, kmix.LossScaleOptimizer records "
-                "each skipped step and why."
-                if stock
-                else "."
-            )
-        )
-    start = _start_backoffs(skips)
-    after_growth = _backoffs_after_growth(summary.events)
-    counts = Counter(e.kind for e in skips)
-    parts = []
-    if start:
-        first, last = start[0], start[-1]
-        parts.append(
-            f"{plural(len(start), 'backoff')} in a row from step {first.step} lowered the "
-            f"initial scale {format_scale(first.old_scale)} to {format_scale(last.new_scale)}: "
-            f"initial_scale={last.new_scale:.9g} starts where they ended"
-        )
-    growth = [e for e in after_growth if e not in start]
-    if growth:
-        parts.append(
-            f"{len(growth)} {'was' if len(growth) == 1 else 'were'} the first overflow after "
-            "a growth: a larger dynamic_growth_steps grows, and so overflows, less often"
-        )
-    other = counts["backoff"] - len(start) - len(growth)
-    if other:
-        which = "other " if start or growth else ""
-        parts.append(f"{other} {which}gradient {_overflows(other)} backed the scale off")
-    if counts["skip_absorbed"]:
-        parts.append(
-            f"{counts['skip_absorbed']} {'was' if counts['skip_absorbed'] == 1 else 'were'} "
-            "skipped at a scale the hysteresis kept: kmix skips every gradient overflow "
-            "whatever the hysteresis, which only delays the backoff, so a higher hysteresis "
-            "skips no fewer; hysteresis=1 backs off at the first overflow"
-        )
-    if counts["overflow_at_floor"]:
-        parts.append(
-            f"{counts['overflow_at_floor']} {_overflows(counts['overflow_at_floor'])} at "
-            "min_scale: no loss scale prevents those"
-        )
-    if counts["forward_overflow"]:
-        parts.append(
-            f"{counts['forward_overflow']} forward {_overflows(counts['forward_overflow'])} "
-            "(the loss itself non-finite): no loss scale or hysteresis prevents those, only a "
-            "change to the forward pass"
-        )
-    text = "By kind: " + "; ".join(parts) + "."
-    unknown = summary.skipped_steps - len(skips)
-    if unknown > 0:
-        text += f" The kind of the other {unknown} is not recorded"
-        text += f" ({plural(summary.events_lost, 'event')} lost)." if summary.events_lost else "."
-    return text
-
-
-def _overflows(count: int) -> str:
-    return "overflow" if count == 1 else "overflows"
-
-
-def _start_backoffs(skips: list[tags.ScaleEvent]) -> list[tags.ScaleEvent]:
-    """The backoffs in a row from step 1 (none when step 1 was not a backoff)."""
-    if skips[0].step != 1 or skips[0].kind != "backoff":
-        return []
-    start = [skips[0]]
-    for event in skips[1:]:
-        if event.step != start[-1].step + 1 or event.kind != "backoff":
-            break
-        start.append(event)
-    return start
-
-
-def _backoffs_after_growth(events: tuple[tags.ScaleEvent, ...]) -> list[tags.ScaleEvent]:
-    """Backoffs that are the first skipped step after a growth, from the grown scale."""
-    found, grown = [], None
-    for event in events:
-        if event.kind == "growth":
-            grown = event.new_scale
-        elif event.kind in tags.SKIP_KINDS:
-            if event.kind == "backoff" and grown is not None and event.old_scale == grown:
-                found.append(event)
-            grown = None
     return found
 
 
