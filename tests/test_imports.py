@@ -74,3 +74,15 @@ def test_no_import_cycle():
 def test_training_code_imports_no_callback_and_no_report(training):
     loaded = reachable_from(training)
     assert not {m for m in loaded if m.startswith(("kmix.callbacks", "kmix.report"))}
+
+
+def test_no_module_is_longer_than_500_lines_and_the_optimizer_class_350():
+    """Small enough to read in one sitting (issue 20): no kmix module over 500 lines, and
+    LossScaleOptimizer, glue over the step recorder and the model hooks, at most 350."""
+    lengths = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
+    assert {name: n for name, n in lengths.items() if n > 500} == {}
+    tree = ast.parse(MODULES["kmix.optimizer"].read_text())
+    (cls,) = [
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LossScaleOptimizer"
+    ]
+    assert cls.end_lineno - cls.lineno + 1 <= 350
