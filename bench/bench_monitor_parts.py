@@ -20,7 +20,11 @@ core is not counted). It also times every host read of the monitor (``_on_read``
 clock) and prints the reads' cost per step (their total over the steps fitted): the host
 part.
 
-Usage: ``python bench/bench_monitor_parts.py [--steps 300] [--rounds 7] [--model mlp]``
+Usage: ``python bench/bench_monitor_parts.py [--steps 300] [--rounds 7] [--model mlp]
+[--configs stock,optimizer,wrapped,watched,monitor]``. To compare another kmix version on
+the same machine, put its checkout first on ``PYTHONPATH`` (``git worktree add /tmp/old
+643f46e; PYTHONPATH=/tmp/old python bench/bench_monitor_parts.py --configs
+stock,optimizer,monitor``).
 """
 
 from __future__ import annotations
@@ -100,9 +104,15 @@ def main() -> None:
     parser.add_argument("--model", default="mlp", choices=sorted(MODELS))
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--configs",
+        default="stock,optimizer,wrapped,watched,monitor",
+        help="comma-separated; stock always runs (e.g. stock,optimizer,monitor for kmix "
+        "versions without optimizer.hooks)",
+    )
     args = parser.parse_args()
     keras.mixed_precision.set_global_policy("mixed_float16")
-    configs = ("stock", "optimizer", "wrapped", "watched", "monitor")
+    configs = ("stock", *(c for c in args.configs.split(",") if c != "stock"))
     root = tempfile.mkdtemp(prefix="kmix-bench-parts-")
     setups = {c: build(args.model, c, os.path.join(root, c)) for c in configs}
     for model, data, callbacks in setups.values():  # warm up: trace everything
@@ -131,6 +141,7 @@ def main() -> None:
             cells += [f"{1e3 * statistics.median(mine):.2f}", f"{ratio:.3f}x"]
         print(f"| {config} | " + " | ".join(cells) + " |")
     steps = args.rounds * args.steps
+    print(f"kmix from {os.path.dirname(os.path.dirname(os.path.abspath(kmix.__file__)))}")
     print(
         f"\nmonitor host reads: {len(READ_SECONDS)} reads, median "
         f"{1e3 * statistics.median(READ_SECONDS):.1f} ms, "

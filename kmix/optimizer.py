@@ -11,6 +11,7 @@ optimizer attaches to its model lives in :mod:`kmix.model_hooks`.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import warnings
@@ -244,7 +245,7 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
         forward = self.hooks.forward_statistics(flags[len(aligned)] > 0, before.due[0])
         self.recorder.layers = self.hooks.layers
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            apply_inner = lambda: self._apply_inner(grads, variables)  # noqa: E731
+            apply_inner = functools.partial(self._apply_inner, grads, variables)
             self._step(aligned, flags, before, forward_state, apply_inner, forward)
         else:  # the cross-replica step reads the first replica's forward statistics
             context.merge_call(
