@@ -283,7 +283,7 @@ RECORD_TYPES = (SCALE_EVENT_RECORD, EVENTS_LOST_RECORD)
 :class:`EventsLost` note."""
 
 
-def format_event_record(item: ScaleEvent | EventsLost) -> str:
+def format_event_record(item: ScaleEvent | EventsLost, run_id: str | None = None) -> str:
     """Formats an event, or a note that events were lost, as one JSON record.
 
     The record holds every field (``index`` too, which the line does not), the
@@ -296,6 +296,8 @@ def format_event_record(item: ScaleEvent | EventsLost) -> str:
 
     Args:
         item: a :class:`ScaleEvent` or an :class:`EventsLost`.
+        run_id: the run that wrote it (``kmix.tags.PolicyRecord.run_id``), written
+            as ``"run_id"`` when given (:func:`kmix.tags.parse_run_id` reads it).
 
     Returns:
         The JSON text (on one line) that :func:`parse_event_record` reads back.
@@ -303,10 +305,11 @@ def format_event_record(item: ScaleEvent | EventsLost) -> str:
     Raises:
         TypeError: ``item`` is neither.
     """
+    run = {} if run_id is None else {"run_id": run_id}
     if isinstance(item, ScaleEvent):
-        return record_json(item, type=SCALE_EVENT_RECORD)
+        return record_json(item, type=SCALE_EVENT_RECORD, **run)
     if isinstance(item, EventsLost):
-        return record_json(item, type=EVENTS_LOST_RECORD)
+        return record_json(item, type=EVENTS_LOST_RECORD, **run)
     raise TypeError(
         f"item={item!r} is a {type(item).__name__}; expected a kmix.tags.ScaleEvent or "
         "kmix.tags.EventsLost"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
+import time
 from typing import Any
 
 LOSS_SCALINGS = ("kmix", "keras", "none")
@@ -108,6 +110,9 @@ class PolicyRecord:
             not recorded.
         audit_findings: what ``kmix.audit`` found on the model at train begin; None
             when the audit could not run or was not recorded.
+        run_id: the run this train begin belongs to (:func:`new_run_id`); a resumed
+            run writes its id again. None in logs written before run ids (kmix 0.1.0
+            and earlier): such logs read as one run.
     """
 
     global_policy: str
@@ -123,6 +128,7 @@ class PolicyRecord:
     loss_scale: float | None = None
     variable_dtypes: dict[str, str] | None = None
     audit_findings: tuple[AuditFinding, ...] | None = None
+    run_id: str | None = None
 
 
 def format_policy_record(record: PolicyRecord) -> str:
@@ -147,12 +153,14 @@ def parse_policy_record(text: str) -> PolicyRecord | None:
     Returns:
         The :class:`PolicyRecord`; None if the text is not such a record (keys
         added by later versions are ignored). Fields added after kmix 0.1.0
-        (``loss_scale``, ``variable_dtypes``, ``audit_findings``) read as None
-        when missing or malformed.
+        (``loss_scale``, ``variable_dtypes``, ``audit_findings``, ``run_id``) read
+        as None when missing or malformed.
     """
     fields = record_fields(json_object(text), PolicyRecord)
     if fields is None:
         return None
+    if "run_id" in fields:
+        fields["run_id"] = _run_id(fields["run_id"])
     for name in ("min_scale", "max_scale", "loss_scale"):
         if fields.get(name) is not None:
             fields[name] = _float_or_none(fields[name])
@@ -161,6 +169,38 @@ def parse_policy_record(text: str) -> PolicyRecord | None:
     if "audit_findings" in fields:
         fields["audit_findings"] = _audit_findings(fields["audit_findings"])
     return PolicyRecord(**fields)
+
+
+def new_run_id(now: float | None = None) -> str:
+    """A new run id: the local start time and six random hex digits.
+
+    Args:
+        now: the start time in seconds since the epoch; None: now.
+
+    Returns:
+        E.g. ``"20250314-093000-4f1c2a"``: readable, sortable by start time, and
+        different for two runs started in the same second.
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
+    return f"{stamp}-{secrets.token_hex(3)}"
+
+
+def parse_run_id(text: str) -> str | None:
+    """The run id a structured record holds (policy record, event record, run end).
+
+    Args:
+        text: the JSON text of any kmix record.
+
+    Returns:
+        Its ``run_id``; None when the text is no record or holds none (records
+        written before run ids).
+    """
+    data = json_object(text)
+    return None if data is None else _run_id(data.get("run_id"))
+
+
+def _run_id(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
 
 
 def _float_or_none(value: Any) -> float | None:
@@ -207,11 +247,14 @@ class RunEnd:
         step: the last attempted optimizer step.
         reason: one of :data:`RUN_END_REASONS`.
         message: the diagnosis or exception message, "" when there is none.
+        run_id: the run that ended (:attr:`PolicyRecord.run_id`); None in logs
+            written before run ids.
     """
 
     step: int
     reason: str
     message: str
+    run_id: str | None = None
 
 
 def format_run_end(run_end: RunEnd) -> str:
@@ -221,7 +264,7 @@ def format_run_end(run_end: RunEnd) -> str:
         run_end: how the run ended.
 
     Returns:
-        A JSON object with the keys ``step``, ``reason`` and ``message``.
+        A JSON object with the keys ``step``, ``reason``, ``message`` and ``run_id``.
     """
     return record_json(run_end)
 
@@ -233,9 +276,15 @@ def parse_run_end(text: str) -> RunEnd | None:
         text: the ``kmix/run_end`` text.
 
     Returns:
-        The :class:`RunEnd`; None if the text is not such a record.
+        The :class:`RunEnd`; None if the text is not such a record (``run_id`` reads
+        as None when missing).
     """
     fields = record_fields(json_object(text), RunEnd)
     if fields is None or not isinstance(fields["step"], int):
         return None
-    return RunEnd(step=fields["step"], reason=str(fields["reason"]), message=str(fields["message"]))
+    return RunEnd(
+        step=fields["step"],
+        reason=str(fields["reason"]),
+        message=str(fields["message"]),
+        run_id=_run_id(fields.get("run_id")),
+    )

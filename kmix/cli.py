@@ -138,10 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Read the kmix data in LOGDIR (written by MixedPrecisionMonitor, also while "
             "it is still being written); print the loss scale, skipped steps, every "
-            "scale event, gradient-health trends and findings; write PNG plots."
+            "scale event, gradient-health trends and findings; write PNG plots. A log "
+            "dir written by several runs (a script run twice) is reported on its latest "
+            "run, with a note; --run picks another. A directory without kmix data of "
+            "its own but with log dirs under it (runs/a, runs/b) lists the runs found."
         ),
     )
     report.add_argument("logdir", metavar="LOGDIR", help="the log_dir given to the monitor")
+    report.add_argument(
+        "--run",
+        dest="which_run",
+        metavar="N",
+        help="which run of a log dir written by several: 1 for the oldest, or its id (the latest)",
+    )
     report.add_argument("--out", metavar="DIR", help="where to write the PNGs (LOGDIR/report)")
     report.add_argument("--json", action="store_true", help="print the summary as JSON")
     report.add_argument("--no-plots", action="store_true", help="do not write PNGs")
@@ -265,11 +274,14 @@ def _run_report(args: argparse.Namespace) -> int:
     """Runs ``kmix report``: prints the summary of ``args.logdir`` and writes its plots.
 
     Args:
-        args: the parsed arguments (``logdir``, ``out``, ``json``, ``no_plots``).
+        args: the parsed arguments (``logdir``, ``out``, ``json``, ``no_plots``,
+            ``which_run``).
 
     Returns:
-        The exit status: 0, or 2 when the log dir is empty (``''``), has no kmix
-        data, or the plots cannot be written.
+        The exit status: 0 (also when LOGDIR has no kmix data of its own but log
+        dirs under it have, which are then listed), or 2 when the log dir is empty
+        (``''``), has no kmix data, ``--run`` names no run of it, or the plots cannot
+        be written.
     """
     if not args.logdir:  # the reader would look for "" + "/train": a puzzling message
         return _error(
@@ -281,9 +293,14 @@ def _run_report(args: argparse.Namespace) -> int:
 
     report.avoid_tensorflow()
     try:
-        log = report.read_log(args.logdir)
+        log = report.read_log(args.logdir, run=args.which_run)
     except report.ReportError as error:
-        return _error("report", str(error))
+        found = _logdirs_under(args.logdir) if args.which_run is None else []
+        if not found:
+            return _error("report", str(error))
+        listing = report.logdirs_json if args.json else report.format_logdirs
+        print(listing(args.logdir, found))
+        return 0
     summary = report.summarize(log)
     out = args.out or os.path.join(args.logdir, "report")
     if not args.no_plots:
@@ -305,6 +322,22 @@ def _run_report(args: argparse.Namespace) -> int:
         for path in summary.plots:
             print(f"plot: {path}")
     return 0
+
+
+def _logdirs_under(parent: str) -> list[tuple[str, tuple[Any, ...]]]:
+    """The log dirs under ``parent`` with kmix data, each with its runs (``RunInfo``)."""
+    from kmix import report
+
+    if not os.path.isdir(parent):
+        return []
+    found = []
+    for logdir in report.find_logdirs(parent):
+        try:
+            logs = report.read_runs(logdir)
+        except report.ReportError:
+            continue
+        found.append((logdir, tuple(log.run for log in logs if log.run is not None)))
+    return found
 
 
 if __name__ == "__main__":

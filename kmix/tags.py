@@ -11,8 +11,9 @@ re-exports the formats written and read back, which live in two parts:
   of ``kmix/events`` (:func:`format_event`, the wording of an event's line) and the
   structured record of ``kmix/event_record``;
 * :mod:`kmix._tag_records`: the other structured records, ``kmix/policy_record``
-  (with the scale at train begin, each variable's compute dtype and the audit's
-  findings) and ``kmix/run_end``, and the run-end reasons.
+  (with the scale at train begin, each variable's compute dtype, the audit's
+  findings and the run id) and ``kmix/run_end``, the run-end reasons, and run ids
+  (every record a run writes names it, so two runs in one log dir are told apart).
 
 Import every name from here (``kmix.tags.ScaleEvent``), not from the parts.
 """
@@ -51,8 +52,10 @@ from kmix._tag_records import (
     RunEnd,
     format_policy_record,
     format_run_end,
+    new_run_id,
     parse_policy_record,
     parse_run_end,
+    parse_run_id,
 )
 
 __all__ = [
@@ -127,6 +130,8 @@ __all__ = [
     "plain_text",
     "parse_policy_record",
     "parse_run_end",
+    "new_run_id",
+    "parse_run_id",
 ]
 
 TRAIN_DIR = "train"
@@ -162,7 +167,8 @@ ACTIVATION_UNDERFLOW_FRACTION = "kmix/activation_underflow_fraction/"
 MIN_ACTIVATION_HEADROOM_BITS = "kmix/min_activation_headroom_bits"
 # Structured records (JSON text summaries) beside the human-readable texts:
 POLICY_RECORD = "kmix/policy_record"
-"""A :class:`PolicyRecord` as JSON, written beside the markdown of ``kmix/policy``."""
+"""A :class:`PolicyRecord` as JSON, written beside the markdown of ``kmix/policy``; the
+first point of every train begin, so a run's points are those written after it."""
 RUN_END = "kmix/run_end"
 """A :class:`RunEnd` as JSON: why and at which step ``fit`` ended."""
 EVENT_RECORD = "kmix/event_record"

@@ -16,6 +16,7 @@ from kmix.callbacks._base import StepCallback, warn_user
 from kmix.callbacks._batch import SummaryBatch
 from kmix.callbacks._forecast import HeadroomForecast, headroom_series
 from kmix.callbacks._layout import layout
+from kmix.callbacks._prior_runs import another_run_warning, begins_in, resumed_run
 from kmix.snapshot import Snapshot
 
 _OWNER = "kmix.callbacks.MixedPrecisionMonitor"
@@ -137,7 +138,11 @@ class MixedPrecisionMonitor(StepCallback):
 
     At train begin it writes the policy and a per-layer dtype table under
     ``kmix/policy`` (markdown), the same as structured data under
-    ``kmix/policy_record``, and a Custom Scalars layout. When the run ends —
+    ``kmix/policy_record``, and a Custom Scalars layout. Every structured record
+    names the run (``run_id``): a ``fit`` whose optimizer continues the steps of the
+    latest run in ``log_dir`` (a second ``fit``, ``BackupAndRestore``) resumes it;
+    any other ``fit`` starts a new run, and warns once when ``log_dir`` already
+    holds a kmix run (:mod:`kmix.callbacks._prior_runs`). When the run ends —
     ``fit`` returning, ``LossScaleGuard`` stopping or raising, an exception or
     Ctrl-C (see :mod:`kmix.callbacks._base`) — it writes every event recorded up
     to the last executed step and a ``kmix/run_end`` record saying why. Steps are
@@ -193,6 +198,7 @@ class MixedPrecisionMonitor(StepCallback):
         self._forecast = HeadroomForecast()
         self._batch = SummaryBatch(tags.description)  # one write per step per read
         self._told_origins: set[str] = set()  # layers a forward overflow was printed for
+        self.run_id: str | None = None  # set at train begin
 
     # ---------------------------------------------------------------- hooks
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -214,6 +220,7 @@ class MixedPrecisionMonitor(StepCallback):
                 f"{_OWNER} cannot create its log directory {train_dir!r} "
                 f"(log_dir={self.log_dir!r}): {error}. Pass a directory you can write to."
             ) from error
+        prior = begins_in(train_dir)  # before this fit's file exists
         self._writer = tf.summary.create_file_writer(train_dir)
         source = self._source
         source.request_statistics(self, self.update_freq, self.histogram_freq)
@@ -223,6 +230,13 @@ class MixedPrecisionMonitor(StepCallback):
                 self._warned.add(note)
                 warn_user(note)
         state = self._read_state()
+        resumed = resumed_run(prior, state.attempted_steps)
+        self.run_id = tags.new_run_id() if resumed is None else resumed.run_id
+        if resumed is None and prior:
+            warning = another_run_warning(self.log_dir, prior, state.attempted_steps)
+            if warning not in self._warned:
+                self._warned.add(warning)
+                warn_user(warning)
         self._last_state = state
         self._event_index = state.event_count
         self._health_step = state.health_step
@@ -259,7 +273,9 @@ class MixedPrecisionMonitor(StepCallback):
                     tf.summary.text(
                         tags.RUN_END,
                         tags.format_run_end(
-                            tags.RunEnd(self._last_state.attempted_steps, reason, message)
+                            tags.RunEnd(
+                                self._last_state.attempted_steps, reason, message, self.run_id
+                            )
                         ),
                         step=self._last_state.attempted_steps,
                     )
@@ -275,9 +291,9 @@ class MixedPrecisionMonitor(StepCallback):
         from tensorboard.plugins.custom_scalar import summary as custom_scalar
 
         step = state.attempted_steps
-        record = self._policy_record()
-        tf.summary.text(tags.POLICY, self._policy_text(record, state), step=step)
+        record = self._policy_record()  # first: a run's points are those written after it
         tf.summary.text(tags.POLICY_RECORD, tags.format_policy_record(record), step=step)
+        tf.summary.text(tags.POLICY, self._policy_text(record, state), step=step)
         for note in notes:
             tf.summary.text(tags.NOTES, note, step=step)
         tf.summary.experimental.write_raw_pb(
@@ -314,6 +330,7 @@ class MixedPrecisionMonitor(StepCallback):
                 v.path: dtypes[id(v)] for v in getattr(model, "trainable_weights", [])
             },
             audit_findings=found,
+            run_id=self.run_id,
         )
 
     def _policy_text(self, record: tags.PolicyRecord, state: Snapshot) -> str:
@@ -408,7 +425,8 @@ class MixedPrecisionMonitor(StepCallback):
             )
             first_step = recorded[0].event.step if recorded else state.attempted_steps
             tf.summary.text(tags.EVENTS, tags.format_events_lost(note), step=first_step)
-            tf.summary.text(tags.EVENT_RECORD, tags.format_event_record(note), step=first_step)
+            record = tags.format_event_record(note, self.run_id)
+            tf.summary.text(tags.EVENT_RECORD, record, step=first_step)
         skipped = self._last_state.skipped_steps
         for event, measured in recorded:
             if event.step - 1 > self._scale_step:
@@ -420,7 +438,8 @@ class MixedPrecisionMonitor(StepCallback):
                     skipped_points[event.step] = skipped
                 self._write_health_values(measured, event.step)
             tf.summary.text(tags.EVENTS, tags.format_event(event), step=event.step)
-            tf.summary.text(tags.EVENT_RECORD, tags.format_event_record(event), step=event.step)
+            record = tags.format_event_record(event, self.run_id)
+            tf.summary.text(tags.EVENT_RECORD, record, step=event.step)
             origin = event.origin
             if self.verbose and origin is not None and origin.layer not in self._told_origins:
                 self._told_origins.add(origin.layer)

@@ -15,8 +15,10 @@ Example:
 One module per concern:
 
 * :mod:`kmix.report.read`: event files (or TensorBoard's data provider, through
-  :func:`build_log`) -> :class:`KmixLog`; its scale events from their structured
-  records (:func:`kmix.report.read.read_events`);
+  :func:`build_logs`) -> one :class:`KmixLog` per run; its scale events from their
+  structured records (:func:`kmix.report.read.read_events`);
+* :mod:`kmix.report.runs`: the runs of one log dir told apart (a script run twice
+  into one ``log_dir``), :class:`RunInfo`;
 * :mod:`kmix.report.values`: the typed values, :class:`Summary` (JSON via
   :meth:`Summary.to_dict`), its parts and :class:`Finding`;
 * :mod:`kmix.report.summary`: :class:`KmixLog` -> :class:`Summary`;
@@ -46,7 +48,18 @@ from kmix.report.findings import (
 )
 from kmix.report.findings import findings as findings  # the function shadows the module
 from kmix.report.plots import PLOT_FILES, write_plots
-from kmix.report.read import KmixLog, ReportError, Series, avoid_tensorflow, build_log, read_log
+from kmix.report.read import (
+    KmixLog,
+    ReportError,
+    Series,
+    avoid_tensorflow,
+    build_log,
+    build_logs,
+    find_logdirs,
+    read_log,
+    read_runs,
+)
+from kmix.report.runs import RunInfo
 from kmix.report.summary import (
     ExponentShares,
     Forecast,
@@ -59,7 +72,7 @@ from kmix.report.summary import (
     forecast_zero_crossing,
     summarize,
 )
-from kmix.report.text import format_summary, to_json
+from kmix.report.text import format_logdirs, format_summary, logdirs_json, to_json
 from kmix.report.whatif import FORMATS, FormatShares, PrecisionWhatIf
 
 __all__ = [
@@ -80,18 +93,24 @@ __all__ = [
     "Note",
     "PrecisionWhatIf",
     "ReportError",
+    "RunInfo",
     "Series",
     "Summary",
     "Trend",
     "avoid_tensorflow",
     "build_log",
+    "build_logs",
     "compute_dtype",
     "exponent_shares",
+    "find_logdirs",
     "findings",
     "forecast_zero_crossing",
     "format_scale",
+    "format_logdirs",
     "format_summary",
+    "logdirs_json",
     "read_log",
+    "read_runs",
     "summarize",
     "to_json",
     "write_plots",

@@ -17,6 +17,9 @@ Free of printing and matplotlib: the TensorBoard plugin reuses it. Thresholds:
   scale can fix it (the layer where it started is named when it was recorded);
 * any overflow at ``min_scale``: the gradients overflow even at the lowest scale;
 * a run that did not complete (``kmix/run_end``): why it ended;
+* a log dir that holds several runs (a script run twice into one ``log_dir``): which
+  one the report is of, the others, and how to report them
+  (:func:`kmix.report.runs.runs_message`);
 * what ``kmix.audit`` found on the model at train begin (recorded in the policy
   record): its errors and warnings are warnings, its infos information;
 * the skip rate's advice follows the kinds of the skipped steps and kmix's scale
@@ -35,6 +38,7 @@ from collections.abc import Callable
 from kmix import tags
 from kmix._words import format_scale, percent, plural, steps_list
 from kmix.report.advice import skip_advice
+from kmix.report.runs import RUN_END_WORDS, runs_message
 from kmix.report.values import Finding, Summary
 
 UNDERFLOW_WARN_FRACTION = 0.25
@@ -42,15 +46,6 @@ HEADROOM_WARN_BITS = 1.0
 SKIP_RATE_WARN = 0.05
 RECENT_SKIP_RATE_WARN = 0.5
 HEADROOM_TIGHT_BITS = 4.0
-
-RUN_END_WORDS = {
-    tags.COMPLETED: "completed",
-    tags.STOPPED_BY_GUARD: "stopped by LossScaleGuard",
-    tags.GUARD_RAISED: "LossScaleGuard raised",
-    tags.EXCEPTION: "ended by an exception",
-    tags.INTERRUPTED: "interrupted (KeyboardInterrupt)",
-}
-"""How each reason of :data:`kmix.tags.RUN_END_REASONS` is said."""
 
 
 def _float16(summary: Summary) -> bool:
@@ -71,6 +66,11 @@ def _rule_run_end(summary: Summary) -> list[Finding]:
     if end.message:
         message += f": {end.message}"
     return [Finding("warning", "run_end", message)]
+
+
+def _rule_runs(summary: Summary) -> list[Finding]:
+    message = runs_message(summary.run, summary.runs)
+    return [] if message is None else [Finding("warning", "runs", message)]
 
 
 def _origin_words(origin: tags.ForwardOrigin) -> str:
@@ -410,6 +410,7 @@ def _rule_other_dtypes(summary: Summary) -> list[Finding]:
 
 
 RULES: tuple[Callable[[Summary], list[Finding]], ...] = (
+    _rule_runs,
     _rule_run_end,
     _rule_nonfinite_loss,
     _rule_overflow_at_floor,

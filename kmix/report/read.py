@@ -1,8 +1,10 @@
 """Event files -> a typed :class:`KmixLog`, with TensorBoard's reader and no TensorFlow.
 
 Free of printing and matplotlib: the TensorBoard plugin reuses it, building its
-:class:`KmixLog` from TensorBoard's data provider through :func:`build_log`.
-:func:`read_events` reads a log's scale events from their structured records.
+:class:`KmixLog` from TensorBoard's data provider through :func:`build_logs`.
+:func:`read_events` reads a log's scale events from their structured records. A log
+dir written by several runs (a script run twice into one ``log_dir``) gives one
+:class:`KmixLog` per run (:mod:`kmix.report.runs`); :func:`read_log` returns the latest.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import types
 import numpy as np
 
 from kmix import tags
+from kmix.report.runs import Point, RunInfo, point_text, split_runs
 
 EXPECTED = (
     "TensorBoard event files with kmix/ tags under {train} "
@@ -49,12 +52,17 @@ class KmixLog:
         histograms: variable path -> ``[(step, counts)]`` in step order; ``counts``
             has one entry per exponent bin of :mod:`kmix.tags`.
         texts: text tag -> ``[(step, text)]`` in step order.
+        run: which run of the directory this log holds; None when not known (a log
+            built by :func:`build_log`).
+        runs: every kmix run of the directory, oldest first (one for most log dirs).
     """
 
     path: str
     scalars: dict[str, Series]
     histograms: dict[str, list[tuple[int, np.ndarray]]]
     texts: dict[str, list[tuple[int, str]]]
+    run: RunInfo | None = None
+    runs: tuple[RunInfo, ...] = ()
 
 
 def avoid_tensorflow() -> None:
@@ -69,20 +77,49 @@ def avoid_tensorflow() -> None:
         sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("notf"))
 
 
-def read_log(logdir: str) -> KmixLog:
+def read_log(logdir: str, run: int | str | None = None) -> KmixLog:
     """Reads the kmix data of a log dir, also one that is still being written.
 
     Args:
         logdir: the ``log_dir`` given to ``MixedPrecisionMonitor``; its ``train``
             subdirectory is read. A directory that holds the event files itself
             (e.g. ``LOGDIR/train``) is accepted too.
+        run: which run, when the directory holds several: its number (1 for the
+            oldest) or its id; None for the latest.
 
     Returns:
-        A :class:`KmixLog`.
+        A :class:`KmixLog` of that run (``runs`` lists every run of the directory).
 
     Raises:
         ReportError: the path is missing, not a directory, unreadable, empty, or
-            holds no kmix data.
+            holds no kmix data; or ``run`` names no run of it.
+    """
+    logs = read_runs(logdir)
+    if run is None:
+        return logs[-1]
+    for log in logs:
+        if log.run is not None and run in (log.run.index, log.run.run_id, str(log.run.index)):
+            return log
+    listed = "; ".join(f"{log.run.index}: id {log.run.run_id}" for log in logs if log.run)
+    raise ReportError(
+        f"no run {run!r} in {logdir}: it holds {len(logs)} kmix "
+        f"{'run' if len(logs) == 1 else 'runs'} ({listed}); pass a number from 1 to "
+        f"{len(logs)} or one of those ids"
+    )
+
+
+def read_runs(logdir: str) -> tuple[KmixLog, ...]:
+    """Reads every kmix run of a log dir (:func:`read_log` reads one).
+
+    Args:
+        logdir: as for :func:`read_log`.
+
+    Returns:
+        One :class:`KmixLog` per run, oldest first (one for a log written by one run,
+        or before run ids).
+
+    Raises:
+        ReportError: as :func:`read_log`.
     """
     train = os.path.join(logdir, tags.TRAIN_DIR)
     expected = EXPECTED.format(train=train)
@@ -100,13 +137,37 @@ def read_log(logdir: str) -> KmixLog:
         raise ReportError(f"{logdir} is empty: expected {expected}")
     for path in (train, logdir):
         if os.path.isdir(path):
-            log = _read_dir(path)
-            if log.scalars or log.histograms or log.texts:
-                return log
+            logs = build_logs(path, *_read_dir(path))
+            if logs:
+                return logs
     raise ReportError(f"no kmix data in {logdir}: expected {expected}")
 
 
-def _read_dir(path: str) -> KmixLog:
+def find_logdirs(parent: str) -> list[str]:
+    """The directories under ``parent`` that hold event files, as log dirs.
+
+    A directory named ``train`` stands for its parent (the ``log_dir`` given to the
+    monitor); ``parent`` itself is left out. Whether they hold kmix data is for
+    :func:`read_runs` to say.
+
+    Args:
+        parent: a directory, e.g. ``runs`` holding ``runs/a/train``, ``runs/b/train``.
+
+    Returns:
+        The log dirs found, sorted.
+    """
+    found = set()
+    for folder, _, names in os.walk(parent):
+        if any("tfevents" in name for name in names):
+            if os.path.basename(folder) == tags.TRAIN_DIR:
+                folder = os.path.dirname(folder)
+            if os.path.normpath(folder) != os.path.normpath(parent):
+                found.add(folder)
+    return sorted(found)
+
+
+def _read_dir(path: str) -> tuple[dict[str, list[Point]], dict[str, tuple[str, list[Point]]]]:
+    """Every kmix point of a directory's event files, with the wall time it was written at."""
     from tensorboard.backend.event_processing import event_accumulator as ea
     from tensorboard.util import tensor_util
 
@@ -114,19 +175,48 @@ def _read_dir(path: str) -> KmixLog:
     accumulator = ea.EventAccumulator(path, size_guidance=keep_all)
     accumulator.Reload()
     found = accumulator.Tags()
-    scalars: dict[str, list[tuple[int, float]]] = {}
-    tensors: dict[str, tuple[str, list[tuple[int, np.ndarray]]]] = {}
+    scalars: dict[str, list[Point]] = {}
+    tensors: dict[str, tuple[str, list[Point]]] = {}
     for tag in found.get(ea.SCALARS, []):  # summaries written as simple_value
         if tag.startswith(tags.PREFIX):
-            scalars[tag] = [(e.step, e.value) for e in accumulator.Scalars(tag)]
+            scalars[tag] = [(e.step, e.value, e.wall_time) for e in accumulator.Scalars(tag)]
     for tag in found.get(ea.TENSORS, []):
         if tag.startswith(tags.PREFIX):
             plugin = accumulator.SummaryMetadata(tag).plugin_data.plugin_name
             points = [
-                (e.step, tensor_util.make_ndarray(e.tensor_proto)) for e in accumulator.Tensors(tag)
+                (e.step, tensor_util.make_ndarray(e.tensor_proto), e.wall_time)
+                for e in accumulator.Tensors(tag)
             ]
             tensors[tag] = (plugin, points)
-    return build_log(path, scalars, tensors)
+    return scalars, tensors
+
+
+def build_logs(
+    path: str,
+    scalars: dict[str, list[Point]],
+    tensors: dict[str, tuple[str, list[Point]]],
+) -> tuple[KmixLog, ...]:
+    """Builds one :class:`KmixLog` per run from the points of a directory.
+
+    :func:`read_log` reads the points from event files; the TensorBoard plugin from
+    TensorBoard's data provider. The runs are told apart by :func:`kmix.report.runs.
+    split_runs`; each is converted by :func:`build_log`.
+
+    Args:
+        path: what the logs are named by (a directory, or a run name).
+        scalars: tag -> ``[(step, value, wall_time)]`` (see :func:`build_log`).
+        tensors: tag -> ``(plugin_name, [(step, array, wall_time)])``.
+
+    Returns:
+        The logs, oldest run first, each with ``run`` and ``runs`` set; empty when
+        there is no kmix point.
+    """
+    split = split_runs(scalars, tensors)
+    runs = tuple(info for info, _, _ in split)
+    return tuple(
+        dataclasses.replace(build_log(path, run_scalars, run_tensors), run=info, runs=runs)
+        for info, run_scalars, run_tensors in split
+    )
 
 
 def build_log(
@@ -182,10 +272,7 @@ def _series(points: list[tuple[int, float]]) -> Series:
 
 
 def _text(value: np.ndarray) -> str:
-    items = [
-        v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in np.ravel(value)
-    ]
-    return "\n".join(items)
+    return point_text(value)
 
 
 def _exponent_counts(value: np.ndarray) -> np.ndarray:

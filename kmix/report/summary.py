@@ -140,6 +140,8 @@ def summarize(log: KmixLog) -> Summary:
         forecasts=_forecasts(log),
         precision_whatif={"gradients": whatif(log.histograms)},
         variables_not_float16=_measured(other, log),
+        run=log.run,
+        runs=log.runs,
     )
     return dataclasses.replace(summary, findings=tuple(findings(summary)))
 

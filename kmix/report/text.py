@@ -1,13 +1,16 @@
-"""A :class:`~kmix.report.values.Summary` as terminal text, or as strict JSON."""
+"""A :class:`~kmix.report.values.Summary` as terminal text, or as strict JSON; and the
+listing of the log dirs under a directory that has no kmix log of its own."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from kmix import tags
 from kmix._words import format_scale, plural
 from kmix.report.findings import RUN_END_WORDS
-from kmix.report.values import Summary, Trend
+from kmix.report.runs import RunInfo, run_words
+from kmix.report.values import Summary, Trend, _jsonable
 from kmix.report.whatif import FORMATS
 
 _HEALTH_NAMES = {
@@ -100,6 +103,7 @@ def format_summary(summary: Summary) -> str:
     scale, recent = summary.loss_scale, summary.recent_skip_rate
     lines = [
         f"kmix report: {summary.logdir}",
+        *_run_line(summary),
         f"steps seen      {summary.steps_seen}",
         "loss scale      "
         + ", ".join(
@@ -185,6 +189,70 @@ def format_summary(summary: Summary) -> str:
             message = message[: -len(quoted)] + "quoted above under 'not logged because'"
         lines.append(f"  {marks[f.severity]} {message}")  # each note's text once
     return "\n".join(lines)
+
+
+def _run_line(summary: Summary) -> list[str]:
+    """Which run of several the report is of, and how to see the others."""
+    run, runs = summary.run, summary.runs
+    if run is None or len(runs) < 2:
+        return []
+    latest = " (the latest)" if run.index == len(runs) else ""
+    others = [str(r.index) for r in runs if r is not run]
+    which = f"run {others[0]}" if len(others) == 1 else f"runs {', '.join(others)}"
+    number = others[0] if len(others) == 1 else "N"
+    return [
+        f"run             {run.index} of {len(runs)} in this log dir{latest}; see {which} "
+        f"with: kmix report {summary.logdir} --run {number}"
+    ]
+
+
+def format_logdirs(parent: str, found: list[tuple[str, tuple[RunInfo, ...]]]) -> str:
+    """Lists the log dirs with kmix data under a directory that has none of its own.
+
+    Args:
+        parent: the directory given to ``kmix report``.
+        found: each log dir and its runs (oldest first), in the order to list them.
+
+    Returns:
+        Several lines: every run (its log dir, and its number there when the log dir
+        holds several) with its steps and how it ended, then how to report one.
+    """
+    count = sum(len(runs) for _, runs in found)
+    lines = [
+        f"kmix report: {parent} has no kmix log of its own; under it, "
+        f"{plural(count, 'kmix run')} in {plural(len(found), 'log dir')}:"
+    ]
+    width = max(len(logdir) for logdir, _ in found)
+    for logdir, runs in found:
+        for info in runs:
+            which = f"run {info.index} of {len(runs)}: " if len(runs) > 1 else ""
+            lines.append(f"  {logdir:<{width}}  {which}{run_words(info)}")
+    example = found[0][0]
+    lines.append(
+        f"report one with: kmix report {example}  (the latest run of a log dir; "
+        "--run N for another)"
+    )
+    return "\n".join(lines)
+
+
+def logdirs_json(parent: str, found: list[tuple[str, tuple[RunInfo, ...]]]) -> str:
+    """The listing of :func:`format_logdirs` as strict JSON.
+
+    Args:
+        parent: the directory given to ``kmix report``.
+        found: each log dir and its runs, oldest first.
+
+    Returns:
+        ``{"parent": ..., "logdirs": [{"logdir": ..., "runs": [RunInfo as a dict]}]}``.
+    """
+    data = {
+        "parent": parent,
+        "logdirs": [
+            {"logdir": logdir, "runs": [dataclasses.asdict(info) for info in runs]}
+            for logdir, runs in found
+        ],
+    }
+    return json.dumps(_jsonable(data), indent=2, allow_nan=False)
 
 
 def scale_caveat(summary: Summary) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from kmix.report.runs import RunInfo
 from kmix.report.whatif import PrecisionWhatIf
 from kmix.tags import PolicyRecord, RunEnd, ScaleEvent
 
@@ -168,6 +169,10 @@ class Summary:
             float16. Float16's range does not apply to them: they are left out of
             ``underflow_by_variable``, ``subnormal_by_variable`` and
             ``gradient_exponents`` (the precision what-if keeps them).
+        run: which run of the log dir this summary is of (a log dir a script wrote
+            twice into holds several; every count here is of this run alone); None
+            when not known.
+        runs: every kmix run of the log dir, oldest first.
         plots: the PNG files written for it (set by the caller).
     """
 
@@ -195,6 +200,8 @@ class Summary:
     forecasts: tuple[Forecast, ...]
     precision_whatif: dict[str, PrecisionWhatIf | None]
     variables_not_float16: dict[str, str] = dataclasses.field(default_factory=dict)
+    run: RunInfo | None = None
+    runs: tuple[RunInfo, ...] = ()
     findings: tuple[Finding, ...] = ()
     plots: tuple[str, ...] = ()
 

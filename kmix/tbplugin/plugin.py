@@ -182,8 +182,8 @@ class KmixPlugin(base_plugin.TBPlugin):
             run = self._known_run(request)
             step = _integer(request, "step", 0, 10**12, None)
             ctx, experiment = self._where(request)
-            points = reader.read_run(
-                self._provider, ctx, experiment, run, plugins=(reader.HISTOGRAMS,)
+            points = reader.read_run(  # the text's policy records tell the runs apart
+                self._provider, ctx, experiment, run, plugins=(reader.TEXT, reader.HISTOGRAMS)
             )
             rows = view.to_log(points).histograms
             steps = view.histogram_steps(rows)

@@ -6,7 +6,9 @@ points are turned into a :class:`kmix.report.KmixLog` by the report's own reader
 so the tab and ``kmix report`` share one source of truth: scale events come from
 their ``kmix/event_record`` records (a text tag, read with the others), and from the
 ``kmix/events`` lines only in runs that have no record
-(:func:`kmix.report.read.read_events`).
+(:func:`kmix.report.read.read_events`). Every point keeps the wall time it was written
+at, which tells apart the kmix runs a script wrote into one log dir
+(:mod:`kmix.report.runs`).
 """
 
 from __future__ import annotations
@@ -34,14 +36,15 @@ class RunPoints:
     """The raw kmix points of one run, as the data provider gave them.
 
     Attributes:
-        run: the run's name.
-        scalars: scalar tag -> ``[(step, value)]``.
-        tensors: tensor tag -> ``(plugin name, [(step, array)])``.
+        run: the run's name (TensorBoard's: a directory, which may hold several kmix
+            runs).
+        scalars: scalar tag -> ``[(step, value, wall_time)]``.
+        tensors: tensor tag -> ``(plugin name, [(step, array, wall_time)])``.
     """
 
     run: str
-    scalars: dict[str, list[tuple[int, float]]]
-    tensors: dict[str, tuple[str, list[tuple[int, np.ndarray]]]]
+    scalars: dict[str, list[tuple[int, float, float]]]
+    tensors: dict[str, tuple[str, list[tuple[int, np.ndarray, float]]]]
 
     @property
     def empty(self) -> bool:
@@ -101,7 +104,7 @@ def read_run(
         The run's :class:`RunPoints` (empty when it has no kmix data).
     """
     only_run = tb_provider.RunTagFilter(runs=[run])
-    scalars: dict[str, list[tuple[int, float]]] = {}
+    scalars: dict[str, list[tuple[int, float, float]]] = {}
     listing = {}
     if SCALARS in plugins:
         listing = provider.list_scalars(
@@ -117,8 +120,8 @@ def read_run(
             run_tag_filter=tb_provider.RunTagFilter(runs=[run], tags=names),
         )
         for tag, points in data.get(run, {}).items():
-            scalars[tag] = [(int(p.step), float(p.value)) for p in points]
-    tensors: dict[str, tuple[str, list[tuple[int, np.ndarray]]]] = {}
+            scalars[tag] = [(int(p.step), float(p.value), float(p.wall_time)) for p in points]
+    tensors: dict[str, tuple[str, list[tuple[int, np.ndarray, float]]]] = {}
     for plugin in (p for p in (TEXT, HISTOGRAMS) if p in plugins):
         listing = provider.list_tensors(
             ctx, experiment_id=experiment_id, plugin_name=plugin, run_tag_filter=only_run
@@ -134,5 +137,5 @@ def read_run(
             run_tag_filter=tb_provider.RunTagFilter(runs=[run], tags=names),
         )
         for tag, points in data.get(run, {}).items():
-            tensors[tag] = (plugin, [(int(p.step), p.numpy) for p in points])
+            tensors[tag] = (plugin, [(int(p.step), p.numpy, float(p.wall_time)) for p in points])
     return RunPoints(run=run, scalars=scalars, tensors=tensors)

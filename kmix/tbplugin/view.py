@@ -14,6 +14,7 @@ import numpy as np
 
 from kmix import report, tags
 from kmix.report.read import read_events
+from kmix.report.runs import runs_message
 from kmix.report.summary import begin_scale
 from kmix.report.text import scale_caveat
 from kmix.tbplugin.reader import TEXT_SAMPLES_DEFAULT, RunPoints
@@ -44,13 +45,17 @@ ACTIVATION_HEADROOM = tags.ACTIVATION_HEADROOM_BITS
 def to_log(points: RunPoints) -> report.KmixLog:
     """Builds the report's :class:`~kmix.report.KmixLog` from provider points.
 
+    A TensorBoard run is a directory; when a script wrote several kmix runs into it,
+    the log is of the latest, as ``kmix report`` reports (its ``runs`` lists them all).
+
     Args:
         points: what :func:`kmix.tbplugin.reader.read_run` returned.
 
     Returns:
         The log, exactly as ``kmix report`` would build it from the same points.
     """
-    return report.build_log(points.run, points.scalars, points.tensors)
+    logs = report.build_logs(points.run, points.scalars, points.tensors)
+    return logs[-1] if logs else report.build_log(points.run, {}, {})
 
 
 def summary_dict(log: report.KmixLog) -> dict[str, Any]:
@@ -336,7 +341,9 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
         train begin, or None), ``events_lost_between`` (``[first, last]`` steps of
         each stretch whose scale is unknown: events were lost,
         :meth:`kmix.report.read.EventLog.unknown_scale`), ``activation_headroom`` and
-        ``float16``.
+        ``float16``; ``runs_note``: what the report says when the directory holds
+        several kmix runs (the summary is of the latest, ``summary["runs"]`` lists
+        them), else None.
     """
     if points.empty:
         return {
@@ -369,6 +376,7 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
         "exponents": exponents,
         "headroom_by_variable": headroom_grid(log.histograms, typed.variables_not_float16),
         "scale_caveat": scale_caveat(typed),
+        "runs_note": runs_message(typed.run, typed.runs),
         "loss_scale_begin": _begin(log),
         "events_lost_between": [list(pair) for pair in read_events(log).unknown_scale()],
         "activation_headroom": _activation_grid(log, MAX_HEADROOM_STEPS),

@@ -606,6 +606,7 @@ function summaryPanel(run) {
     ['compute dtype', s.compute_dtype || 'unknown'],
     ['events', counts],
   ];
+  if (s.run && (s.runs || []).length > 1) facts.unshift(['run', `${s.run.index} of ${s.runs.length} kmix runs in this directory${s.run.index === s.runs.length ? ' (the latest)' : ''}`]);
   const dl = el('dl', {class: 'facts'}, facts.flatMap(([k, v]) => [el('dt', {text: k}), el('dd', {text: v})]));
   const findings = el('ul', {class: 'findings'}, (s.findings || []).map((f) =>
     el('li', {class: f.severity, 'data-rule': f.rule}, inline(f.message))));
@@ -759,6 +760,12 @@ function fillRun(section, run) {
     const banner = q('.banner');
     banner.hidden = false;
     banner.append(...inline(check.message));
+  }
+  if (run.runs_note) {  // the directory holds several kmix runs: this is one of them
+    const banner = q('.banner');
+    banner.hidden = false;
+    if (banner.childNodes.length) banner.append(el('br'));
+    banner.append(el('span', {class: 'runs-note'}, inline(run.runs_note)));
   }
   q('.loss-scale').append(lossScaleChart(run, view));
   const kinds = new Set(run.summary.events.map((e) => e.kind));
