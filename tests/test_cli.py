@@ -22,6 +22,7 @@ from typing import NamedTuple
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from test_report import assert_png, write_run
 
 from kmix import cli, demo, report, tags
@@ -323,6 +324,74 @@ def test_report_empty_logdir(kmix_here):
     assert one_line_error(kmix_here("report", "")) == (
         "kmix report: LOGDIR '' is empty: expected the log_dir given to "
         "kmix.callbacks.MixedPrecisionMonitor, e.g. kmix report runs/demo"
+    )
+
+
+def test_report_of_a_directory_of_log_dirs_lists_their_runs(kmix_here, tmp_path):
+    """`kmix report runs` on runs/a/train, runs/b/train: was 'no kmix data in runs'."""
+    from test_report_runs import write_small_run, write_twice
+
+    parent = tmp_path / "runs"
+    write_small_run(str(parent / "a"), "20250101-090000-cccccc", scale=8.0, skips=(3,), steps=5)
+    write_twice(str(parent / "b"))
+    ran = kmix_here("report", str(parent))
+    assert (ran.returncode, ran.stderr) == (0, "")
+    lines = ran.stdout.splitlines()
+    assert lines[0] == (
+        f"kmix report: {parent} has no kmix log of its own; under it, 3 kmix runs in 2 log dirs:"
+    )
+    a, b = f"  {parent / 'a'}  ", f"  {parent / 'b'}  "
+    assert lines[1].startswith(a + "id 20250101-090000-cccccc, began ")
+    assert lines[2].startswith(b + "run 1 of 2: id 20250101-100000-aaaaaa, began ")
+    assert lines[3].startswith(b + "run 2 of 2: id 20250101-110000-bbbbbb, began ")
+    assert lines[1].endswith(", steps 0..5, completed at step 5")
+    assert lines[3].endswith(", steps 0..6, completed at step 6")
+    assert lines[4:] == [
+        f"report one with: kmix report {parent / 'a'}  (the latest run of a log dir; "
+        "--run N for another)"
+    ]
+    assert not (parent / "report").exists()  # a listing draws no plots
+
+    data = json.loads(kmix_here("report", str(parent), "--json").stdout)
+    assert data["parent"] == str(parent)
+    assert [(d["logdir"], [r["run_id"] for r in d["runs"]]) for d in data["logdirs"]] == [
+        (str(parent / "a"), ["20250101-090000-cccccc"]),
+        (str(parent / "b"), ["20250101-100000-aaaaaa", "20250101-110000-bbbbbb"]),
+    ]
+    assert data["logdirs"][0]["runs"][0]["end"]["reason"] == "completed"
+
+
+def test_report_of_a_directory_without_kmix_data_under_it_is_still_an_error(kmix_here, tmp_path):
+    plain = tmp_path / "runs" / "plain" / "train"
+    writer = tf.summary.create_file_writer(str(plain))
+    with writer.as_default():
+        tf.summary.scalar("loss", 1.0, step=1)
+    writer.close()
+    line = one_line_error(kmix_here("report", str(tmp_path / "runs")))
+    assert line.startswith(f"kmix report: no kmix data in {tmp_path / 'runs'}: expected")
+
+
+def test_report_run_picks_a_run_of_a_log_dir_written_twice(kmix_here, tmp_path):
+    from test_report_runs import write_twice
+
+    logdir = str(tmp_path / "twice")
+    write_twice(logdir)
+    train = os.path.join(logdir, tags.TRAIN_DIR)
+    latest = kmix_here("report", logdir, "--no-plots")
+    assert latest.returncode == 0
+    assert latest.stdout.splitlines()[1] == (
+        f"run             2 of 2 in this log dir (the latest); see run 1 with: "
+        f"kmix report {train} --run 1"
+    )
+    assert "skipped steps   1 of 6 (16.67%)" in latest.stdout
+    first = kmix_here("report", logdir, "--run", "1", "--no-plots")
+    assert first.returncode == 0
+    assert first.stdout.splitlines()[1] == (
+        f"run             1 of 2 in this log dir; see run 2 with: kmix report {train} --run 2"
+    )
+    assert "backoff at step 2: loss scale 4 → 2" in first.stdout
+    assert one_line_error(kmix_here("report", logdir, "--run", "7")).startswith(
+        f"kmix report: no run '7' in {logdir}: it holds 2 kmix runs (1: id "
     )
 
 

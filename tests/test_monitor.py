@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import warnings
 
 import keras
 import numpy as np
@@ -26,7 +28,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
 import kmix
-from kmix import tags
+from kmix import report, tags
 from kmix.callbacks import MixedPrecisionMonitor
 
 
@@ -641,3 +643,142 @@ def test_fake_monitor_asks_for_health_every_update_freq_while_it_runs(tmp_path):
     )
     assert seen == [2, 2, 2]  # gcd(100, 6)
     assert optimizer.health_every == 100
+
+
+# ------------------------------------------------- several runs in one log dir
+def run_ids(data) -> list[str | None]:
+    """The run id of every policy record, event record and run end, in that order."""
+    found = [tags.parse_policy_record(text).run_id for _, text in texts(data, tags.POLICY_RECORD)]
+    for tag in (tags.EVENT_RECORD, tags.RUN_END):
+        found += [tags.parse_run_id(text) for _, text in texts(data, tag)]
+    return found
+
+
+def other_run_warnings(record) -> list[warnings.WarningMessage]:
+    return [w for w in record if "already holds" in str(w.message)]
+
+
+def test_fake_a_second_run_into_one_log_dir_gets_its_own_id_and_a_warning(tmp_path):
+    """A script run twice: the second run is told apart, and the user is told once."""
+    first = FakeModel(FakeRecorder(initial_scale=4, min_scale=1))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fake_fit(first, [MixedPrecisionMonitor(tmp_path, verbose=0)], scripted(6, skip=(2,)))
+    assert other_run_warnings(record) == []
+    (first_id,) = set(run_ids(read_back(tmp_path)))
+
+    second = FakeModel(FakeRecorder(initial_scale=1024, min_scale=1))
+    monitor = MixedPrecisionMonitor(tmp_path, verbose=0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fake_fit(second, [monitor], scripted(6, skip=(4,)))
+    (warning,) = other_run_warnings(record)
+    message = str(warning.message)
+    assert message.startswith(
+        f"MixedPrecisionMonitor: log_dir {str(tmp_path)!r} already holds 1 kmix run (the latest "
+        "began "
+    )
+    assert "this fit starts a new one there: its optimizer starts at step 0" in message
+    assert f"`kmix report {tmp_path}`" in message and "runs/<name>-<date>" in message
+    assert warning.filename.endswith("fake_optimizer.py")  # the hooks' caller, not kmix's
+
+    ids = run_ids(read_back(tmp_path))
+    assert monitor.run_id != first_id and re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", monitor.run_id)
+    assert sorted(ids) == sorted([first_id] * 3 + [monitor.run_id] * 3)  # record, event, end
+    summary = report.summarize(report.read_log(str(tmp_path)))
+    assert summary.run.run_id == monitor.run_id
+    assert [(e.step, e.old_scale) for e in summary.events] == [(4, 1024.0)]
+    assert (summary.steps_seen, summary.skipped_steps, summary.loss_scale.initial) == (6, 1, 1024)
+
+
+@pytest.mark.parametrize("same_monitor", [True, False], ids=["same-monitor", "new-monitor"])
+def test_fake_a_fit_continuing_the_optimizers_steps_resumes_the_run(tmp_path, same_monitor):
+    """A second fit on the same model, or BackupAndRestore's restart: one run, no warning."""
+    model = FakeModel(FakeRecorder(initial_scale=1024, min_scale=1))
+    monitor = MixedPrecisionMonitor(tmp_path, verbose=0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fake_fit(model, [monitor], scripted(6, skip=(2,)))
+        if not same_monitor:
+            monitor = MixedPrecisionMonitor(tmp_path, verbose=0)
+        fake_fit(model, [monitor], scripted(6, skip=(3,)))
+    assert other_run_warnings(record) == []
+
+    ids = run_ids(read_back(tmp_path))
+    assert len(ids) == 6 and set(ids) == {monitor.run_id}
+    (log,) = report.read_runs(str(tmp_path))
+    assert (log.run.first_step, log.run.last_step, log.run.train_begins) == (0, 12, 2)
+    summary = report.summarize(log)
+    assert [e.step for e in summary.events] == [2, 9]
+    assert (summary.steps_seen, summary.skipped_steps) == (12, 2)
+
+
+def test_fake_a_fresh_optimizer_after_a_run_with_the_same_monitor_is_a_new_run(tmp_path):
+    monitor = MixedPrecisionMonitor(tmp_path, verbose=0)
+    fake_fit(FakeModel(FakeRecorder()), [monitor], scripted(3))
+    first_id = monitor.run_id
+    with pytest.warns(UserWarning, match="already holds 1 kmix run"):
+        fake_fit(FakeModel(FakeRecorder()), [monitor], scripted(3))
+    assert monitor.run_id != first_id
+    assert [log.run.run_id for log in report.read_runs(str(tmp_path))] == [first_id, monitor.run_id]
+
+
+def test_fake_resuming_a_run_written_before_run_ids_keeps_it_one_run(tmp_path):
+    """A log of an earlier version has no id: its resume writes none, so it stays one run."""
+    from test_report_runs import write_small_run
+
+    write_small_run(str(tmp_path), None, scale=1024.0, steps=4)
+    optimizer = FakeRecorder(initial_scale=1024, min_scale=1)
+    for _ in range(4):
+        optimizer.step()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fake_fit(FakeModel(optimizer), [MixedPrecisionMonitor(tmp_path, verbose=0)], scripted(2))
+    assert other_run_warnings(record) == []
+    (log,) = report.read_runs(str(tmp_path))
+    assert (log.run.run_id, log.run.train_begins, log.run.last_step) == (None, 2, 6)
+
+
+def test_fake_a_new_run_after_a_run_written_before_run_ids_warns(tmp_path):
+    from test_report_runs import write_small_run
+
+    write_small_run(str(tmp_path), None, scale=1024.0, steps=4)
+    monitor = MixedPrecisionMonitor(tmp_path, verbose=0)
+    with pytest.warns(UserWarning, match="already holds 1 kmix run"):
+        fake_fit(FakeModel(FakeRecorder()), [monitor], scripted(2))
+    assert [log.run.run_id for log in report.read_runs(str(tmp_path))] == [None, monitor.run_id]
+
+
+@pytest.mark.slow
+def test_two_scripts_into_one_log_dir_through_model_fit(tmp_path):
+    """Real fits: a second fit of a model resumes its run; a new model's fit is a new run."""
+    monitor = MixedPrecisionMonitor(tmp_path, update_freq=1000, verbose=0)
+    model = spiky_model(kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=8))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(model, spiky_data(6, spikes=(2,)), callbacks=[monitor])
+        fit(model, spiky_data(6, spikes=(3,)), callbacks=[monitor])  # steps 7..12: resumed
+    assert other_run_warnings(record) == []
+    first_id = monitor.run_id
+
+    again = spiky_model(kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=1024))
+    second = MixedPrecisionMonitor(tmp_path, update_freq=1000, verbose=0)
+    with pytest.warns(UserWarning, match="already holds 1 kmix run") as record:
+        fit(again, spiky_data(6, spikes=(4,)), callbacks=[second])
+    (warning,) = other_run_warnings(record)
+    assert warning.filename == __file__  # points at the user's code
+
+    logs = report.read_runs(str(tmp_path))
+    assert [(log.run.run_id, log.run.train_begins) for log in logs] == [
+        (first_id, 2),
+        (second.run_id, 1),
+    ]
+    latest = report.summarize(logs[-1])
+    assert [(e.step, e.old_scale, e.new_scale) for e in latest.events] == [(4, 1024.0, 512.0)]
+    assert (latest.steps_seen, latest.skipped_steps) == (6, 1)
+    assert (latest.loss_scale.initial, latest.loss_scale.final) == (1024.0, 512.0)
+    assert latest.run_end.run_id == second.run_id
+    earlier = report.summarize(logs[0])
+    assert [(e.step, e.old_scale) for e in earlier.events] == [(2, 8.0), (9, 4.0)]
+    assert (earlier.steps_seen, earlier.skipped_steps) == (12, 2)
+    assert any(f.rule == "runs" for f in latest.findings)

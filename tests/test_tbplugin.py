@@ -224,6 +224,31 @@ def test_events_sampled_away_by_tensorboard_are_told(tmp_path):
     assert "--samples_per_plugin=text=0" in check["message"]
 
 
+def test_a_directory_written_by_two_runs_shows_the_latest_and_says_so(tmp_path):
+    """A script run twice into one log dir: the tab draws the latest run, as kmix report."""
+    from test_report_runs import write_twice
+
+    write_twice(str(tmp_path / "twice"))
+    client = serve(default_provider(tmp_path))
+    data = get_json(client, f"{URL}/run?run=twice/train")
+    summary = data["summary"]
+    assert (summary["steps_seen"], summary["skipped_steps"]) == (6, 1)
+    assert [(e["step"], e["old_scale"]) for e in summary["events"]] == [(4, 1024.0)]
+    assert summary["run"]["index"] == 2 and len(summary["runs"]) == 2
+    loss_scale = data["series"]["loss_scale"]
+    assert (loss_scale["steps"], loss_scale["values"]) == ([1, 4, 6], [1024.0, 512.0, 512.0])
+    assert data["runs_note"].startswith("this log dir holds 2 kmix runs")
+    assert data["runs_note"] == summary["findings"][0]["message"]
+    expected = json.loads(
+        report.to_json(report.summarize(report.read_log(str(tmp_path / "twice"))))
+    )
+    assert {k: v for k, v in summary.items() if k != "logdir"} == {
+        k: v for k, v in expected.items() if k != "logdir"
+    }
+    heat = get_json(client, f"{URL}/exponents?run=twice/train")
+    assert heat["variables"] == ["b/kernel"]  # the earlier run's histogram is not drawn
+
+
 def test_no_run_with_kmix_data(tmp_path):
     write_plain_run(str(tmp_path / "plain"))
     provider = default_provider(tmp_path)
