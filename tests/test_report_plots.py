@@ -146,3 +146,36 @@ def test_the_stretch_whose_events_were_lost_is_shaded():
     # The ring keeps the newest events: the lost ones came before the kept one at step 11.
     assert (span.get_x(), span.get_x() + span.get_width()) == (0, 10)
     assert report.read.read_events(log).unknown_scale() == [(0, 10)]
+
+
+def test_the_plots_of_a_log_dir_written_twice_say_which_run_they_draw(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+    from test_report_runs import write_twice
+
+    write_twice(str(tmp_path))
+    log = report.read_log(str(tmp_path))
+    summary = report.summarize(log)
+    title = (
+        "run 2 of 2 in this log dir (the latest; id 20250101-110000-bbbbbb): the others are "
+        "not drawn"
+    )
+    assert plots.runs_title(summary) == title
+    saved = {}
+    save = Figure.savefig
+    monkeypatch.setattr(
+        Figure,
+        "savefig",
+        lambda figure, path, **kw: (
+            saved.update({path: figure.get_suptitle()}),
+            save(figure, path, **kw),
+        ),
+    )
+    written = report.write_plots(log, summary, str(tmp_path / "report"))
+    assert [p.rsplit("/", 1)[1] for p in written] == ["loss_scale.png", "grad_exponents.png"]
+    assert saved == {path: title for path in written}
+    figure = drawn(plots._plot_loss_scale, log)
+    assert "1 skipped of 6 steps" in figure.axes[0].get_title()
+    assert plots.runs_title(report.summarize(report.read_runs(str(tmp_path))[0])).startswith(
+        "run 1 of 2 in this log dir (id 20250101-100000-aaaaaa)"
+    )
+    assert plots.runs_title(report.summarize(one_reading_log())) is None

@@ -45,22 +45,29 @@ class Begin:
     wall_time: float
 
 
-def begins_in(train_dir: str) -> list[Begin]:
+def begins_in(train_dir: str, known: dict[str, Begin] | None = None) -> list[Begin]:
     """The train begins of kmix runs written into a directory, in the order written.
 
     Args:
         train_dir: ``LOGDIR/train``; a missing or unreadable one holds none.
+        known: file path -> :class:`Begin` of files read before (a file's head does
+            not change once written); the files read now are added to it. A ``fit``
+            called once per epoch then reads each file once, not once per ``fit``.
 
     Returns:
         One :class:`Begin` per event file whose head holds kmix data, by wall time.
     """
     import tensorflow as tf
 
+    known = {} if known is None else known
     try:
         paths = tf.io.gfile.glob(os.path.join(train_dir, "*tfevents*"))
     except (OSError, tf.errors.OpError):
         return []
-    found = [begin for begin in map(_head_begin, sorted(paths)) if begin is not None]
+    for path in paths:
+        if path not in known and (begin := _head_begin(path)) is not None:
+            known[path] = begin
+    found = [known[path] for path in paths if path in known]
     return sorted(found, key=lambda begin: begin.wall_time)
 
 

@@ -176,6 +176,10 @@ class MixedPrecisionMonitor(StepCallback):
         ValueError: ``log_dir`` cannot be written, a frequency is not a valid
             integer, or ``verbose`` is not 0 or 1; at train begin, the model is
             not compiled or the log directory cannot be created.
+
+    Attributes:
+        run_id: the id of the run this monitor writes (None before train begin, and
+            when it resumes a run written before run ids).
     """
 
     def __init__(
@@ -199,6 +203,7 @@ class MixedPrecisionMonitor(StepCallback):
         self._batch = SummaryBatch(tags.description)  # one write per step per read
         self._told_origins: set[str] = set()  # layers a forward overflow was printed for
         self.run_id: str | None = None  # set at train begin
+        self._heads: dict = {}  # event file -> the train begin at its head (_prior_runs)
 
     # ---------------------------------------------------------------- hooks
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -220,7 +225,7 @@ class MixedPrecisionMonitor(StepCallback):
                 f"{_OWNER} cannot create its log directory {train_dir!r} "
                 f"(log_dir={self.log_dir!r}): {error}. Pass a directory you can write to."
             ) from error
-        prior = begins_in(train_dir)  # before this fit's file exists
+        prior = begins_in(train_dir, self._heads)  # before this fit's file exists
         self._writer = tf.summary.create_file_writer(train_dir)
         source = self._source
         source.request_statistics(self, self.update_freq, self.histogram_freq)

@@ -43,7 +43,8 @@ def write_plots(log: KmixLog, summary: Summary, out_dir: str) -> list[str]:
 
     Lines over steps span steps 0 to the last step seen, their legends sit beside
     the axes, their titles say how many readings they show, and a series of at
-    most :data:`MARKER_POINTS` points is drawn with markers.
+    most :data:`MARKER_POINTS` points is drawn with markers. When the log dir holds
+    several runs, each figure says which one it draws (:func:`runs_title`).
 
     Args:
         log: what :func:`kmix.report.read_log` returned.
@@ -68,10 +69,34 @@ def write_plots(log: KmixLog, summary: Summary, out_dir: str) -> list[str]:
     ):
         figure = Figure(figsize=(9, 6), layout="constrained")
         if plot(figure, log, summary):
+            title = runs_title(summary)
+            if title is not None:
+                figure.suptitle(title, fontsize="small", color="#b71c1c")
             path = os.path.join(out_dir, name)
             figure.savefig(path, dpi=100)
             written.append(path)
     return written
+
+
+def runs_title(summary: Summary) -> str | None:
+    """Which run a figure draws, when the log dir holds several.
+
+    Args:
+        summary: the summary of the run drawn.
+
+    Returns:
+        E.g. ``"run 2 of 2 in this log dir (the latest; id ...): the others are not
+        drawn"``; None when the directory holds one run.
+    """
+    run, runs = summary.run, summary.runs
+    if run is None or len(runs) < 2:
+        return None
+    latest = "the latest; " if run.index == len(runs) else ""
+    which = f"id {run.run_id}" if run.run_id is not None else "no run id"
+    return (
+        f"run {run.index} of {len(runs)} in this log dir ({latest}{which}): "
+        "the others are not drawn"
+    )
 
 
 def _plot_loss_scale(figure: Any, log: KmixLog, summary: Summary) -> bool:
