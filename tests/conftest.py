@@ -4,7 +4,8 @@ Both tiers (``-m "not slow"`` and everything) need what is here:
 
 - TensorFlow's oneDNN CPU kernels are off unless the caller chose (set before
   TensorFlow is first imported; the subprocess tests inherit it): on Xeons with
-  AVX512_FP16 oneDNN's float16 kernels are about 300x slower than TensorFlow's own.
+  AVX512_FP16 oneDNN's float16 kernels were reported far slower than TensorFlow's own
+  (not measured here: the 2-core test machine is an AMD EPYC without AVX512_FP16).
 - ``keras.utils.clear_session()`` after each test runs a full garbage collection; with
   TensorFlow loaded that walks some 300,000 objects (0.3-0.7 s a test, more than most
   tests take). What exists once the tests are collected (modules, TensorFlow's
