@@ -782,3 +782,37 @@ def test_two_scripts_into_one_log_dir_through_model_fit(tmp_path):
     assert [(e.step, e.old_scale) for e in earlier.events] == [(2, 8.0), (9, 4.0)]
     assert (earlier.steps_seen, earlier.skipped_steps) == (12, 2)
     assert any(f.rule == "runs" for f in latest.findings)
+
+
+@pytest.mark.slow
+def test_a_run_resumed_by_backup_and_restore_is_one_run(tmp_path):
+    """The script crashes in epoch 2 and is run again: a new monitor, the restored optimizer."""
+
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) >= 9:
+                raise RuntimeError("crash")
+
+    def script(crash: bool) -> MixedPrecisionMonitor:
+        optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=1024)
+        monitor = MixedPrecisionMonitor(tmp_path, update_freq=2, verbose=0)
+        backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+        callbacks = [backup, monitor] + ([Crash()] if crash else [])
+        fit(spiky_model(optimizer), spiky_data(6, spikes=(2,)), epochs=3, callbacks=callbacks)
+        return monitor
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="crash"):
+            script(crash=True)
+        monitor = script(crash=False)
+    assert other_run_warnings(record) == []
+    (log,) = report.read_runs(str(tmp_path))
+    assert (log.run.run_id, log.run.train_begins, log.run.last_step) == (monitor.run_id, 2, 18)
+    summary = report.summarize(log)
+    assert [e.step for e in summary.events] == [2, 8, 14]
+    assert (summary.steps_seen, summary.skipped_steps, summary.run_end.reason) == (
+        18,
+        3,
+        "completed",
+    )
