@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from importlib import metadata as importlib_metadata
 
 import numpy as np
@@ -463,15 +462,13 @@ class LongRunProvider(tb_provider.DataProvider):
         raise KeyError(blob_key)
 
 
-def test_a_100000_step_run_is_served_downsampled_in_under_2_seconds():
+def test_a_100000_step_run_is_served_downsampled():
+    """Its time is measured in bench/bench_tab.py (tests assert no timings)."""
     provider = LongRunProvider()
     client = serve(provider)
-    start = time.perf_counter()
     response = client.get(f"{URL}/run?run=long")
-    elapsed = time.perf_counter() - start
     assert response.status_code == 200
     data = json.loads(response.get_data(as_text=True))
-    assert elapsed < 2.0, f"{elapsed:.2f} s"
     assert len(response.get_data()) < 200_000
     scale = data["series"]["loss_scale"]
     assert (
