@@ -72,10 +72,14 @@ def record_fields(data: dict[str, Any] | None, cls: type) -> dict[str, Any] | No
 
 @dataclasses.dataclass(frozen=True)
 class AuditFinding:
-    """One finding of ``kmix.audit`` on the model, as the policy record holds it.
+    """Something ``kmix.audit`` found, where, and how to fix it (``kmix.audit.Finding``).
+
+    Defined here, with the formats, so that the policy record holds the audit's own
+    values and readers need neither Keras nor TensorFlow.
 
     Attributes:
-        severity: ``"error"``, ``"warning"`` or ``"info"`` (the audit's severities).
+        severity: ``"error"`` (training is likely wrong), ``"warning"`` (numerically
+            fragile) or ``"info"`` (speed, or what could not be checked).
         layer: the layer's path; ``""`` for the model as a whole.
         message: what is wrong.
         fix: what to do about it.
@@ -85,6 +89,10 @@ class AuditFinding:
     layer: str
     message: str
     fix: str
+
+    def __str__(self) -> str:
+        where = f" {self.layer}:" if self.layer else ""
+        return f"[{self.severity}]{where} {self.message}\n    fix: {self.fix}"
 
 
 @dataclasses.dataclass(frozen=True)

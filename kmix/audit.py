@@ -19,6 +19,7 @@ from typing import Any
 
 from kmix._layers import own_variables, walk_layers
 from kmix.hardware import json_ready
+from kmix.tags import AuditFinding
 
 SEVERITIES = ("error", "warning", "info")
 HALF = ("float16", "bfloat16")
@@ -65,26 +66,8 @@ class LayerRow:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class Finding:
-    """Something the audit found, where, and how to fix it.
-
-    Attributes:
-        severity: ``"error"`` (training is likely wrong), ``"warning"`` (numerically
-            fragile) or ``"info"`` (speed, or what could not be checked).
-        layer: the layer's path; ``""`` for the model as a whole.
-        message: what is wrong.
-        fix: what to do about it.
-    """
-
-    severity: str
-    layer: str
-    message: str
-    fix: str
-
-    def __str__(self) -> str:
-        where = f" {self.layer}:" if self.layer else ""
-        return f"[{self.severity}]{where} {self.message}\n    fix: {self.fix}"
+Finding = AuditFinding
+"""Something the audit found (:class:`kmix.tags.AuditFinding`: severity, layer, message, fix)."""
 
 
 @dataclasses.dataclass(frozen=True)

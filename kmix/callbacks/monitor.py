@@ -313,10 +313,7 @@ class MixedPrecisionMonitor(StepCallback):
         min_scale, max_scale = source.scale_bounds or (None, None)
         dtypes = variable_compute_dtypes(model)
         try:  # as in _layer_table: an audit unable to read this model is left out
-            found = tuple(
-                tags.AuditFinding(f.severity, f.layer, f.message, f.fix)
-                for f in audit(model).findings
-            )
+            found = tuple(audit(model).findings)  # tags.AuditFinding values
         except Exception:
             found = None
         return tags.PolicyRecord(

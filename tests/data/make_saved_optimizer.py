@@ -43,9 +43,7 @@ expected = {
         {"step": e.step, "kind": e.kind, "old_scale": e.old_scale, "new_scale": e.new_scale}
         for e in opt.scale_events()
     ],
-    "variables": [
-        {"path": v.path, "value": np.asarray(v.numpy()).tolist()} for v in opt.variables
-    ],
+    "variables": [{"path": v.path, "value": np.asarray(v.numpy()).tolist()} for v in opt.variables],
 }
 with open(os.path.join(HERE, "optimizer_643f46e.json"), "w") as f:
     json.dump(expected, f, indent=1, default=float)
