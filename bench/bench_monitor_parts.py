@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from bench_matrix import MODELS  # noqa: E402
+from bench_matrix import MODELS, kmix_optimizer, stock_optimizer  # noqa: E402
 
 import kmix  # noqa: E402
 from kmix.callbacks import monitor as monitor_module  # noqa: E402
@@ -81,11 +81,7 @@ def build(name: str, config: str, log_dir: str) -> tuple[keras.Model, tf.data.Da
     keras.utils.set_random_seed(0)
     model, x = MODELS[name][1]()
     y = np.random.randint(0, 10, len(x))
-    opt = (
-        keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam())
-        if config == "stock"
-        else kmix.LossScaleOptimizer(keras.optimizers.Adam())
-    )
+    opt = stock_optimizer() if config == "stock" else kmix_optimizer()
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     if config in ("watched", "wrapped"):
         opt.watch(model)

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from bench_matrix import MODELS  # noqa: E402
+from bench_matrix import MODELS, kmix_optimizer, stock_optimizer  # noqa: E402
 
 import kmix  # noqa: E402
 
@@ -66,11 +66,7 @@ def traced(name: str, config: str, log_dir: str) -> tuple[int, int, int]:
     keras.utils.set_random_seed(0)
     model, x = MODELS[name][1]()
     y = np.random.randint(0, 10, len(x))
-    opt = (
-        keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam())
-        if config == "stock"
-        else kmix.LossScaleOptimizer(keras.optimizers.Adam())
-    )
+    opt = stock_optimizer() if config == "stock" else kmix_optimizer()
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     callbacks = [kmix.callbacks.MixedPrecisionMonitor(log_dir, verbose=0)]
     model.fit(x, y, epochs=1, verbose=0, callbacks=callbacks if config == "monitor" else [])

@@ -96,7 +96,7 @@ _EVENT_RE = re.compile(
 
 
 FLOAT16_MAX = 65504.0
-"""float16's largest finite value (as ``kmix.health.FLOAT16_MAX``; readers need no TF)."""
+"""float16's largest finite value, the one definition (``kmix.health`` uses it too)."""
 
 
 def inputs_words(origin: ForwardOrigin, digits: int = 9) -> str:

@@ -13,7 +13,7 @@ from keras import ops
 
 from kmix import tags
 
-FLOAT16_MAX = 65504.0
+FLOAT16_MAX = tags.FLOAT16_MAX  # 65504.0, defined with the formats (readers need no TF)
 FLOAT16_SMALLEST_NORMAL = 2.0**-14
 FLOAT16_SMALLEST_SUBNORMAL = 2.0**-24
 MAX_HEADROOM_BITS = math.log2(FLOAT16_MAX / FLOAT16_SMALLEST_SUBNORMAL)

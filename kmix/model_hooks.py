@@ -87,13 +87,14 @@ class ModelHooks:
                 f"the skipped step's update: {', '.join(unrestored)}."
             )
 
-    def watch(self, model: keras.Model) -> None:
-        """:meth:`protect`, and taps the float16 layers' calls (forward statistics).
+    def tap(self, model: keras.Model) -> None:
+        """Taps the float16 layers' calls (forward statistics); retraces a traced step.
+
+        Idempotent for the same model; a tap on another model is removed first.
 
         Args:
             model: the model the optimizer trains.
         """
-        self.protect(model)
         if self._tap is None or self._tap.model is not model:
             if self._tap is not None:
                 self._tap.remove()

@@ -333,7 +333,7 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
             (empty while a lazily built model has no variables yet).
         """
         self.protect_forward_state(model)
-        self.hooks.watch(model)
+        self.hooks.tap(model)
         mask = self.hooks.float16_mask(model.trainable_weights)
         return [v.path for v, m in zip(model.trainable_weights, mask, strict=True) if m]
 

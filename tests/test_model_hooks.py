@@ -27,7 +27,7 @@ def test_float16_mask_follows_each_layers_compute_dtype():
     model, hooks = mixed_model(), ModelHooks()
     variables = model.trainable_weights
     np.testing.assert_array_equal(hooks.float16_mask(variables), np.ones(len(variables)))
-    hooks.watch(model)
+    hooks.protect(model)
     # Under mixed_float16 BatchNormalization's compute dtype is float16 (it computes its
     # statistics in float32 inside, its output is float16); the head is float32.
     assert [v.path for v in variables] == [
@@ -44,9 +44,11 @@ def test_float16_mask_follows_each_layers_compute_dtype():
 def test_watching_twice_wraps_the_train_step_and_taps_the_layers_once():
     keras.config.set_dtype_policy("mixed_float16")
     model, hooks = mixed_model(), ModelHooks()
-    hooks.watch(model)
+    hooks.protect(model)
+    hooks.tap(model)
     wrapper, tap = model.train_step, hooks._tap
-    hooks.watch(model)
+    hooks.protect(model)
+    hooks.tap(model)
     assert model.train_step is wrapper and hooks._tap is tap
     assert tap.paths == ["net/body", "net/norm"]  # the float16 layers only
     assert hooks.model is model
