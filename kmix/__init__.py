@@ -29,13 +29,17 @@ _PUBLIC = {
 from kmix.audit import AuditReport, audit  # noqa: E402
 from kmix.hardware import Hardware, hardware  # noqa: E402
 from kmix.policy import PolicyChoice, policy_scope, use  # noqa: E402
+from kmix.precision_plan import PrecisionMove, PrecisionPlan, apply_plan  # noqa: E402
 
 __all__ = [
     *_PUBLIC,
     "AuditReport",
     "Hardware",
     "PolicyChoice",
+    "PrecisionMove",
+    "PrecisionPlan",
     "__version__",
+    "apply_plan",
     "audit",
     "hardware",
     "policy_scope",

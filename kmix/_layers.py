@@ -98,3 +98,21 @@ def unrestored_state_variables(model: Any) -> list[Any]:
         The variables, each once, in walk order.
     """
     return [v for v in _declared_state(model) if "float" not in str(v.dtype)]
+
+
+def consumers(layer: Any) -> list[Any]:
+    """The layers that take ``layer``'s output in a Keras graph (Functional, Sequential).
+
+    Empty where Keras keeps no graph (a subclassed model's ``call``).
+    """
+    found: dict[int, Any] = {}
+    for node in getattr(layer, "_outbound_nodes", []):
+        operation = getattr(node, "operation", None)
+        if operation is not None:
+            found.setdefault(id(operation), operation)
+    return list(found.values())
+
+
+def call_count(layer: Any) -> int:
+    """How many times ``layer`` is called in its Keras graph (2+: a shared layer); 0 unknown."""
+    return len(getattr(layer, "_inbound_nodes", []))

@@ -39,6 +39,15 @@ from kmix._tag_events import (
     parse_events_lost,
     plain_text,
 )
+from kmix._tag_moves import (
+    FLOAT16_SHARE,
+    PRECISION_MOVE_RECORD,
+    PRECISION_MOVES,
+    MoveRecord,
+    format_precision_move,
+    format_precision_move_record,
+    parse_precision_move_record,
+)
 from kmix._tag_records import (
     COMPLETED,
     EXCEPTION,
@@ -83,6 +92,7 @@ __all__ = [
     "INTERRUPTED",
     "LOSS_FINITE",
     "LOSS_SCALE",
+    "FLOAT16_SHARE",
     "LOSS_SCALE_LOG2",
     "LOSS_SCALINGS",
     "MAX_ABS_SCALED_GRAD",
@@ -93,6 +103,8 @@ __all__ = [
     "OVERFLOW_HEADROOM_BITS",
     "POLICY",
     "POLICY_RECORD",
+    "PRECISION_MOVES",
+    "PRECISION_MOVE_RECORD",
     "PREFIX",
     "RECORD_TYPES",
     "RUN_END",
@@ -111,6 +123,7 @@ __all__ = [
     "AuditFinding",
     "EventsLost",
     "ForwardOrigin",
+    "MoveRecord",
     "PolicyRecord",
     "RunEnd",
     "ScaleEvent",
@@ -123,12 +136,15 @@ __all__ = [
     "format_events_lost",
     "inputs_words",
     "format_policy_record",
+    "format_precision_move",
+    "format_precision_move_record",
     "format_run_end",
     "parse_event",
     "parse_event_record",
     "parse_events_lost",
     "plain_text",
     "parse_policy_record",
+    "parse_precision_move_record",
     "parse_run_end",
     "new_run_id",
     "parse_run_id",
@@ -280,6 +296,9 @@ DESCRIPTIONS = {
     MIN_ACTIVATION_HEADROOM_BITS: "The smallest activation headroom over the float16 layers "
     "at the measured step (kmix/activation_headroom_bits/<layer> says which).",
     SUBNORMAL_BY_VARIABLE: "kmix/subnormal_fraction for one variable.",
+    FLOAT16_SHARE: "Share of the model's estimated multiply-adds (parameters where unknown) "
+    "still computed in float16: at train begin and after each layer PrecisionAutopilot "
+    "moved out of float16 (kmix/precision_moves says which).",
 }
 """Tag (or tag prefix, ending in ``/``) -> the description written with its summaries."""
 

@@ -10,8 +10,15 @@ Example:
 
 from __future__ import annotations
 
+from kmix.callbacks.autopilot import PrecisionAutopilot
 from kmix.callbacks.guard import LossScaleGuard, LossScaleGuardError
 from kmix.callbacks.loop import LoopDriver
 from kmix.callbacks.monitor import MixedPrecisionMonitor
 
-__all__ = ["LoopDriver", "LossScaleGuard", "LossScaleGuardError", "MixedPrecisionMonitor"]
+__all__ = [
+    "LoopDriver",
+    "LossScaleGuard",
+    "LossScaleGuardError",
+    "MixedPrecisionMonitor",
+    "PrecisionAutopilot",
+]

@@ -12,12 +12,14 @@ the training code back.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Protocol, runtime_checkable
 
 import keras
 import numpy as np
 
 from kmix._graph import host_value
+from kmix.precision_plan import base_path, layers_by_path
 from kmix.record import RecordedEvent
 from kmix.snapshot import Snapshot
 
@@ -160,8 +162,14 @@ class Source:
         """Variable path -> latest exponent histogram (kmix only)."""
         return {}
 
-    def per_layer(self) -> dict[str, dict[str, float]]:
-        """Layer path -> activation statistic -> latest value (kmix only)."""
+    def per_layer(self, float16_only: bool = True) -> dict[str, dict[str, float]]:
+        """Layer path -> activation statistic -> latest value (kmix only).
+
+        Args:
+            float16_only: leave out layers that no longer compute in float16 (moved by
+                :class:`kmix.callbacks.PrecisionAutopilot`): float16's range no longer
+                applies to them.
+        """
         return {}
 
 
@@ -201,11 +209,13 @@ class KmixSource(Source):
         self.floor_scale = rule.min_scale
         self.scale_bounds = (rule.min_scale, rule.max_scale)
         self.event_capacity = optimizer.event_capacity
+        self._model: Any = None
 
     def describe(self) -> str:
         return "`kmix.LossScaleOptimizer`"
 
     def begin(self, model: keras.Model) -> None:
+        self._model = weakref.ref(model)
         self.optimizer.watch(model)
 
     def read(self, steps_seen: int, counters_only: bool = False) -> Snapshot:
@@ -233,8 +243,17 @@ class KmixSource(Source):
     def histograms(self) -> dict[str, np.ndarray]:
         return self.optimizer.exponent_histograms_by_variable()
 
-    def per_layer(self) -> dict[str, dict[str, float]]:
-        return self.optimizer.activations_by_layer()
+    def per_layer(self, float16_only: bool = True) -> dict[str, dict[str, float]]:
+        layers = self.optimizer.activations_by_layer()
+        model = self._model() if self._model is not None else None
+        if not float16_only or model is None:
+            return layers
+        by_path = layers_by_path(model)
+        return {
+            path: values
+            for path, values in layers.items()
+            if getattr(by_path.get(base_path(path)), "compute_dtype", "float16") == "float16"
+        }
 
 
 def source_for(optimizer: Any) -> Source:

@@ -6,18 +6,26 @@ import math
 import os
 from typing import Any
 
-import keras
 import numpy as np
 
 from kmix import tags
 from kmix._checks import check_choice, check_int
-from kmix._layers import walk_layers
 from kmix.callbacks._base import StepCallback, warn_user
 from kmix.callbacks._batch import SummaryBatch
 from kmix.callbacks._forecast import HeadroomForecast, headroom_series
 from kmix.callbacks._layout import layout
+from kmix.callbacks._monitor_begin import (
+    NOT_FLOAT16_NOTE,
+    absence_notes,
+    check_log_dir,
+    policy_record,
+    policy_text,
+)
 from kmix.callbacks._prior_runs import another_run_warning, begins_in, resumed_run
+from kmix.precision_plan import Float16Share, PrecisionMove, float16_share, layer_costs
 from kmix.snapshot import Snapshot
+
+_NOT_FLOAT16_NOTE = NOT_FLOAT16_NOTE  # kmix.demo matches the note's words
 
 _OWNER = "kmix.callbacks.MixedPrecisionMonitor"
 
@@ -40,75 +48,6 @@ _PER_VARIABLE_TAGS = {  # statistic of Source.per_variable -> tag prefix
     "underflow_fraction": tags.UNDERFLOW_BY_VARIABLE,
     "subnormal_fraction": tags.SUBNORMAL_BY_VARIABLE,
 }
-
-_STOCK_NOTE = (
-    "The model uses the stock `keras.mixed_precision.LossScaleOptimizer`: kmix logs "
-    "its loss scale and the skipped steps it can infer (steps seen minus steps "
-    "applied), at each read only. Gradient health, exponent histograms and the "
-    "exact step and variable of every overflow need kmix's optimizer: compile with "
-    "`kmix.LossScaleOptimizer(keras.optimizers.Adam())` (or the name, e.g. "
-    "`kmix.LossScaleOptimizer('adam')`)."
-)
-_NOT_FLOAT16_NOTE = (
-    "The model computes in {dtype}, not float16: float16's range does not apply, so "
-    "overflow headroom, underflow and max |scaled gradient| are not written (nothing "
-    "measured them). The loss scale, events and gradient norm are."
-)
-
-
-def _check_log_dir(log_dir: Any) -> str:
-    """Returns ``log_dir`` as a string if it is a path a writer could use.
-
-    Raises:
-        TypeError: ``log_dir`` is not a string or path.
-        ValueError: it is empty, or it or one of its parents is a file, or the
-            nearest existing parent is not writable.
-    """
-    if not isinstance(log_dir, str | os.PathLike):
-        raise TypeError(
-            f"Invalid `log_dir` for {_OWNER}: log_dir={log_dir!r} of type "
-            f"{type(log_dir).__name__}. `log_dir` must be a directory path (str or "
-            "os.PathLike), e.g. 'runs/exp1'."
-        )
-    path = os.fspath(log_dir)
-    if not path.strip():
-        raise ValueError(
-            f"Invalid `log_dir` for {_OWNER}: log_dir={log_dir!r}. `log_dir` must be "
-            "a non-empty directory path, e.g. 'runs/exp1'."
-        )
-    if "://" in path:  # gs://, s3://...: left to TensorFlow's file systems
-        return path
-    parent = os.path.abspath(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ValueError(
-            f"Invalid `log_dir` for {_OWNER}: log_dir={log_dir!r}, but {parent!r} is a "
-            "file, not a directory. Pass a directory path that does not go through a file."
-        )
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"Invalid `log_dir` for {_OWNER}: log_dir={log_dir!r}, but {parent!r} is not "
-            "writable. Pass a directory you can write to."
-        )
-    return path
-
-
-def _layer_table(model: Any) -> str:
-    """A per-layer dtype table: kmix.audit's when available, else a plain one."""
-    try:
-        from kmix.audit import audit
-
-        return audit(model).to_markdown()
-    except Exception:  # audit missing or unable to read this model: plain table
-        rows = ["| layer | class | compute | variables |", "|---|---|---|---|"]
-        for _, layer in walk_layers(model):
-            policy = layer.dtype_policy
-            rows.append(
-                f"| {layer.name} | {type(layer).__name__} | {policy.compute_dtype} "
-                f"| {policy.variable_dtype} |"
-            )
-        return "\n".join(rows)
 
 
 class MixedPrecisionMonitor(StepCallback):
@@ -193,7 +132,7 @@ class MixedPrecisionMonitor(StepCallback):
         histogram_freq = check_int(_OWNER, "histogram_freq", histogram_freq, 0)
         # The optimizer holds one histogram for histogram_freq steps: read before it goes.
         super().__init__(every=min(update_freq, histogram_freq or update_freq))
-        self.log_dir = _check_log_dir(log_dir)
+        self.log_dir = check_log_dir(log_dir)
         self.update_freq = update_freq
         self.histogram_freq = histogram_freq
         self.verbose = int(check_choice(_OWNER, "verbose", verbose, {0: "quiet", 1: "print"}))
@@ -229,7 +168,7 @@ class MixedPrecisionMonitor(StepCallback):
         self._writer = tf.summary.create_file_writer(train_dir)
         source = self._source
         source.request_statistics(self, self.update_freq, self.histogram_freq)
-        notes = self._notes()
+        notes = absence_notes(self.model, self._source)
         for note in notes:
             if note not in self._warned:
                 self._warned.add(note)
@@ -296,78 +235,61 @@ class MixedPrecisionMonitor(StepCallback):
         from tensorboard.plugins.custom_scalar import summary as custom_scalar
 
         step = state.attempted_steps
-        record = self._policy_record()  # first: a run's points are those written after it
+        model, source = self.model, self._source
+        record = policy_record(  # first: a run's points are those written after it
+            model, source, self.update_freq, self.histogram_freq, state.loss_scale, self.run_id
+        )
         tf.summary.text(tags.POLICY_RECORD, tags.format_policy_record(record), step=step)
-        tf.summary.text(tags.POLICY, self._policy_text(record, state), step=step)
+        tf.summary.text(
+            tags.POLICY, policy_text(model, source, record, state.loss_scale), step=step
+        )
         for note in notes:
             tf.summary.text(tags.NOTES, note, step=step)
         tf.summary.experimental.write_raw_pb(
             custom_scalar.pb(layout()).SerializeToString(), step=step
         )
+        self._write_share(float16_share(layer_costs(model)), step)
 
-    def _policy_record(self) -> tags.PolicyRecord:
-        from kmix._layers import variable_compute_dtypes
-        from kmix.audit import audit
+    def _write_share(self, share: Float16Share, step: int) -> None:
+        """``kmix/float16_share`` at ``step``; where some layers are weighed by parameters,
+        a note says which, once."""
+        import tensorflow as tf
 
-        model, source = self.model, self._source
-        min_scale, max_scale = source.scale_bounds or (None, None)
-        dtypes = variable_compute_dtypes(model)
-        try:  # as in _layer_table: an audit unable to read this model is left out
-            found = tuple(audit(model).findings)  # tags.AuditFinding values
-        except Exception:
-            found = None
-        return tags.PolicyRecord(
-            global_policy=keras.config.dtype_policy().name,
-            model_name=model.name,
-            model_policy=model.dtype_policy.name,
-            compute_dtype=model.dtype_policy.compute_dtype,
-            variable_dtype=model.dtype_policy.variable_dtype,
-            loss_scaling=source.kind,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            update_freq=self.update_freq,
-            histogram_freq=self.histogram_freq,
-            loss_scale=self._last_state.loss_scale if source.scales_loss else None,
-            variable_dtypes={
-                v.path: dtypes[id(v)] for v in getattr(model, "trainable_weights", [])
-            },
-            audit_findings=found,
-            run_id=self.run_id,
+        if share.share is None:
+            return
+        tf.summary.scalar(
+            tags.FLOAT16_SHARE,
+            share.share,
+            step=step,
+            description=tags.description(tags.FLOAT16_SHARE),
         )
+        if share.by_parameters and "share" not in self._warned:
+            self._warned.add("share")
+            tf.summary.text(tags.NOTES, f"kmix/float16_share: {share.words()}.", step=step)
 
-    def _policy_text(self, record: tags.PolicyRecord, state: Snapshot) -> str:
-        scaling = self._source.describe()
-        if record.min_scale is not None and record.max_scale is not None:
-            scaling += (
-                f" (scale {state.loss_scale:.9g}, range "
-                f"[{record.min_scale:.9g}, {record.max_scale:.9g}])"
-            )
-        return (
-            f"Global dtype policy `{record.global_policy}`; model `{record.model_name}` "
-            f"policy `{record.model_policy}`; loss scaling: {scaling}."
-            f"\n\n{_layer_table(self.model)}"
-        )
+    def write_precision_moves(self, moves: list[PrecisionMove], share: Float16Share) -> None:
+        """Writes layers moved out of float16 at their steps (PrecisionAutopilot calls this):
+        a ``kmix/precision_moves`` line and record each, and ``kmix/float16_share`` after.
 
-    def _notes(self) -> list[str]:
-        """Why some charts will be absent, one note per reason (also warned once)."""
-        source, dtype = self._source, self.model.dtype_policy.compute_dtype
-        if source.scales_loss and not source.records_events:  # the stock Keras optimizer
-            return [_STOCK_NOTE]
-        if not source.scales_loss:
-            why = (
-                "The model computes in float16 but its optimizer does not scale the loss: "
-                "small gradients underflow to zero. Compile with "
-                "`kmix.LossScaleOptimizer(optimizer)`."
-                if dtype == "float16"
-                else f"The model computes in {dtype}, which does not need loss scaling."
-            )
-            return [
-                "No loss-scale optimizer, so there is no loss scale, skipped step or "
-                f"gradient health to log. {why}"
-            ]
-        if dtype != "float16":
-            return [_NOT_FLOAT16_NOTE.format(dtype=dtype)]
-        return []
+        Args:
+            moves: the moves just made.
+            share: the model's float16 share after them.
+        """
+        import tensorflow as tf
+
+        if self._writer is None or not moves:
+            return
+        with self._writer.as_default():
+            for move in moves:
+                tf.summary.text(
+                    tags.PRECISION_MOVES, tags.format_precision_move(move), step=move.step
+                )
+                record = tags.format_precision_move_record(move, self.run_id, share.share)
+                tf.summary.text(tags.PRECISION_MOVE_RECORD, record, step=move.step)
+                if self.verbose:
+                    print(f"kmix: {tags.format_precision_move(move)}")
+            self._write_share(share, moves[-1].step)
+        self._writer.flush()
 
     def _on_read(self, logs: dict) -> None:
         source = self._source
