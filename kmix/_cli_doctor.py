@@ -1,7 +1,13 @@
-"""``kmix doctor``: package versions, hardware, and combinations known not to work.
+"""``kmix doctor``: package versions, hardware, measured speed, and what is known not to work.
 
-The rules are pure (:func:`version_warnings` over :class:`VersionFacts`); only
-:func:`run_doctor` reads the machine, importing TensorFlow when it runs.
+The rules are pure (:func:`version_warnings` over :class:`VersionFacts`; the speed
+ratios and their judgement in ``kmix/_speed_probe.py``, the timing in
+``kmix/_speed_measure.py``); only :func:`run_doctor` reads
+the machine, importing TensorFlow when it runs. It times a small float32, float16 and
+bfloat16 matmul and convolution on the CPU (about a second) and, where oneDNN's float16
+path is pathologically slow, times float16 again in a fresh process with
+``TF_ENABLE_ONEDNN_OPTS=0`` (a few seconds more, TensorFlow's start-up included) to show
+the fix's measured effect.
 """
 
 from __future__ import annotations
@@ -204,19 +210,51 @@ def version_warnings(
     return [says(facts) for when, says in VERSION_RULES if when(facts)]
 
 
-def run_doctor(args: argparse.Namespace) -> int:
-    """Runs ``kmix doctor``: prints versions, hardware, the policy "auto" picks, warnings.
+def speed_section(detected: Any, measured: Any) -> list[str]:
+    """Says what the speed measurement found, timing the known fix where one applies.
+
+    Args:
+        detected: the :class:`kmix.hardware.Hardware` of this machine.
+        measured: a ``kmix._speed_probe.SpeedMeasurement`` taken in this process. Where
+            ``onednn_fix_applies(measured)``, float32 and float16 are timed again in a
+            fresh process with ``TF_ENABLE_ONEDNN_OPTS=0`` (a few seconds).
+
+    Returns:
+        The section's lines, indented, under the heading ``speed on this CPU``.
+    """
+    from kmix import _speed_measure
+    from kmix import _speed_probe as probe
+
+    recheck, recheck_error = None, None
+    if probe.onednn_fix_applies(measured):
+        try:
+            recheck = _speed_measure.measure_in_subprocess({"TF_ENABLE_ONEDNN_OPTS": "0"})
+        except RuntimeError as error:
+            recheck_error = str(error)
+    lines = probe.doctor_lines(measured, recheck, recheck_error)
+    if detected.gpus or detected.tpus:
+        lines.append(
+            "the GPU or TPU is not timed here: kmix compare times each policy on your model"
+        )
+    return ["speed on this CPU (each dtype's time for the same op)"] + [f"  {x}" for x in lines]
+
+
+def run_doctor(args: argparse.Namespace, measure: Callable[[], Any] | None = None) -> int:
+    """Runs ``kmix doctor``: versions, hardware, the policy "auto" picks, speed, warnings.
 
     Args:
         args: the parsed arguments (``kmix doctor`` takes none).
+        measure: returns a ``kmix._speed_probe.SpeedMeasurement``; ``None`` runs
+            ``kmix._speed_measure.measure()`` (about a second; tests pass a hand-made one).
 
     Returns:
         The exit status: 0, or 1 when the hardware cannot be detected (a broken
         TensorFlow install; the reason is printed to stderr).
     """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from kmix._speed_measure import measure as measure_here
     from kmix.hardware import hardware
-    from kmix.policy import choose_auto, float16_slow_reason
+    from kmix.policy import AUTO_IS_NOT_MEASURED, choose_auto, float16_slow_reason
 
     versions = package_versions()
     print("versions")
@@ -231,8 +269,10 @@ def run_doctor(args: argparse.Namespace) -> int:
     print("hardware")
     print("\n".join(f"  {line}" for line in str(detected).splitlines()))
     name, reason = choose_auto(detected)
-    print(f'kmix.use("auto") would choose {name}: {reason}')
-    slow = float16_slow_reason(detected)
+    print(f'kmix.use("auto") would choose {name}: {reason} ({AUTO_IS_NOT_MEASURED})')
+    measured = (measure or measure_here)()
+    print("\n".join(speed_section(detected, measured)))
+    slow = float16_slow_reason(detected, measured)
     if slow:
         print(f"float16 here: {slow}")
     backend = None

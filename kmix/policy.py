@@ -18,11 +18,19 @@ How ``"auto"`` decides (:func:`choose_auto`, a pure function of the hardware):
         or AVX512-BF16                    -> mixed_bfloat16
     otherwise                             -> float32
 
-With several GPUs the one with the lowest capability decides, since training uses
-all of them. On compute capability 8.0 and later, bfloat16 tensor cores are as fast
-as float16 ones, and bfloat16 has float32's exponent range: gradients neither
-overflow nor underflow, so no loss scaling is needed. kmix therefore prefers it
-there; ``kmix.use("mixed_float16")`` remains a fine explicit choice on those GPUs.
+This is a choice from the hardware, not a measurement: ``kmix compare`` times each
+policy on your model and settles it. With several GPUs the one with the lowest
+capability decides, since training uses all of them. On compute capability 8.0 and
+later, bfloat16 tensor cores are as fast as float16 ones, and bfloat16 has float32's
+exponent range: gradients neither overflow nor underflow, so no loss scaling is
+needed. kmix therefore prefers it there; ``kmix.use("mixed_float16")`` remains a fine
+explicit choice on those GPUs.
+
+Without a GPU or TPU, what ``kmix.use("mixed_float16")`` says of float16's speed is
+measured: a small float16 and float32 matmul timed on the CPU once per process
+(``kmix/_speed_measure.py``, judged by ``kmix/_speed_probe.py``); it warns with the
+measured ratio when float16 is slower beyond the noise, and says nothing of speed
+otherwise.
 """
 
 from __future__ import annotations
@@ -31,9 +39,12 @@ import contextlib
 import dataclasses
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kmix.hardware import GPU, Hardware, hardware
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers only
+    from kmix._speed_probe import SpeedMeasurement
 
 # The names ``use`` and ``policy_scope`` accept; all but "auto" are Keras's own.
 POLICY_NAMES = (
@@ -45,6 +56,11 @@ POLICY_NAMES = (
     "bfloat16",
     "float64",
 )
+
+AUTO_IS_NOT_MEASURED = (
+    "chosen from the hardware, not measured: kmix compare times each policy on your model"
+)
+"""What ``kmix.use("auto")`` adds to its reason: where a measurement would settle it."""
 
 # Situations already warned about in this process: (policy, suggested policy).
 _warned: set[tuple[str, str]] = set()
@@ -76,7 +92,12 @@ class PolicyChoice:
         return f"{self.name}: {self.reason}"
 
 
-def use(policy: str = "auto", *, detected: Hardware | None = None) -> PolicyChoice:
+def use(
+    policy: str = "auto",
+    *,
+    detected: Hardware | None = None,
+    measured: SpeedMeasurement | None = None,
+) -> PolicyChoice:
     """Sets Keras's global dtype policy and returns what was chosen and why.
 
     Layers created afterwards compute in the policy's compute dtype and keep their
@@ -88,17 +109,25 @@ def use(policy: str = "auto", *, detected: Hardware | None = None) -> PolicyChoi
             ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"float64"``.
         detected: the hardware to decide for; ``None`` detects it with
             ``kmix.hardware()``.
+        measured: float16's and float32's speed on this CPU, judged when ``policy``
+            computes in float16 and ``detected`` has no GPU or TPU; ``None`` times a
+            small float16 and float32 matmul on the CPU (once per process, about 0.1 s;
+            ``kmix doctor`` times more).
 
     Returns:
         A :class:`PolicyChoice` with the policy name, the reason and the hardware.
+        ``"auto"``'s reason ends with :data:`AUTO_IS_NOT_MEASURED`; an explicit float16
+        policy's reason says what was measured on a machine without a GPU or TPU.
 
     Raises:
         ValueError: if ``policy`` is not one of :data:`POLICY_NAMES`.
 
     Warns:
-        UserWarning: once per process, when the policy computes in float16 on
-            hardware where float16 is not fast (a CPU, a TPU, a GPU below compute
-            capability 7.0); the message says what to use instead.
+        UserWarning: once per process, when the policy computes in float16 where float16
+            is not fast: a TPU, a GPU below compute capability 7.0, or a CPU where float16
+            measured slower than float32 beyond the noise (the message gives the measured
+            ratio; nothing is claimed when float16 is not measurably slower). The message
+            says what to use instead.
 
     Example:
         >>> import kmix
@@ -113,13 +142,20 @@ def use(policy: str = "auto", *, detected: Hardware | None = None) -> PolicyChoi
     detected = hardware() if detected is None else detected
     auto_name, auto_reason = choose_auto(detected)
     if policy == "auto":
-        name, reason = auto_name, auto_reason
+        name, reason = auto_name, f"{auto_reason} ({AUTO_IS_NOT_MEASURED})"
     else:
         name, reason = policy, f"{policy!r} was requested explicitly"
-        slow = float16_slow_reason(detected)
-        if slow and policy in ("mixed_float16", "float16"):
-            reason += f"; float16 is not fast here: {slow}"
-            _warn_once(policy, auto_name, slow, auto_reason)
+        if policy in ("mixed_float16", "float16"):
+            if measured is None and not detected.gpus and not detected.tpus:
+                from kmix._speed_measure import float16_matmul_probe
+
+                measured = float16_matmul_probe()
+            slow = float16_slow_reason(detected, measured)
+            if slow:
+                reason += f"; float16 is not fast here: {slow}"
+                _warn_once(policy, auto_name, slow, auto_reason)
+            elif measured is not None and not detected.gpus and not detected.tpus:
+                reason += f"; {_cpu_float16_sentence(measured)}"
     keras.config.set_dtype_policy(name)
     return PolicyChoice(name=name, reason=reason, hardware=detected)
 
@@ -205,31 +241,38 @@ def choose_auto(detected: Hardware) -> tuple[str, str]:
                 f"no GPU or TPU; the CPU has {label}, which computes bfloat16 natively"
             )
     return "float32", (
-        "no GPU or TPU, and the CPU has neither AMX-BF16 nor AVX512-BF16: "
-        "half precision would be emulated and slower than float32"
+        "no GPU or TPU, and the CPU has neither AMX-BF16 nor AVX512-BF16, "
+        "so it computes no bfloat16 natively"
     )
 
 
-def float16_slow_reason(detected: Hardware) -> str | None:
+def float16_slow_reason(detected: Hardware, measured: SpeedMeasurement | None = None) -> str | None:
     """Says why float16 is not fast on the given hardware, or ``None`` if it is.
 
     float16 is fast on GPUs with compute capability 7.0 or newer. A GPU that
-    reports no capability gets the benefit of the doubt.
+    reports no capability gets the benefit of the doubt. Without a GPU or TPU only a
+    measurement speaks: float16 is called slow when it measured slower than float32
+    beyond the noise, with the measured ratio.
 
     Args:
         detected: the hardware, e.g. from ``kmix.hardware()``.
+        measured: float16's and float32's speed on this CPU (see
+            ``kmix._speed_measure.measure``), used when there is no GPU or TPU.
 
     Returns:
-        A short reason, or ``None`` when float16 is fast or its speed is unknown.
+        A short reason, or ``None`` when float16 is fast, not measurably slower, or
+        its speed is unknown (no GPU or TPU, and nothing measured).
     """
     if detected.tpus:
         return "TPUs compute in bfloat16; float16 is not native to them"
     gpu = _weakest_gpu(detected)
     if gpu is None:
-        return (
-            "no GPU or TPU was found, and on a CPU float16 is emulated, about 2x "
-            "slower than float32"
-        )
+        if measured is None:
+            return None
+        from kmix._speed_probe import float16_cpu_finding
+
+        sentence, slower = float16_cpu_finding(measured)
+        return sentence if slower else None
     cc = gpu.compute_capability
     if cc is not None and cc < (7, 0):
         return (
@@ -237,6 +280,13 @@ def float16_slow_reason(detected: Hardware) -> str | None:
             "and float16 tensor cores start at 7.0"
         )
     return None
+
+
+def _cpu_float16_sentence(measured: SpeedMeasurement) -> str:
+    """What was measured of float16 on this CPU, when it was not measurably slower."""
+    from kmix._speed_probe import float16_cpu_finding
+
+    return float16_cpu_finding(measured)[0]
 
 
 def _weakest_gpu(detected: Hardware) -> GPU | None:
@@ -261,7 +311,8 @@ def _warn_once(policy: str, instead: str, slow: str, instead_reason: str) -> Non
     _warned.add((policy, instead))
     warnings.warn(
         f"kmix.use({policy!r}): float16 is not fast on this machine: {slow}. "
-        f"Use kmix.use({instead!r}) instead ({instead_reason}).",
+        f"Use kmix.use({instead!r}) instead ({instead_reason}); kmix doctor times "
+        "matmul and convolution in each dtype here, kmix compare each policy on your model.",
         stacklevel=3,
     )
 

@@ -24,9 +24,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from test_report import assert_png, write_run
+from test_speed_probe import XEON
 
-from kmix import cli, demo, report, tags
-from kmix.hardware import GPU, Hardware
+from kmix import _speed_measure, _speed_probe, cli, demo, report, tags
+from kmix.hardware import GPU, Hardware, hardware
 
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
 USER_ENV = {name: value for name, value in os.environ.items() if name != "TF_CPP_MIN_LOG_LEVEL"}
@@ -589,7 +590,9 @@ def test_doctor_prints_no_tensorflow_startup_lines():
 
 
 # -------------------------------------------------------------------- doctor
-def test_doctor(kmix_here):
+def test_doctor(kmix_here, monkeypatch):
+    monkeypatch.setattr(_speed_measure, "measure", lambda: XEON)  # hand-made: 400x float16
+    monkeypatch.setattr(_speed_measure, "measure_in_subprocess", fail_to_measure)
     result = kmix_here("doctor")
     assert result.returncode == 0, result.stderr
     out = result.stdout
@@ -597,7 +600,36 @@ def test_doctor(kmix_here):
         assert f"  {name} " in out
     assert "hardware\n  devices: " in out
     assert 'kmix.use("auto") would choose ' in out
+    assert "(chosen from the hardware, not measured: kmix compare times each policy" in out
+    section = "\n".join(f"  {line}" for line in _speed_probe.doctor_lines(XEON, None, "boom"))
+    assert f"\nspeed on this CPU (each dtype's time for the same op)\n{section}\n" in out
+    detected = hardware()
+    if not detected.gpus and not detected.tpus:  # judged by the measurement
+        assert "\nfloat16 here: no GPU or TPU was found, and on this CPU a float16 matmul " in out
     assert "Keras backend: tensorflow" in out
+
+
+def fail_to_measure(*args, **kwargs):
+    raise RuntimeError("boom")
+
+
+@pytest.mark.slow
+def test_doctor_measures_every_dtype_here_and_the_ratios_follow_from_the_times(kmix_here):
+    result = kmix_here("doctor")
+    assert result.returncode == 0, result.stderr
+    section = result.stdout.split("speed on this CPU (each dtype's time for the same op)\n")[1]
+    lines = [line[2:] for line in section.splitlines() if line.startswith("  ")]
+    assert re.fullmatch(r"oneDNN CPU kernels: (on|off) \(TF_ENABLE_ONEDNN_OPTS .*\); .*", lines[0])
+    times = {}
+    for op in ("matmul", "conv2d"):
+        line = next(line for line in lines if line.startswith(f"{op} "))
+        found = re.findall(r"(float32|float16|bfloat16) ([0-9.]+) (ms|s)", line)
+        times[op] = {d: float(v) * (1e-3 if u == "ms" else 1) for d, v, u in found}
+    ratios = re.findall(r"^  (b?float16) (matmul|conv2d): ([0-9.]+)x", section, re.M)
+    assert len(ratios) == sum(len(dtypes) - 1 for dtypes in times.values() if "float32" in dtypes)
+    for dtype, op, ratio in ratios:  # times and ratios printed to 3 digits
+        assert float(ratio) == pytest.approx(times[op][dtype] / times[op]["float32"], rel=0.02)
+    assert "about 2x" not in result.stdout
 
 
 GOOD = {"tensorflow": "2.21.0", "keras": "3.15.1", "tensorboard": "2.21.0", "tf-keras": None}

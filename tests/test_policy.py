@@ -9,14 +9,39 @@ import keras
 import pytest
 
 import kmix
-from kmix import policy
+from kmix import _speed_measure, policy
+from kmix._speed_probe import ONEDNN_FIX, Missing, SpeedMeasurement, Timing
 from kmix.hardware import GPU, Hardware, hardware
-from kmix.policy import POLICY_NAMES, PolicyChoice, choose_auto, policy_scope, use
+from kmix.policy import (
+    AUTO_IS_NOT_MEASURED,
+    POLICY_NAMES,
+    PolicyChoice,
+    choose_auto,
+    float16_slow_reason,
+    policy_scope,
+    use,
+)
 
 CPU = Hardware(devices=("/physical_device:CPU:0",))
 CPU_AVX512_BF16 = Hardware(cpu_flags=("avx512_bf16", "avx512f"))
 CPU_AMX = Hardware(cpu_flags=("amx_bf16", "amx_tile", "avx512_bf16"))
 TPU = Hardware(tpus=("/physical_device:TPU:0",), cpu_flags=("amx_bf16",))
+
+
+def matmul(float32_ms, float16_ms, onednn=None):
+    """A hand-made measurement of the float32 and float16 matmul, round times in ms."""
+    return SpeedMeasurement(
+        timings=(
+            Timing("matmul", "float32", tuple(t / 1e3 for t in float32_ms)),
+            Timing("matmul", "float16", tuple(t / 1e3 for t in float16_ms)),
+        ),
+        onednn=onednn,
+    )
+
+
+SLOWER = matmul((1.0, 1.02, 0.98), (3.0, 3.1, 2.9))  # 3x, float32 varied 4%
+SAME = matmul((1.0, 1.2, 0.9), (1.1, 1.1, 1.1))  # 1.1x inside float32's 30% spread
+ONEDNN_XEON = matmul((1.0, 1.0), (400.0, 410.0), onednn=True)  # 405x with oneDNN on
 
 
 def gpus(*capabilities):
@@ -78,8 +103,8 @@ def test_choose_auto_reasons_name_the_deciding_fact():
     )
     assert "AVX512-BF16, which" in choose_auto(CPU_AVX512_BF16)[1]
     assert choose_auto(CPU)[1] == (
-        "no GPU or TPU, and the CPU has neither AMX-BF16 nor AVX512-BF16: half "
-        "precision would be emulated and slower than float32"
+        "no GPU or TPU, and the CPU has neither AMX-BF16 nor AVX512-BF16, so it computes "
+        "no bfloat16 natively"
     )
 
 
@@ -88,7 +113,11 @@ def test_choose_auto_reasons_name_the_deciding_fact():
 )
 def test_use_auto_sets_the_global_policy(detected, expected):
     choice = use("auto", detected=detected)
-    assert choice == PolicyChoice(expected, choose_auto(detected)[1], detected)
+    reason = f"{choose_auto(detected)[1]} ({AUTO_IS_NOT_MEASURED})"
+    assert choice == PolicyChoice(expected, reason, detected)
+    assert AUTO_IS_NOT_MEASURED == (
+        "chosen from the hardware, not measured: kmix compare times each policy on your model"
+    )
     assert keras.config.dtype_policy().name == expected
     assert keras.layers.Dense(2).dtype_policy.name == expected
 
@@ -96,7 +125,8 @@ def test_use_auto_sets_the_global_policy(detected, expected):
 def test_use_detects_the_hardware_by_default():
     choice = kmix.use()
     detected = hardware()
-    assert choice == PolicyChoice(*choose_auto(detected), detected)
+    name, reason = choose_auto(detected)
+    assert choice == PolicyChoice(name, f"{reason} ({AUTO_IS_NOT_MEASURED})", detected)
     assert keras.config.dtype_policy().name == choice.name
 
 
@@ -119,22 +149,84 @@ def test_use_rejects_unknown_names_and_lists_the_valid_ones(bad):
     assert keras.config.dtype_policy().name == "float32"
 
 
-def test_float16_on_a_cpu_warns_once_and_says_what_to_use():
+def test_float16_on_a_cpu_warns_once_with_the_measured_ratio_and_says_what_to_use():
     with pytest.warns(UserWarning) as record:
-        choice = use("mixed_float16", detected=CPU_AVX512_BF16)
+        choice = use("mixed_float16", detected=CPU_AVX512_BF16, measured=SLOWER)
     assert len(record) == 1
     assert record[0].filename == __file__  # points at the caller
-    message = str(record[0].message)
-    assert "on a CPU float16 is emulated, about 2x slower than float32" in message
-    assert "Use kmix.use('mixed_bfloat16') instead" in message
-    assert choice.reason.startswith("'mixed_float16' was requested explicitly; ")
+    assert str(record[0].message) == (
+        "kmix.use('mixed_float16'): float16 is not fast on this machine: no GPU or TPU was "
+        "found, and on this CPU a float16 matmul (128x512 @ 512x512) measured 3.00x "
+        "float32's time (median of 3 rounds; float32 varied 4%). Use "
+        "kmix.use('mixed_bfloat16') instead (no GPU or TPU; the CPU has AVX512-BF16, which "
+        "computes bfloat16 natively); kmix doctor times matmul and convolution in each dtype "
+        "here, kmix compare each policy on your model."
+    )
+    assert choice.reason == (
+        "'mixed_float16' was requested explicitly; float16 is not fast here: no GPU or TPU "
+        "was found, and on this CPU a float16 matmul (128x512 @ 512x512) measured 3.00x "
+        "float32's time (median of 3 rounds; float32 varied 4%)"
+    )
     assert keras.config.dtype_policy().name == "mixed_float16"  # still set
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same situation again: no warning
-        use("mixed_float16", detected=CPU_AVX512_BF16)
+        use("mixed_float16", detected=CPU_AVX512_BF16, measured=SLOWER)
     with pytest.warns(UserWarning, match=r"Use kmix.use\('float32'\) instead"):
-        use("float16", detected=CPU)  # another situation warns too
+        use("float16", detected=CPU, measured=SLOWER)  # another situation warns too
+
+
+def test_float16_on_a_cpu_claims_no_speed_when_not_measurably_slower():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        choice = use("mixed_float16", detected=CPU, measured=SAME)
+        unmeasured = use(
+            "mixed_float16",
+            detected=CPU,
+            measured=SpeedMeasurement(missing=(Missing("matmul", "float16", "TypeError: x"),)),
+        )
+    assert choice.reason == (
+        "'mixed_float16' was requested explicitly; no GPU or TPU was found, and on this CPU "
+        "a float16 matmul (128x512 @ 512x512) measured 1.10x float32's time (median of 3 "
+        "rounds; float32 varied 30%)"
+    )
+    assert unmeasured.reason == (
+        "'mixed_float16' was requested explicitly; float16's speed on this CPU was not "
+        "measured (float16 matmul: TypeError: x)"
+    )
+    assert float16_slow_reason(CPU, SAME) is None
+    assert float16_slow_reason(CPU) is None  # nothing measured: nothing claimed
+
+
+def test_float16_pathologically_slow_with_onednn_warns_with_the_fix():
+    with pytest.warns(UserWarning) as record:
+        use("mixed_float16", detected=CPU, measured=ONEDNN_XEON)
+    message = str(record[0].message)
+    assert "measured 405x float32's time (median of 2 rounds; float32 varied 0%)" in message
+    assert f"oneDNN's float16 path is slow here: {ONEDNN_FIX}. Use kmix.use('float32')" in (message)
+
+
+def test_float16_on_this_cpu_is_measured_by_default_and_never_claims_a_fixed_ratio(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_speed_measure, "_float16_matmul", [])
+    real_measure = _speed_measure.measure
+    monkeypatch.setattr(
+        _speed_measure, "measure", lambda *a, **k: calls.append(a) or real_measure(*a, **k)
+    )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        choice = use("mixed_float16", detected=CPU)
+        again = use("mixed_float16", detected=CPU)
+    assert calls == [(("matmul",), ("float32", "float16"))]  # once per process
+    assert choice.reason == again.reason
+    assert "measured" in choice.reason and "about 2x" not in choice.reason
+    for warning in record:
+        assert "float32's time (median of 3 rounds" in str(warning.message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        use("mixed_float16", detected=gpus((8, 0)))  # a fast GPU: nothing measured
+        use("mixed_bfloat16", detected=CPU)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize(

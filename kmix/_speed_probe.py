@@ -1,0 +1,358 @@
+"""Speed measured, not claimed: the values, rules and words of kmix's speed probe.
+
+``kmix doctor`` times a matmul and a convolution in float32, float16 and bfloat16 on the
+CPU (about a second) and ``kmix.use("mixed_float16")`` times the float32 and float16
+matmul once per process (a fraction of a second) on machines without a GPU or TPU;
+``kmix/_speed_measure.py`` takes the times (the only part that touches TensorFlow) and
+this module judges them, pure functions over typed values (:class:`Timing`,
+:class:`SpeedMeasurement`, :class:`Ratio`). A cell that could not be timed is absent
+from ``timings`` and explained in ``missing``; no number stands in for it.
+
+A cell's time is the median of its rounds' per-call times (the cells take turns in
+rounds, so a burst of load from other jobs hits every dtype alike); float32's own spread
+between rounds is the noise floor a ratio is judged against (:func:`verdict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+OPS = ("matmul", "conv2d")
+"""The ops timed, in the order shown."""
+
+DTYPES = ("float32", "float16", "bfloat16")
+"""The dtypes timed; float32 is the reference of every ratio."""
+
+SHAPES = {"matmul": "128x512 @ 512x512", "conv2d": "8x32x32x32 (NHWC), 3x3 kernel, 32 filters"}
+"""The size of each op, as printed."""
+
+
+PATHOLOGICAL = 10.0
+"""A half-precision op this many times float32's time or more is not emulation's cost but a
+broken path (oneDNN's float16 kernels on Xeons with AVX512_FP16 measured 300-400x)."""
+
+ONEDNN_FIX = (
+    "set TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow is imported "
+    "(e.g. TF_ENABLE_ONEDNN_OPTS=0 python train.py), which turns oneDNN's CPU kernels off"
+)
+"""The known fix for oneDNN's slow float16 path, in words."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """One cell's measured time.
+
+    Attributes:
+        op: ``"matmul"`` or ``"conv2d"``.
+        dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        seconds: the per-call time of each round, in seconds.
+    """
+
+    op: str
+    dtype: str
+    seconds: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        """The median of the rounds' per-call times, in seconds."""
+        return statistics.median(self.seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class Missing:
+    """A cell that could not be timed, and why.
+
+    Attributes:
+        op: the op, as in :class:`Timing`.
+        dtype: the dtype.
+        why: the reason, e.g. the error TensorFlow raised.
+    """
+
+    op: str
+    dtype: str
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedMeasurement:
+    """What :func:`measure` timed on this machine's CPU.
+
+    Attributes:
+        timings: one :class:`Timing` per cell that was timed.
+        missing: one :class:`Missing` per cell that could not be.
+        onednn: whether TensorFlow's oneDNN CPU kernels were on; None when unknown.
+        onednn_setting: ``TF_ENABLE_ONEDNN_OPTS`` as it was set, None when unset.
+        seconds: the wall time the measurement took, in seconds.
+    """
+
+    timings: tuple[Timing, ...] = ()
+    missing: tuple[Missing, ...] = ()
+    onednn: bool | None = None
+    onednn_setting: str | None = None
+    seconds: float = 0.0
+
+    def timing(self, op: str, dtype: str) -> Timing | None:
+        """The timing of one cell, or None when it was not timed."""
+        return next((t for t in self.timings if (t.op, t.dtype) == (op, dtype)), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the value as plain dicts, lists and numbers, ready for JSON."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, value: Mapping[str, Any]) -> SpeedMeasurement:
+        """Reads back what :meth:`to_dict` wrote.
+
+        Args:
+            value: a dict as from :meth:`to_dict` (e.g. parsed from JSON).
+
+        Returns:
+            The measurement.
+
+        Raises:
+            KeyError, TypeError: ``value`` is not what :meth:`to_dict` writes.
+        """
+        return cls(
+            timings=tuple(
+                Timing(t["op"], t["dtype"], tuple(map(float, t["seconds"])))
+                for t in value["timings"]
+            ),
+            missing=tuple(Missing(m["op"], m["dtype"], m["why"]) for m in value["missing"]),
+            onednn=value["onednn"],
+            onednn_setting=value["onednn_setting"],
+            seconds=float(value["seconds"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Ratio:
+    """A half-precision op's time over float32's for the same op, and how to read it.
+
+    Attributes:
+        op: the op.
+        dtype: the half-precision dtype.
+        ratio: the dtype's median time over float32's (2.0: twice as long).
+        noise: float32's own relative spread between rounds (see :func:`relative_spread`);
+            None when float32 was timed in fewer than two rounds.
+        rounds: the rounds of the half-precision cell.
+    """
+
+    op: str
+    dtype: str
+    ratio: float
+    noise: float | None
+    rounds: int
+
+    @property
+    def verdict(self) -> str:
+        """``"pathological"``, ``"slower"``, ``"faster"`` or ``"same"`` (see :func:`verdict`)."""
+        return verdict(self.ratio, self.noise)
+
+
+def relative_spread(seconds: Sequence[float]) -> float | None:
+    """The spread of a cell's round times relative to their median: (max - min) / median.
+
+    Args:
+        seconds: the per-call time of each round.
+
+    Returns:
+        The relative spread (0.1: the rounds differ by 10% of the median), or None for
+        fewer than two rounds.
+    """
+    if len(seconds) < 2:
+        return None
+    return (max(seconds) - min(seconds)) / statistics.median(seconds)
+
+
+def verdict(ratio: float, noise: float | None) -> str:
+    """Judges a time ratio against float32 by the noise floor.
+
+    Rule::
+
+        ratio >= PATHOLOGICAL          -> "pathological"
+        noise unknown                  -> "slower" if ratio > 1 else "faster" if < 1
+        ratio > 1 + noise              -> "slower"
+        ratio < 1 / (1 + noise)        -> "faster"
+        otherwise                      -> "same"   (no measurable difference)
+
+    Args:
+        ratio: the half-precision time over float32's.
+        noise: float32's relative spread between rounds, or None.
+
+    Returns:
+        The verdict.
+    """
+    if ratio >= PATHOLOGICAL:
+        return "pathological"
+    bound = 1.0 + (noise or 0.0)
+    if ratio > bound:
+        return "slower"
+    if ratio < 1.0 / bound:
+        return "faster"
+    return "same"
+
+
+def speed_ratios(measured: SpeedMeasurement) -> tuple[Ratio, ...]:
+    """Every half-precision cell's time over float32's for the same op.
+
+    Args:
+        measured: the measurement.
+
+    Returns:
+        One :class:`Ratio` per timed half-precision cell whose op was timed in float32
+        too, in the order of :data:`OPS` and :data:`DTYPES`.
+    """
+    ratios = []
+    for op in OPS:
+        reference = measured.timing(op, "float32")
+        for dtype in DTYPES[1:]:
+            timed = measured.timing(op, dtype)
+            if reference is None or timed is None:
+                continue
+            ratios.append(
+                Ratio(
+                    op,
+                    dtype,
+                    timed.median / reference.median,
+                    relative_spread(reference.seconds),
+                    len(timed.seconds),
+                )
+            )
+    return tuple(ratios)
+
+
+def describe(ratio: Ratio) -> str:
+    """One ratio in words, e.g. ``"float16 matmul: 3.41x float32's time (slower)"``.
+
+    Args:
+        ratio: the ratio.
+
+    Returns:
+        The text, without a full stop.
+    """
+    head = f"{ratio.dtype} {ratio.op}: {_times(ratio.ratio)} float32's time"
+    noise = "" if ratio.noise is None else f"float32 varied {ratio.noise:.0%} between rounds"
+    if ratio.verdict == "pathological":
+        return f"{head}, pathologically slow"
+    if ratio.verdict == "same":
+        return f"{head}, no measurable difference ({noise})"
+    return f"{head} ({ratio.verdict}{'; ' + noise if noise else ''})"
+
+
+def onednn_fix_applies(measured: SpeedMeasurement) -> bool:
+    """Whether float16 is pathologically slow with oneDNN on: :data:`ONEDNN_FIX` applies.
+
+    Args:
+        measured: the measurement.
+
+    Returns:
+        True when oneDNN was on and a float16 op took :data:`PATHOLOGICAL` times
+        float32's time or more.
+    """
+    return measured.onednn is True and any(
+        r.dtype == "float16" and r.verdict == "pathological" for r in speed_ratios(measured)
+    )
+
+
+def measurement_lines(measured: SpeedMeasurement) -> list[str]:
+    """The times, ratios and what could not be measured, one line each (no indent).
+
+    Args:
+        measured: the measurement.
+
+    Returns:
+        The lines: each op's times per dtype, then each ratio, then each missing cell.
+    """
+    lines = []
+    for op in OPS:
+        cells = [t for t in measured.timings if t.op == op]
+        if cells:
+            times = ", ".join(f"{t.dtype} {_ms(t.median)}" for t in cells)
+            rounds = sorted({len(t.seconds) for t in cells})
+            lines.append(
+                f"{op} {SHAPES[op]}: {times} a call (median of {'/'.join(map(str, rounds))} rounds)"
+            )
+    lines += [describe(ratio) for ratio in speed_ratios(measured)]
+    lines += [f"{m.dtype} {m.op}: not measured: {m.why}" for m in measured.missing]
+    return lines
+
+
+def doctor_lines(
+    measured: SpeedMeasurement,
+    recheck: SpeedMeasurement | None = None,
+    recheck_error: str | None = None,
+) -> list[str]:
+    """The ``speed on this CPU`` section of ``kmix doctor``, one line each (no indent).
+
+    Args:
+        measured: what was timed in this process.
+        recheck: the same ops timed in a fresh process with ``TF_ENABLE_ONEDNN_OPTS=0``,
+            when :func:`onednn_fix_applies` (None when not run).
+        recheck_error: why the recheck could not be made, when it failed.
+
+    Returns:
+        The lines: the oneDNN state, the measurement, and the known fix with its measured
+        effect where one applies.
+    """
+    onednn = {True: "on", False: "off", None: "unknown"}[measured.onednn]
+    setting = "unset" if measured.onednn_setting is None else repr(measured.onednn_setting)
+    lines = [
+        f"oneDNN CPU kernels: {onednn} (TF_ENABLE_ONEDNN_OPTS {setting}); "
+        f"measured in {measured.seconds:.1f} s"
+    ]
+    lines += measurement_lines(measured)
+    ratios = speed_ratios(measured)
+    if onednn_fix_applies(measured):
+        lines.append(f"fix: oneDNN's float16 path is slow here: {ONEDNN_FIX}")
+        if recheck is not None:
+            lines.append(
+                f"measured with TF_ENABLE_ONEDNN_OPTS=0 in a fresh process "
+                f"({recheck.seconds:.1f} s):"
+            )
+            lines += [f"  {line}" for line in measurement_lines(recheck)]
+        elif recheck_error:
+            lines.append(f"its effect was not measured: {recheck_error}")
+    elif any(r.verdict == "pathological" for r in ratios):
+        lines.append(
+            "no fix kmix knows for the pathologically slow dtype: use a policy that avoids it "
+            "(kmix compare measures each policy on your model)"
+        )
+    return lines
+
+
+def float16_cpu_finding(measured: SpeedMeasurement) -> tuple[str, bool]:
+    """What ``kmix.use`` says of float16 on a machine without a GPU or TPU.
+
+    Args:
+        measured: a measurement holding at least the float32 and float16 matmul.
+
+    Returns:
+        ``(sentence, slower)``: the measured ratio in words (or why it is not known), and
+        whether float16 measured slower than float32 beyond the noise floor.
+    """
+    ratio = next((r for r in speed_ratios(measured) if r.dtype == "float16"), None)
+    if ratio is None:
+        why = "; ".join(f"{m.dtype} {m.op}: {m.why}" for m in measured.missing)
+        return f"float16's speed on this CPU was not measured ({why or 'no timing'})", False
+    noise = "" if ratio.noise is None else f"; float32 varied {ratio.noise:.0%}"
+    sentence = (
+        f"no GPU or TPU was found, and on this CPU a float16 {ratio.op} ({SHAPES[ratio.op]}) "
+        f"measured {_times(ratio.ratio)} float32's time (median of {ratio.rounds} rounds{noise})"
+    )
+    if ratio.verdict == "pathological" and measured.onednn:
+        sentence += f"; oneDNN's float16 path is slow here: {ONEDNN_FIX}"
+    return sentence, ratio.verdict in ("slower", "pathological")
+
+
+def _times(ratio: float) -> str:
+    """A ratio as ``3.41x``; three significant digits from 10 up (``412x``)."""
+    return f"{ratio:.2f}x" if ratio < 10 else f"{ratio:.0f}x"
+
+
+def _ms(seconds: float) -> str:
+    """A call's time, three significant digits: ``0.471 ms``, ``152 ms``, ``1.52 s``."""
+    value, unit = (seconds * 1e3, "ms") if seconds < 1 else (seconds, "s")
+    return f"{value:.0f} {unit}" if value >= 100 else f"{value:#.3g} {unit}"

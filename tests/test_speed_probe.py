@@ -1,0 +1,269 @@
+"""Tests for kmix._speed_probe (the ratio rules and their words, over hand-made timings)
+and kmix._speed_measure (a real measurement, in this process and in a fresh one)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from kmix import _speed_measure as probe
+from kmix._speed_probe import (
+    DTYPES,
+    ONEDNN_FIX,
+    OPS,
+    Missing,
+    Ratio,
+    SpeedMeasurement,
+    Timing,
+    describe,
+    doctor_lines,
+    float16_cpu_finding,
+    measurement_lines,
+    onednn_fix_applies,
+    relative_spread,
+    speed_ratios,
+    verdict,
+)
+
+MS = 1e-3
+
+
+def cells(op: str, **seconds_ms: tuple[float, ...]) -> tuple[Timing, ...]:
+    """One Timing per dtype keyword, its round times given in milliseconds."""
+    return tuple(Timing(op, dtype, tuple(s * MS for s in ms)) for dtype, ms in seconds_ms.items())
+
+
+# float16 400x float32 (oneDNN's float16 path on a Xeon with AVX512_FP16), bfloat16 faster.
+XEON = SpeedMeasurement(
+    timings=cells("matmul", float32=(1.0, 1.1, 0.9), float16=(400.0, 401.0), bfloat16=(0.5,) * 3)
+    + cells("conv2d", float32=(2.0, 2.0, 2.0), float16=(700.0, 800.0), bfloat16=(2.1,) * 3),
+    onednn=True,
+    seconds=2.5,
+)
+# The same machine with TF_ENABLE_ONEDNN_OPTS=0, float32 and float16 only.
+XEON_OFF = SpeedMeasurement(
+    timings=cells("matmul", float32=(1.0, 1.0), float16=(1.5, 1.5))
+    + cells("conv2d", float32=(2.0, 2.0), float16=(2.0, 2.0)),
+    onednn=False,
+    onednn_setting="0",
+    seconds=4.0,
+)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "noise", "expected"),
+    [
+        (10.0, 0.0, "pathological"),
+        (400.0, None, "pathological"),
+        (9.99, 9.0, "same"),  # just below PATHOLOGICAL, inside a wide noise floor
+        (1.2, 0.1, "slower"),
+        (1.1, 0.1, "same"),  # exactly at the noise floor: not measurably slower
+        (0.95, 0.1, "same"),
+        (0.9, 0.1, "faster"),  # below 1 / 1.1
+        (1.0, None, "same"),
+        (1.01, None, "slower"),
+        (0.5, 0.0, "faster"),
+    ],
+)
+def test_verdict_rule(ratio, noise, expected):
+    assert verdict(ratio, noise) == expected
+
+
+def test_relative_spread_is_max_minus_min_over_the_median():
+    assert relative_spread([1.0]) is None
+    assert relative_spread([]) is None
+    assert relative_spread([1.0, 2.0, 3.0]) == 1.0
+    assert relative_spread([4.0, 4.0]) == 0.0
+
+
+def test_speed_ratios_in_op_and_dtype_order_against_float32():
+    assert speed_ratios(XEON) == (
+        Ratio("matmul", "float16", pytest.approx(400.5), pytest.approx(0.2), 2),
+        Ratio("matmul", "bfloat16", pytest.approx(0.5), pytest.approx(0.2), 3),
+        Ratio("conv2d", "float16", pytest.approx(375.0), 0.0, 2),
+        Ratio("conv2d", "bfloat16", pytest.approx(1.05), 0.0, 3),
+    )
+    assert [r.verdict for r in speed_ratios(XEON)] == [
+        "pathological",
+        "faster",
+        "pathological",
+        "slower",
+    ]
+
+
+def test_speed_ratios_skip_cells_without_float32_or_without_the_dtype():
+    only_half = SpeedMeasurement(
+        timings=cells("matmul", float16=(1.0,)) + cells("conv2d", float32=(1.0,)),
+        missing=(Missing("matmul", "float32", "boom"),),
+    )
+    assert speed_ratios(only_half) == ()
+
+
+def test_describe_words_each_verdict():
+    assert describe(Ratio("matmul", "float16", 400.5, 0.2, 2)) == (
+        "float16 matmul: 400x float32's time, pathologically slow"
+    )
+    assert describe(Ratio("matmul", "float16", 1.5, 0.2, 5)) == (
+        "float16 matmul: 1.50x float32's time (slower; float32 varied 20% between rounds)"
+    )
+    assert describe(Ratio("conv2d", "bfloat16", 0.5, 0.04, 5)) == (
+        "bfloat16 conv2d: 0.50x float32's time (faster; float32 varied 4% between rounds)"
+    )
+    assert describe(Ratio("matmul", "float16", 1.09, 0.21, 5)) == (
+        "float16 matmul: 1.09x float32's time, no measurable difference "
+        "(float32 varied 21% between rounds)"
+    )
+    assert describe(Ratio("matmul", "float16", 1.5, None, 1)) == (
+        "float16 matmul: 1.50x float32's time (slower)"
+    )
+
+
+def test_measurement_lines_times_ratios_and_what_was_not_measured():
+    measured = SpeedMeasurement(
+        timings=cells("matmul", float32=(0.46, 0.5, 0.4), float16=(152.0, 160.0)),
+        missing=(Missing("conv2d", "bfloat16", "NotFoundError: no kernel"),),
+    )
+    assert measurement_lines(measured) == [
+        "matmul 128x512 @ 512x512: float32 0.460 ms, float16 156 ms a call (median of 2/3 rounds)",
+        "float16 matmul: 339x float32's time, pathologically slow",
+        "bfloat16 conv2d: not measured: NotFoundError: no kernel",
+    ]
+
+
+def test_onednn_fix_applies_only_to_a_pathological_float16_with_onednn_on():
+    assert onednn_fix_applies(XEON)
+    assert not onednn_fix_applies(XEON_OFF)
+    assert not onednn_fix_applies(SpeedMeasurement(XEON.timings, onednn=False))
+    assert not onednn_fix_applies(SpeedMeasurement(XEON.timings, onednn=None))
+    bfloat16_only = SpeedMeasurement(
+        cells("matmul", float32=(1.0,), float16=(1.0,), bfloat16=(50.0,)), onednn=True
+    )
+    assert not onednn_fix_applies(bfloat16_only)
+
+
+def test_doctor_lines_show_the_fix_and_its_measured_effect():
+    assert doctor_lines(XEON, XEON_OFF) == [
+        "oneDNN CPU kernels: on (TF_ENABLE_ONEDNN_OPTS unset); measured in 2.5 s",
+        "matmul 128x512 @ 512x512: float32 1.00 ms, float16 400 ms, bfloat16 0.500 ms a call "
+        "(median of 2/3 rounds)",
+        "conv2d 8x32x32x32 (NHWC), 3x3 kernel, 32 filters: float32 2.00 ms, float16 750 ms, "
+        "bfloat16 2.10 ms a call (median of 2/3 rounds)",
+        "float16 matmul: 400x float32's time, pathologically slow",
+        "bfloat16 matmul: 0.50x float32's time (faster; float32 varied 20% between rounds)",
+        "float16 conv2d: 375x float32's time, pathologically slow",
+        "bfloat16 conv2d: 1.05x float32's time (slower; float32 varied 0% between rounds)",
+        f"fix: oneDNN's float16 path is slow here: {ONEDNN_FIX}",
+        "measured with TF_ENABLE_ONEDNN_OPTS=0 in a fresh process (4.0 s):",
+        "  matmul 128x512 @ 512x512: float32 1.00 ms, float16 1.50 ms a call (median of 2 rounds)",
+        "  conv2d 8x32x32x32 (NHWC), 3x3 kernel, 32 filters: float32 2.00 ms, float16 2.00 ms "
+        "a call (median of 2 rounds)",
+        "  float16 matmul: 1.50x float32's time (slower; float32 varied 0% between rounds)",
+        "  float16 conv2d: 1.00x float32's time, no measurable difference "
+        "(float32 varied 0% between rounds)",
+    ]
+
+
+def test_doctor_lines_when_the_fix_could_not_be_measured_or_does_not_apply():
+    failed = doctor_lines(XEON, None, "the measuring process took over 60 s")
+    assert failed[-2:] == [
+        f"fix: oneDNN's float16 path is slow here: {ONEDNN_FIX}",
+        "its effect was not measured: the measuring process took over 60 s",
+    ]
+    oneDNN_off = SpeedMeasurement(XEON.timings, onednn=False, onednn_setting="0", seconds=2.5)
+    lines = doctor_lines(oneDNN_off)
+    assert lines[0] == "oneDNN CPU kernels: off (TF_ENABLE_ONEDNN_OPTS '0'); measured in 2.5 s"
+    assert lines[-1] == (
+        "no fix kmix knows for the pathologically slow dtype: use a policy that avoids it "
+        "(kmix compare measures each policy on your model)"
+    )
+    assert not any(line.startswith("fix:") for line in lines)
+    assert doctor_lines(XEON_OFF)[-1].startswith("  ") is False  # no fix, no recheck
+
+
+def test_float16_cpu_finding_gives_the_measured_ratio_or_says_why_not():
+    slow = SpeedMeasurement(cells("matmul", float32=(1.0, 1.02, 0.98), float16=(3.0, 3.1, 2.9)))
+    assert float16_cpu_finding(slow) == (
+        "no GPU or TPU was found, and on this CPU a float16 matmul (128x512 @ 512x512) "
+        "measured 3.00x float32's time (median of 3 rounds; float32 varied 4%)",
+        True,
+    )
+    same = SpeedMeasurement(cells("matmul", float32=(1.0, 1.2, 0.9), float16=(1.1, 1.1, 1.1)))
+    assert float16_cpu_finding(same) == (
+        "no GPU or TPU was found, and on this CPU a float16 matmul (128x512 @ 512x512) "
+        "measured 1.10x float32's time (median of 3 rounds; float32 varied 30%)",
+        False,
+    )
+    sentence, slower = float16_cpu_finding(XEON)
+    assert slower
+    assert sentence.endswith(
+        "measured 400x float32's time (median of 2 rounds; float32 varied 20%); "
+        f"oneDNN's float16 path is slow here: {ONEDNN_FIX}"
+    )
+    missing = SpeedMeasurement(missing=(Missing("matmul", "float16", "TypeError: no"),))
+    assert float16_cpu_finding(missing) == (
+        "float16's speed on this CPU was not measured (float16 matmul: TypeError: no)",
+        False,
+    )
+    assert float16_cpu_finding(SpeedMeasurement()) == (
+        "float16's speed on this CPU was not measured (no timing)",
+        False,
+    )
+
+
+def test_measurement_round_trips_through_json():
+    assert SpeedMeasurement.from_dict(json.loads(json.dumps(XEON.to_dict()))) == XEON
+    with_missing = SpeedMeasurement(missing=(Missing("conv2d", "bfloat16", "why"),))
+    assert SpeedMeasurement.from_dict(json.loads(json.dumps(with_missing.to_dict()))) == (
+        with_missing
+    )
+
+
+def test_measure_times_every_cell_here_and_the_ratios_follow_from_the_times():
+    measured = probe.measure(rounds=2, round_seconds=0.002)
+    timed = {(t.op, t.dtype) for t in measured.timings}
+    missing = {(m.op, m.dtype) for m in measured.missing}
+    assert timed | missing == {(op, dtype) for op in OPS for dtype in DTYPES}
+    assert not timed & missing
+    assert ("matmul", "float32") in timed
+    for timing in measured.timings:
+        assert len(timing.seconds) == 2
+        assert all(0 < s < 10 for s in timing.seconds)
+    for ratio in speed_ratios(measured):
+        assert ratio.ratio == pytest.approx(
+            measured.timing(ratio.op, ratio.dtype).median
+            / measured.timing(ratio.op, "float32").median
+        )
+    assert measured.onednn in (True, False)  # conftest: off unless the caller set it
+    assert measured.seconds > 0
+
+
+def test_float16_matmul_probe_is_measured_once_per_process():
+    first = probe.float16_matmul_probe()
+    assert probe.float16_matmul_probe() is first
+    assert {(t.op, t.dtype) for t in first.timings} | {(m.op, m.dtype) for m in first.missing} == {
+        ("matmul", "float32"),
+        ("matmul", "float16"),
+    }
+
+
+def test_measure_in_subprocess_says_when_the_process_fails(monkeypatch):
+    with pytest.raises(RuntimeError, match=r"^the measuring process took over 0 s$"):
+        probe.measure_in_subprocess({}, timeout_s=0.01)
+    monkeypatch.setattr(sys, "executable", "false")  # exits 1, prints nothing
+    with pytest.raises(
+        RuntimeError, match=r"^the measuring process exited with status 1: no output$"
+    ):
+        probe.measure_in_subprocess({})
+
+
+@pytest.mark.slow
+def test_measure_in_subprocess_with_onednn_off():
+    measured = probe.measure_in_subprocess({"TF_ENABLE_ONEDNN_OPTS": "0"}, ops=("matmul",))
+    assert (measured.onednn, measured.onednn_setting) == (False, "0")
+    assert [(t.op, t.dtype) for t in measured.timings] == [
+        ("matmul", "float32"),
+        ("matmul", "float16"),
+    ]
+    assert measured.seconds > sum(t.median for t in measured.timings)
