@@ -153,6 +153,37 @@ def float16_matmul_probe() -> SpeedMeasurement:
     return _float16_matmul[0]
 
 
+def avoid_slow_float16_path(policy: str) -> str | None:
+    """Before ``kmix demo`` imports TensorFlow: turns oneDNN off where its float16 is slow.
+
+    Where :func:`kmix._speed_probe.demo_should_check_onednn` says so (a float16 policy, a
+    CPU with AVX512_FP16 or AMX-FP16, ``TF_ENABLE_ONEDNN_OPTS`` unset, TensorFlow not yet
+    imported), times float32 and float16 matmul in a fresh process; when float16 is
+    pathologically slow there, sets ``TF_ENABLE_ONEDNN_OPTS=0`` in this process.
+
+    Args:
+        policy: the demo's ``--policy``.
+
+    Returns:
+        The line to print: what was measured and done, or why the check failed; None when
+        nothing was checked or oneDNN stays on.
+    """
+    from kmix._speed_probe import demo_onednn_note, demo_should_check_onednn
+    from kmix.hardware import read_cpuinfo
+
+    flags = read_cpuinfo()[1]
+    if not demo_should_check_onednn(policy, flags, os.environ, "tensorflow" in sys.modules):
+        return None
+    try:
+        measured = measure_in_subprocess({}, ("matmul",))
+    except RuntimeError as error:
+        return f"kmix demo: oneDNN's float16 speed could not be checked ({error}); oneDNN stays on"
+    note = demo_onednn_note(measured)
+    if note:
+        os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"
+    return note
+
+
 def _op_call(tf: Any, op: str, dtype: str) -> Any:
     """A function running ``op`` once in ``dtype`` on fixed random inputs."""
     generator = tf.random.Generator.from_seed(0)

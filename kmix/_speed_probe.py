@@ -323,6 +323,59 @@ def doctor_lines(
     return lines
 
 
+ONEDNN_FLOAT16_FLAGS = ("amx_fp16", "avx512_fp16")
+"""CPU flags on which oneDNN takes its own float16 path (elsewhere TensorFlow 2.21 falls
+back to Eigen's kernels: "oneDNN supports DT_HALF only on platforms with AVX-512 ...")."""
+
+
+def demo_should_check_onednn(
+    policy: str, cpu_flags: Sequence[str], environ: Mapping[str, str], tensorflow_imported: bool
+) -> bool:
+    """Whether ``kmix demo`` times float16 with oneDNN on before TensorFlow is imported.
+
+    The check costs a fresh process (a few seconds), so it runs only where it can change
+    something: the demo computes in float16, the CPU has a flag of
+    :data:`ONEDNN_FLOAT16_FLAGS`, the user left ``TF_ENABLE_ONEDNN_OPTS`` unset, and
+    TensorFlow is not imported yet (it reads the variable once, when imported).
+
+    Args:
+        policy: the ``--policy`` given to ``kmix demo``.
+        cpu_flags: the CPU's flags, e.g. ``kmix.hardware.read_cpuinfo()[1]``.
+        environ: the environment variables.
+        tensorflow_imported: whether TensorFlow is imported in this process.
+
+    Returns:
+        True when the check should run.
+    """
+    return (
+        policy in ("mixed_float16", "float16")
+        and any(flag in cpu_flags for flag in ONEDNN_FLOAT16_FLAGS)
+        and "TF_ENABLE_ONEDNN_OPTS" not in environ
+        and not tensorflow_imported
+    )
+
+
+def demo_onednn_note(measured: SpeedMeasurement) -> str | None:
+    """What ``kmix demo`` says when it turns oneDNN off for its run, or None when it keeps it.
+
+    Args:
+        measured: float32 and float16 timed in a fresh process with oneDNN as the user
+            left it (:func:`demo_should_check_onednn`).
+
+    Returns:
+        The line to print when :func:`onednn_fix_applies`, else None.
+    """
+    if not onednn_fix_applies(measured):
+        return None
+    slow = next(r for r in speed_ratios(measured) if r.verdict == "pathological")
+    return (
+        f"kmix demo: a float16 {slow.op} measured {_times(slow.ratio)} float32's time on this "
+        f"CPU with oneDNN on (in a fresh process, {measured.seconds:.1f} s), so this run sets "
+        "TF_ENABLE_ONEDNN_OPTS=0 and float16 runs on TensorFlow's own kernels "
+        "(TF_ENABLE_ONEDNN_OPTS=1 keeps oneDNN; kmix doctor measures both)"
+    )
+
+
 def float16_cpu_finding(measured: SpeedMeasurement) -> tuple[str, bool]:
     """What ``kmix.use`` says of float16 on a machine without a GPU or TPU.
 

@@ -255,6 +255,11 @@ def _run_demo(args: argparse.Namespace) -> int:
         return _error("demo", str(error))
     except OSError as error:
         return _error("demo", _cannot_write(args.logdir, error))
+    from kmix._speed_measure import avoid_slow_float16_path  # oneDNN's float16 (issue 23)
+
+    note = avoid_slow_float16_path(args.policy)
+    if note:
+        print(note)
     return demo.main(
         logdir=args.logdir, epochs=args.epochs, policy=args.policy, overwrite=args.overwrite
     )

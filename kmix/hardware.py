@@ -20,7 +20,7 @@ from typing import Any
 CPUINFO_PATH = "/proc/cpuinfo"
 
 # The CPU flags (as Linux spells them) that decide how fast half precision runs.
-CPU_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "f16c")
+CPU_FLAGS = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "f16c")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,11 +4,13 @@ and kmix._speed_measure (a real measurement, in this process and in a fresh one)
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
 
 from kmix import _speed_measure as probe
+from kmix import _speed_probe as probe_rules
 from kmix._speed_probe import (
     DTYPES,
     ONEDNN_FIX,
@@ -267,3 +269,77 @@ def test_measure_in_subprocess_with_onednn_off():
         ("matmul", "float16"),
     ]
     assert measured.seconds > sum(t.median for t in measured.timings)
+
+
+# ------------------------------------------------------- kmix demo and oneDNN's float16 path
+@pytest.mark.parametrize(
+    ("policy", "flags", "environ", "imported", "expected"),
+    [
+        ("mixed_float16", ("avx512_fp16", "avx512f"), {}, False, True),
+        ("float16", ("amx_fp16",), {}, False, True),
+        ("mixed_float16", ("avx512f", "avx512_bf16"), {}, False, False),  # Eigen's float16
+        ("mixed_bfloat16", ("avx512_fp16",), {}, False, False),
+        ("float32", ("avx512_fp16",), {}, False, False),
+        ("auto", ("avx512_fp16",), {}, False, False),  # "auto" never picks float16 on a CPU
+        ("mixed_float16", ("avx512_fp16",), {"TF_ENABLE_ONEDNN_OPTS": "1"}, False, False),
+        ("mixed_float16", ("avx512_fp16",), {"TF_ENABLE_ONEDNN_OPTS": "0"}, False, False),
+        ("mixed_float16", ("avx512_fp16",), {}, True, False),  # too late to change
+    ],
+)
+def test_demo_checks_onednn_only_where_the_check_can_change_something(
+    policy, flags, environ, imported, expected
+):
+    assert probe_rules.demo_should_check_onednn(policy, flags, environ, imported) is expected
+
+
+def test_demo_onednn_note_says_what_was_measured_and_done():
+    assert probe_rules.demo_onednn_note(XEON) == (
+        "kmix demo: a float16 matmul measured 400x float32's time on this CPU with oneDNN on "
+        "(in a fresh process, 2.5 s), so this run sets TF_ENABLE_ONEDNN_OPTS=0 and float16 "
+        "runs on TensorFlow's own kernels (TF_ENABLE_ONEDNN_OPTS=1 keeps oneDNN; kmix doctor "
+        "measures both)"
+    )
+    assert probe_rules.demo_onednn_note(XEON_OFF) is None
+    assert probe_rules.demo_onednn_note(SpeedMeasurement(XEON.timings, onednn=False)) is None
+
+
+@pytest.fixture
+def xeon_before_tensorflow(monkeypatch):
+    """This process as a fresh ``kmix demo`` on a Xeon with AVX512_FP16 would see it."""
+    cpuinfo = ("Xeon", ("avx512_fp16",))
+    monkeypatch.setattr(sys.modules["kmix.hardware"], "read_cpuinfo", lambda: cpuinfo)
+    monkeypatch.delitem(sys.modules, "tensorflow")
+    monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
+    return monkeypatch
+
+
+def test_demo_turns_onednn_off_where_float16_measured_pathological(xeon_before_tensorflow):
+    asked = []
+    xeon_before_tensorflow.setattr(
+        probe, "measure_in_subprocess", lambda env, ops: asked.append((env, ops)) or XEON
+    )
+    assert probe.avoid_slow_float16_path("mixed_bfloat16") is None
+    assert "TF_ENABLE_ONEDNN_OPTS" not in os.environ
+    assert probe.avoid_slow_float16_path("mixed_float16") == probe_rules.demo_onednn_note(XEON)
+    assert asked == [({}, ("matmul",))]
+    assert os.environ["TF_ENABLE_ONEDNN_OPTS"] == "0"
+
+
+def test_demo_keeps_onednn_where_float16_is_not_pathological(xeon_before_tensorflow):
+    xeon_before_tensorflow.setattr(probe, "measure_in_subprocess", lambda env, ops: XEON_OFF)
+    assert probe.avoid_slow_float16_path("mixed_float16") is None
+    assert "TF_ENABLE_ONEDNN_OPTS" not in os.environ
+    xeon_before_tensorflow.setattr(probe, "measure_in_subprocess", fail_to_measure)
+    assert probe.avoid_slow_float16_path("mixed_float16") == (
+        "kmix demo: oneDNN's float16 speed could not be checked (the measuring process took "
+        "over 60 s); oneDNN stays on"
+    )
+    assert "TF_ENABLE_ONEDNN_OPTS" not in os.environ
+
+
+def fail_to_measure(*args, **kwargs):
+    raise RuntimeError("the measuring process took over 60 s")
+
+
+def test_demo_checks_nothing_on_this_process():
+    assert probe.avoid_slow_float16_path("mixed_float16") is None  # TensorFlow is imported
