@@ -21,6 +21,9 @@ _PUBLIC = {
     "LossScaleOptimizer": "kmix.optimizer",
     "ScaleEvent": "kmix.tags",
     "callbacks": "kmix.callbacks",
+    "PolicyComparison": "kmix.compare",
+    "PolicyRow": "kmix.compare",
+    "compare_policies": "kmix.compare",
 }
 
 # Light modules (no TensorFlow at import) are imported now. Importing them here
@@ -48,6 +51,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from kmix import callbacks  # noqa: F401
+    from kmix.compare import PolicyComparison, PolicyRow, compare_policies  # noqa: F401
     from kmix.optimizer import LossScaleOptimizer  # noqa: F401
     from kmix.tags import ScaleEvent  # noqa: F401
 

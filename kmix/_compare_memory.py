@@ -18,17 +18,38 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["MEMORY_STEPS", "WORKER_TIMEOUT_S", "importable_name", "main", "measure_peaks"]
+__all__ = [
+    "MEMORY_STEPS",
+    "WORKER_TIMEOUT_S",
+    "Peak",
+    "importable_name",
+    "main",
+    "measure_peaks",
+    "peak_from_result",
+]
 
 MEMORY_STEPS = 5
 """Steps the memory process trains: the peak of a step is reached by the second."""
 WORKER_TIMEOUT_S = 300
 """How long one memory process may take."""
 
-Peak = tuple[int | None, str, bool]
-"""(peak bytes or None, what was measured or why not, out of memory)."""
+
+class Peak(NamedTuple):
+    """One policy's peak memory, or why it was not measured.
+
+    Attributes:
+        bytes: the peak, None when not measured.
+        baseline: what the process held before the model was built, where known.
+        note: what was measured, or why not.
+        out_of_memory: the model did not fit in the device's memory.
+    """
+
+    bytes: int | None
+    baseline: int | None
+    note: str
+    out_of_memory: bool = False
 
 
 def importable_name(function: Any) -> str | None:
@@ -79,14 +100,14 @@ def measure_peaks(
     elif loss is not None and not isinstance(loss, str):
         why_not = "not measured: the loss is not a name another process can rebuild"
     if why_not is not None:
-        return {policy: (None, why_not, False) for policy in policies}
+        return {policy: Peak(None, None, why_not) for policy in policies}
     with tempfile.TemporaryDirectory() as folder:
         batches = os.path.join(folder, "batches.npz")
         saved = _save_batches(data, batch_size, batches)
         if saved is not None:
-            return {policy: (None, f"not measured: {saved}", False) for policy in policies}
+            return {policy: Peak(None, None, f"not measured: {saved}") for policy in policies}
         return {
-            policy: (None, f"not measured: {skip[policy]}", False)
+            policy: Peak(None, None, f"not measured: {skip[policy]}")
             if policy in skip
             else _run_worker(name, policy, batches, loss, seed)
             for policy in policies
@@ -128,35 +149,77 @@ def _run_worker(name: str, policy: str, batches: str, loss: Any, seed: int) -> P
             env=env,
         )
     except subprocess.TimeoutExpired:
-        return None, f"not measured: its process took over {WORKER_TIMEOUT_S} s", False
+        return Peak(None, None, f"not measured: its process took over {WORKER_TIMEOUT_S} s")
     lines = done.stdout.strip().splitlines()
     try:
         result = json.loads(lines[-1])
     except (IndexError, ValueError):
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
-        return None, f"not measured: its process failed ({tail})", False
+        return Peak(None, None, f"not measured: its process failed ({tail})")
     return peak_from_result(result)
 
 
 def peak_from_result(result: dict[str, Any]) -> Peak:
-    """The :data:`Peak` of a memory process's JSON line, with what was measured."""
+    """The :class:`Peak` of a memory process's JSON line, with what was measured.
+
+    Args:
+        result: the line's object: ``start_rss`` and ``peak_rss`` (bytes, with
+            ``rss_from``: how the peak was read), or ``device`` and ``device_peak``, or
+            ``out_of_memory``.
+
+    Returns:
+        The peak and its note.
+    """
     steps = f"{MEMORY_STEPS} steps"
     if result.get("out_of_memory"):
-        return None, "out of device memory in a process that ran only this policy", True
+        note = "out of device memory in a process that ran only this policy"
+        return Peak(None, None, note, True)
     if result.get("device_peak") is not None:
-        return (
+        return Peak(
             int(result["device_peak"]),
-            f"peak {result['device']} memory of a process that ran only this policy "
-            f"({steps}), as TensorFlow reports it",
-            False,
+            None,
+            f"peak {result['device']} memory of a process that built and trained only this "
+            f"policy ({steps}), as TensorFlow reports it",
         )
-    start = result["start_rss"] / 2**20
-    return (
-        int(result["peak_rss"]),
-        f"CPU: peak resident memory of a process that ran only this policy ({steps}); "
-        f"{start:.0f} MiB of it was held before the model was built (Python, TensorFlow)",
-        False,
+    since = (
+        "since just before the model was built"
+        if result.get("rss_from") == "reset"
+        else "since the process started (the high-water mark could not be reset)"
     )
+    return Peak(
+        int(result["peak_rss"]),
+        int(result["start_rss"]),
+        f"CPU: peak resident memory (VmHWM) {since}, of a process that built and trained "
+        f"only this policy ({steps}); + is its rise over what Python and TensorFlow held "
+        "before the model was built",
+    )
+
+
+def _rss() -> tuple[int, int, str]:
+    """(resident now, peak resident, how the peak was read), bytes, after a reset."""
+    import resource
+
+    reset = "reset"
+    try:  # Linux 4.0+: writing 5 resets the peak resident set size (VmHWM)
+        with open("/proc/self/clear_refs", "w") as file:
+            file.write("5")
+    except OSError:
+        reset = "start"
+    try:
+        return (*_status_rss(), reset)
+    except (OSError, ValueError, KeyError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return peak, peak, "start"
+
+
+def _status_rss() -> tuple[int, int]:
+    """(VmRSS, VmHWM) from /proc/self/status, in bytes."""
+    fields = {}
+    with open("/proc/self/status", encoding="ascii") as file:
+        for line in file:
+            key, _, value = line.partition(":")
+            fields[key] = value.split()
+    return int(fields["VmRSS"][0]) * 1024, int(fields["VmHWM"][0]) * 1024
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -169,7 +232,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         0.
     """
     import importlib
-    import resource
 
     spec = json.loads((sys.argv[1:] if argv is None else argv)[0])
     import numpy as np
@@ -177,18 +239,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from kmix._compare_run import build_entry
 
-    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     module, _, qualname = spec["build"].partition(":")
     function: Any = importlib.import_module(module)
     for part in qualname.split("."):
         function = getattr(function, part)
     gpus = tf.config.list_logical_devices("GPU")
     device = gpus[0].name.removeprefix("/device:") if gpus else None
-    result: dict[str, Any] = {"start_rss": start, "device": device}
+    with np.load(spec["batches"]) as arrays:
+        x, y = arrays["x"], arrays["y"]
+    start, _, rss_from = _rss()
+    result: dict[str, Any] = {"start_rss": start, "rss_from": rss_from, "device": device}
     try:
         model = build_entry(function, spec["policy"], spec["seed"], spec["loss"], qualname).model
-        with np.load(spec["batches"]) as arrays:
-            x, y = arrays["x"], arrays["y"]
         if device:
             tf.config.experimental.reset_memory_stats(device)
         model.fit(tf.data.Dataset.from_tensor_slices((x, y)), epochs=1, verbose=0)
@@ -196,7 +258,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["device_peak"] = tf.config.experimental.get_memory_info(device)["peak"]
     except tf.errors.ResourceExhaustedError:
         result["out_of_memory"] = True
-    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    try:
+        result["peak_rss"] = _status_rss()[1]
+    except (OSError, ValueError, KeyError):
+        import resource
+
+        result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps(result))
     return 0
 

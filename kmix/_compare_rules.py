@@ -82,19 +82,25 @@ def relative_difference(time_s: float, reference_s: float) -> float:
     return abs(time_s / reference_s - 1.0)
 
 
-def noise_floor(ratios: Sequence[float]) -> float | None:
-    """The noise floor: the largest relative difference of float32 against itself.
+def noise_floor(ratios: Sequence[float], overall: float | None = None) -> float | None:
+    """The noise floor: how far float32's step time is from itself, relatively.
+
+    The larger of the overall difference and the median of the rounds' differences: a
+    turn that a neighbour's burst of load hit does not set it alone, and the rounds
+    are shown beside it.
 
     Args:
         ratios: per round, the median step time of float32's second model over that
             of float32's first (same steps, timed in the same round).
+        overall: the same ratio over all rounds' steps; None to use the rounds alone.
 
     Returns:
-        ``max |ratio - 1|``, or None without rounds.
+        ``max(|overall - 1|, median_r |ratio_r - 1|)``, or None without rounds.
     """
     if not ratios:
         return None
-    return max(abs(ratio - 1.0) for ratio in ratios)
+    per_round = statistics.median(abs(ratio - 1.0) for ratio in ratios)
+    return per_round if overall is None else max(abs(overall - 1.0), per_round)
 
 
 def within_noise(time_s: float, float32_s: float, floor: float | None) -> bool | None:
@@ -253,7 +259,7 @@ def _loss_words(row: PolicyRow, reference: PolicyRow, spread: float | None) -> s
     spread_words = "not measured" if spread is None else f"{spread:.4g}"
     return (
         f"its final loss {_number(row.final_loss)} departs from float32's "
-        f"{_number(reference.final_loss)} by {_number(row.loss_departure)}, more than "
+        f"{_number(reference.final_loss)}: higher by {_number(row.loss_departure)}, more than "
         f"float32's own run-to-run spread ({spread_words})"
     )
 

@@ -7,10 +7,11 @@ comparison through :func:`comparison_markdown`. An unmeasured value is shown as
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from kmix._compare_values import PolicyComparison, PolicyRow
+# The values (kmix._compare_values) call this module, so it does not import them back:
+# a PolicyRow or PolicyComparison is typed Any here.
+PolicyRow = PolicyComparison = Any
 
 __all__ = ["comparison_markdown", "format_bytes", "row_cells"]
 
@@ -20,7 +21,7 @@ HEADER = (
     "step (median ± IQR)",
     "examples/s",
     "speed-up",
-    "peak memory",
+    "peak memory (+ over start)",
     "weights",
     "activations/step",
     "final loss (Δ float32)",
@@ -49,6 +50,13 @@ def _bits(value: float | None) -> str:
     return NOT_MEASURED if value is None else f"{value:.1f}"
 
 
+def _peak(row: PolicyRow) -> str:
+    text = format_bytes(row.peak_memory_bytes)
+    if row.peak_memory_bytes is not None and row.memory_baseline_bytes is not None:
+        text += f" (+{format_bytes(max(0, row.peak_memory_bytes - row.memory_baseline_bytes))})"
+    return text
+
+
 def row_cells(row: PolicyRow) -> list[str]:
     """One row of the table, as cell texts in the order of :data:`HEADER`."""
     step = NOT_MEASURED
@@ -62,7 +70,7 @@ def row_cells(row: PolicyRow) -> list[str]:
         speed = f"×{row.speedup:.2f}" + (" (within noise)" if row.within_noise else "")
     loss = NOT_MEASURED if row.final_loss is None else f"{row.final_loss:.4g}"
     if row.loss_departure is not None:
-        loss += f" (Δ {row.loss_departure:.2g}{'' if row.loss_ok else ', departs'})"
+        loss += f" (Δ {row.loss_departure:+.2g}{', departs' if row.loss_ok is False else ''})"
     headroom = f"{_bits(row.min_headroom_bits)} / {_bits(row.min_grad_headroom_bits)}"
     if row.tightest_layer and row.min_headroom_bits is not None:
         headroom += f" ({row.tightest_layer})"
@@ -73,7 +81,7 @@ def row_cells(row: PolicyRow) -> list[str]:
         step,
         NOT_MEASURED if row.examples_per_s is None else f"{row.examples_per_s:,.0f}",
         speed,
-        format_bytes(row.peak_memory_bytes),
+        _peak(row),
         format_bytes(row.weights_bytes),
         format_bytes(row.activation_bytes),
         loss,
@@ -113,7 +121,7 @@ def comparison_markdown(comparison: PolicyComparison) -> str:
     if comparison.loss_spread is not None:
         lines.append(
             f"Loss spread: {comparison.loss_spread:.3g} (float32's final loss, run again from "
-            "another seed); a policy whose final loss departs by more is marked 'departs'."
+            "another seed); a policy whose final loss is higher by more is marked 'departs'."
         )
     lines.append(f"Timing: {comparison.timing}")
     lines += _notes(comparison)

@@ -57,6 +57,8 @@ class PolicyRow:
         within_noise: whether the difference from float32 is inside the noise floor
             (then it is "no measurable difference"); None for float32 itself.
         peak_memory_bytes: the peak memory measured (see ``memory_note``), or None.
+        memory_baseline_bytes: what that process held before the model was built
+            (Python and TensorFlow), where it was measured.
         memory_note: what ``peak_memory_bytes`` is, or why it was not measured.
         weights_bytes: the model's variables (weights and non-trainable state).
         activation_bytes: every layer's output for one batch, from the output shapes
@@ -64,8 +66,10 @@ class PolicyRow:
             unknown.
         loss_curve: the training loss of every step, in order.
         final_loss: the mean loss of the last tenth of the steps; None if not finite.
-        loss_departure: ``|final_loss - float32's final_loss|``; None for float32.
-        loss_ok: whether that departure is within float32's own run-to-run spread.
+        loss_departure: ``final_loss - float32's final_loss`` (positive: higher);
+            None for float32.
+        loss_ok: whether the loss is no higher than float32's by more than float32's
+            own run-to-run spread (a lower loss is no departure to worry about).
         skipped_steps: steps the loss-scale optimizer skipped (non-finite gradients).
         min_headroom_bits: the least float16 range left by any layer's output over
             the run (log2 of 65504 over the largest absolute activation), the forward
@@ -91,6 +95,7 @@ class PolicyRow:
     speedup: float | None = None
     within_noise: bool | None = None
     peak_memory_bytes: int | None = None
+    memory_baseline_bytes: int | None = None
     memory_note: str = ""
     weights_bytes: int | None = None
     activation_bytes: int | None = None
@@ -132,9 +137,10 @@ class PolicyComparison:
 
     Attributes:
         rows: one :class:`PolicyRow` per policy, in the order asked.
-        noise_floor: the largest relative difference of float32's step time against
-            itself (a second float32 model timed in the same rounds); a time
-            difference inside it is "no measurable difference".
+        noise_floor: the relative difference of float32's step time from itself (a
+            second float32 model timed in the same rounds; see
+            :func:`kmix._compare_rules.noise_floor`); a time difference inside it is
+            "no measurable difference".
         noise_ratios: that second model's median step time over float32's, per round.
         loss_spread: ``|final loss of float32 - final loss of float32's second run|``
             (another seed): float32's own run-to-run spread.

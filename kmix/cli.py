@@ -1,4 +1,4 @@
-"""The ``kmix`` command: ``kmix demo``, ``kmix report LOGDIR`` and ``kmix doctor``.
+"""The ``kmix`` command: ``kmix demo``, ``kmix report LOGDIR``, ``kmix doctor``, ``kmix compare``.
 
 Heavy modules (TensorFlow, Keras, matplotlib) are imported inside the subcommands,
 so ``kmix --help`` and ``kmix report`` start without TensorFlow.
@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kmix import __version__
+from kmix._cli_compare import add_compare_parser, report_comparison
 from kmix._cli_doctor import (
     PACKAGES,
     VERSION_RULES,
@@ -166,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     doctor.set_defaults(run=run_doctor, imports_tensorflow=True)
-    parser.commands.update({"demo": demo, "report": report, "doctor": doctor})
+    compare = add_compare_parser(commands)  # kmix/_cli_compare.py
+    parser.commands.update({"demo": demo, "report": report, "doctor": doctor, "compare": compare})
     return parser
 
 
@@ -294,6 +296,8 @@ def _run_report(args: argparse.Namespace) -> int:
             "LOGDIR '' is empty: expected the log_dir given to "
             "kmix.callbacks.MixedPrecisionMonitor, e.g. kmix report runs/demo",
         )
+    if report_comparison(args.logdir, args.json):  # a kmix compare log dir
+        return 0
     from kmix import report
 
     report.avoid_tensorflow()

@@ -291,7 +291,7 @@ def _read_run(path: str) -> Any:
 def _table(
     entries: Sequence[Entry],
     logs: dict[str, Any],
-    peaks: dict[str, tuple[int | None, str, bool]],
+    peaks: dict[str, Any],
     detected: Any,
     steps: int,
     rounds: int,
@@ -304,10 +304,12 @@ def _table(
         a, b = rules.step_stats(ours), rules.step_stats(theirs)
         if a and b:
             ratios.append(b[0] / a[0])
-    floor = rules.noise_floor(ratios)
+    repeat_stats = rules.step_stats([t for turn in repeat.times for t in turn])
+    f32_stats = rules.step_stats([t for turn in float32.times for t in turn])
+    overall = repeat_stats[0] / f32_stats[0] if repeat_stats and f32_stats else None
+    floor = rules.noise_floor(ratios, overall)
     f32_loss, repeat_loss = rules.final_loss(float32.losses), rules.final_loss(repeat.losses)
     spread = None if f32_loss is None or repeat_loss is None else abs(f32_loss - repeat_loss)
-    f32_stats = rules.step_stats([t for turn in float32.times for t in turn])
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").lower() not in ("0", "false")
     accelerators = bool(detected.gpus or detected.tpus)
     rows = []
@@ -347,9 +349,7 @@ def _replace(row: PolicyRow, **changes: Any) -> PolicyRow:
     return dataclasses.replace(row, **changes)
 
 
-def _row(
-    entry: Entry, summary: Any, peak: tuple[int | None, str, bool] | None, examples: int | None
-) -> PolicyRow:
+def _row(entry: Entry, summary: Any, peak: Any, examples: int | None) -> PolicyRow:
     """One policy's row from its measurements (speed-up and loss departure come later)."""
     from kmix._compare_sizes import activation_bytes, weights_bytes
 
@@ -358,9 +358,8 @@ def _row(
     status = MEASURED
     if entry.stopped:
         status = STOPPED_SLOW
-    elif entry.out_of_memory or (peak is not None and peak[2]):
+    elif entry.out_of_memory or (peak is not None and peak.out_of_memory):
         status = OUT_OF_MEMORY
-    peak_bytes, memory_note = (peak[0], peak[1]) if peak else (None, "not measured")
     headroom = _headroom(summary, entry.policy)
     return PolicyRow(
         policy=entry.policy,
@@ -369,8 +368,9 @@ def _row(
         step_time_s=None if stats is None else stats[0],
         step_time_iqr_s=None if stats is None else stats[1],
         examples_per_s=None if stats is None or not examples else examples / stats[0],
-        peak_memory_bytes=peak_bytes,
-        memory_note=memory_note,
+        peak_memory_bytes=None if peak is None else peak.bytes,
+        memory_baseline_bytes=None if peak is None else peak.baseline,
+        memory_note="not measured" if peak is None else peak.note,
         weights_bytes=weights_bytes(entry.model),
         activation_bytes=activation_bytes(entry.model, examples),
         loss_curve=tuple(entry.losses),
@@ -416,7 +416,7 @@ def _compare_to_float32(
         if row.final_loss is None:
             changes["loss_ok"] = False
         else:
-            departure = abs(row.final_loss - f32_loss)
+            departure = row.final_loss - f32_loss  # positive: a higher loss
             changes["loss_departure"] = departure
             changes["loss_ok"] = None if spread is None else departure <= spread
     return _replace(row, **changes)

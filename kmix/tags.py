@@ -20,6 +20,15 @@ Import every name from here (``kmix.tags.ScaleEvent``), not from the parts.
 
 from __future__ import annotations
 
+from kmix._tag_compare import (
+    COMPARISON,
+    COMPARISON_FILE,
+    COMPARISON_RECORD,
+    COMPARISON_RUN,
+    format_comparison,
+    parse_comparison,
+    read_comparison_file,
+)
 from kmix._tag_events import (
     EVENT_KINDS,
     EVENTS_LOST_RECORD,
@@ -69,6 +78,13 @@ from kmix._tag_records import (
 
 __all__ = [
     "FLOAT16_MAX",
+    "COMPARISON",
+    "COMPARISON_FILE",
+    "COMPARISON_RECORD",
+    "COMPARISON_RUN",
+    "format_comparison",
+    "parse_comparison",
+    "read_comparison_file",
     "ACTIVATION_HEADROOM_BITS",
     "ACTIVATION_MAX_ABS",
     "ACTIVATION_NONFINITE_FRACTION",

@@ -1,0 +1,429 @@
+"""kmix compare (issue 23): the rules over hand-made tables, the record, the CLI's errors,
+and one small real comparison (slow).
+
+The recommendation is a pure function of the rows and the noise floor, so its cases
+("float16 overflows", "all within noise", "float16 pathologically slow", the memory
+case) are checked on tables written by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import textwrap
+
+import pytest
+
+from kmix import _compare_rules as rules
+from kmix import tags
+from kmix._cli_compare import TargetError, load_target
+from kmix._compare_memory import importable_name, peak_from_result
+from kmix._compare_run import round_plan
+from kmix._compare_values import (
+    MEASURED,
+    OUT_OF_MEMORY,
+    STOPPED_SLOW,
+    CompareError,
+    PolicyComparison,
+    PolicyRow,
+    Recommendation,
+    comparison_from_dict,
+)
+from kmix.cli import main
+
+MS = 1e-3
+
+
+def row(policy: str, ms: float | None, **changes) -> PolicyRow:
+    """A measured row of 200 steps at ``ms`` per step, float32 at 10 ms the reference."""
+    base = PolicyRow(
+        policy=policy,
+        status=MEASURED,
+        steps=200,
+        step_time_s=None if ms is None else ms * MS,
+        speedup=None if ms is None else 10.0 / ms,
+        final_loss=0.5,
+        loss_departure=None if policy == "float32" else 0.0,
+        loss_ok=None if policy == "float32" else True,
+        min_headroom_bits=6.0 if "float16" in policy else None,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+# ------------------------------------------------------------ measured numbers
+def test_step_stats_median_and_interquartile_range():
+    assert rules.step_stats([]) is None
+    assert rules.step_stats([0.5]) == (0.5, 0.0)
+    median, iqr = rules.step_stats([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert median == 3.0
+    assert iqr == pytest.approx(4.0 - 2.0)
+
+
+def test_noise_floor_is_float32_against_itself_and_one_bad_round_does_not_set_it():
+    assert rules.noise_floor([]) is None
+    assert rules.noise_floor([1.02, 0.97, 1.01]) == pytest.approx(0.02)  # median of .02 .03 .01
+    # one turn hit by a neighbour's burst: the median of the rounds ignores it...
+    assert rules.noise_floor([1.0, 1.8, 1.01, 0.99]) == pytest.approx(0.01)
+    # ...but the overall ratio (all steps pooled) still counts
+    assert rules.noise_floor([1.0, 1.8, 1.01, 0.99], overall=1.05) == pytest.approx(0.05)
+
+
+def test_a_difference_inside_the_noise_floor_is_no_measurable_difference():
+    assert rules.within_noise(10.4 * MS, 10 * MS, 0.05) is True
+    assert rules.within_noise(9.6 * MS, 10 * MS, 0.05) is True
+    assert rules.within_noise(10.6 * MS, 10 * MS, 0.05) is False
+    assert rules.within_noise(8.0 * MS, 10 * MS, 0.05) is False
+    assert rules.within_noise(10 * MS, 10 * MS, None) is None
+
+
+def test_final_loss_is_the_mean_of_the_last_tenth_and_none_when_not_finite():
+    curve = [float(v) for v in range(100)]
+    assert rules.final_loss(curve) == pytest.approx(sum(range(90, 100)) / 10)
+    assert rules.final_loss([3.0, 2.0]) == 2.0
+    assert rules.final_loss([]) is None
+    assert rules.final_loss([1.0] * 19 + [math.inf]) is None
+
+
+def test_round_plan_splits_the_steps_after_the_warm_up():
+    assert round_plan(200, 4, 2) == [50, 50, 49, 49]
+    assert sum(round_plan(13, 2, 1)) == 12
+
+
+def test_slow_budget_has_a_floor_and_scales_with_float32():
+    assert rules.slow_budget_s(0.1) == rules.SLOW_BUDGET_FLOOR_S
+    assert rules.slow_budget_s(100.0) == 100.0 * rules.SLOW_FACTOR
+
+
+def test_native_compute_by_cpu_flags_and_gpu_capability():
+    assert rules.native_compute("float32", (), ())[0] is True
+    assert rules.native_compute("mixed_bfloat16", ("avx512_bf16",), ())[0] is True
+    native, why = rules.native_compute("mixed_float16", ("avx512f", "avx512_bf16"), ())
+    assert native is False and "AVX512_FP16" in why
+    assert rules.native_compute("mixed_float16", ("avx512_fp16",), ())[0] is True
+    assert rules.native_compute("mixed_float16", (), [(7, 0)])[0] is True
+    assert rules.native_compute("mixed_bfloat16", (), [(7, 5)])[0] is False
+    assert rules.native_compute("mixed_bfloat16", (), [None])[0] is None
+
+
+def test_slow_cause_names_onednn_float16_on_a_cpu():
+    cause = rules.slow_cause("mixed_float16", ("avx512_fp16",), accelerators=False, onednn=True)
+    assert "TF_ENABLE_ONEDNN_OPTS=0" in cause
+    assert rules.slow_cause("mixed_float16", (), accelerators=True, onednn=True) is None
+    emulated = rules.slow_cause("mixed_bfloat16", ("avx2",), accelerators=False, onednn=True)
+    assert "AVX512_BF16" in emulated
+    assert rules.slow_cause("float32", (), accelerators=False, onednn=True) is None
+
+
+# ------------------------------------------------------------ recommendation
+def test_all_within_noise_recommends_float32():
+    table = [row("float32", 10), row("mixed_float16", 9.8), row("mixed_bfloat16", 10.1)]
+    table = [dataclasses.replace(r, within_noise=r.policy != "float32" or None) for r in table]
+    advice = rules.recommend(table, floor=0.05, steps=200)
+    assert advice.policy == "float32"
+    assert "no policy is measurably faster" in advice.reasons[0]
+    assert "±5.0%" in advice.reasons[0]
+
+
+def test_fastest_safe_policy_is_recommended():
+    table = [row("float32", 10), row("mixed_float16", 5), row("mixed_bfloat16", 8)]
+    advice = rules.recommend(table, floor=0.05, steps=200)
+    assert advice.policy == "mixed_float16"
+    assert advice.reasons[0].startswith("mixed_float16: ×2.00")
+
+
+def test_tied_fastest_prefers_bfloat16_which_needs_no_loss_scaling():
+    table = [row("float32", 10), row("mixed_float16", 5.0), row("mixed_bfloat16", 5.1)]
+    advice = rules.recommend(table, floor=0.05, steps=200)
+    assert advice.policy == "mixed_bfloat16"
+    assert "mixed_float16 was faster by less than the noise floor" in advice.reasons[0]
+
+
+def test_float16_fastest_but_a_layer_overflows_names_the_layer_and_the_fixes():
+    table = [
+        row("float32", 10),
+        row("mixed_float16", 5, overflow_layers=("block_2/ffn_out",), skipped_steps=30),
+        row("mixed_bfloat16", 8),
+    ]
+    advice = rules.recommend(table, floor=0.05, steps=200)
+    assert advice.policy == "mixed_bfloat16"
+    second = advice.reasons[1]
+    assert second.startswith("mixed_float16 would be faster (×2.00")
+    assert "'block_2/ffn_out'" in second
+    assert "kmix.callbacks.PrecisionAutopilot" in second
+    assert "kmix.policy_scope('float32')" in second
+
+
+def test_low_activation_headroom_is_unsafe_and_names_the_tightest_layer():
+    table = [
+        row("float32", 10),
+        row("mixed_float16", 5, min_headroom_bits=0.4, tightest_layer="logits"),
+    ]
+    advice = rules.recommend(table, floor=0.05, steps=200)
+    assert advice.policy == "float32"
+    assert any("'logits'" in r and "0.4 bits" in r for r in advice.reasons)
+
+
+def test_too_many_skipped_steps_are_unsafe():
+    table = [row("float32", 10), row("mixed_float16", 5, skipped_steps=40)]
+    assert rules.safety_problem(table[1], 200) == "40 of 200 steps were skipped (safe: at most 5%)"
+    assert rules.recommend(table, 0.05, 200).policy == "float32"
+
+
+def test_float16_pathologically_slow_is_reported_with_its_cause():
+    cause = rules.slow_cause("mixed_float16", ("avx512_fp16",), accelerators=False, onednn=True)
+    table = [
+        row("float32", 24),
+        row(
+            "mixed_float16",
+            10240,
+            status=STOPPED_SLOW,
+            steps=5,
+            note=f"stopped after 48 s (budget 48 s); cause: {cause}",
+        ),
+        row("mixed_bfloat16", 17),
+    ]
+    advice = rules.recommend(table, floor=0.05, steps=200)
+    assert advice.policy == "mixed_bfloat16"
+    slow = [r for r in advice.reasons if r.startswith("mixed_float16")]
+    assert len(slow) == 1 and "pathologically slow" in slow[0]
+    assert "TF_ENABLE_ONEDNN_OPTS=0" in slow[0]
+
+
+def test_float32_out_of_device_memory_but_a_mixed_policy_fits():
+    table = [
+        row("float32", None, status=OUT_OF_MEMORY, steps=0),
+        row("mixed_float16", 7, peak_memory_bytes=30 * 2**30),
+        row("mixed_bfloat16", 8, peak_memory_bytes=31 * 2**30),
+    ]
+    advice = rules.recommend(table, floor=0.05, steps=200)
+    assert advice.policy == "mixed_float16"
+    assert "float32 does not fit in device memory, mixed_float16 does" in advice.reasons[0]
+    assert "peak 30720 MiB" in advice.reasons[0]
+
+
+def test_a_loss_that_departs_from_float32_is_left_out_and_says_by_how_much():
+    table = [
+        row("float32", 10, final_loss=0.30),
+        row("mixed_float16", 5, final_loss=0.45, loss_departure=0.15, loss_ok=False),
+    ]
+    advice = rules.recommend(table, floor=0.05, steps=200, loss_spread=0.01)
+    assert advice.policy == "float32"
+    assert "higher by 0.15" in advice.reasons[1] and "spread (0.01)" in advice.reasons[1]
+
+
+def test_recommend_needs_float32():
+    with pytest.raises(ValueError, match="float32 row"):
+        rules.recommend([row("mixed_float16", 5)], 0.05, 200)
+
+
+# ------------------------------------------------------------ values and record
+def comparison() -> PolicyComparison:
+    rows = (
+        row(
+            "float32", 10, loss_curve=(1.0, 0.5), memory_note="not measured (measure_memory=False)"
+        ),
+        row("mixed_float16", 5, loss_curve=(1.0, math.nan), within_noise=False),
+    )
+    return PolicyComparison(
+        rows=rows,
+        noise_floor=0.03,
+        noise_ratios=(1.01, 0.97),
+        loss_spread=0.01,
+        recommendation=Recommendation("mixed_float16", ("mixed_float16: ×2.00",)),
+        steps=200,
+        rounds=2,
+        batch_size=32,
+        timing="in one process",
+        model="tiny",
+    )
+
+
+def test_to_dict_is_json_ready_and_reads_back():
+    original = comparison()
+    data = original.to_dict()
+    text = json.dumps(data, allow_nan=False)  # a NaN loss is written as null
+    back = comparison_from_dict(json.loads(text))
+    assert back.rows[0] == original.rows[0]
+    assert math.isnan(back.rows[1].loss_curve[1])
+    assert back.recommendation == original.recommendation
+    assert back.noise_floor == 0.03
+
+
+def test_markdown_shows_the_table_noise_floor_recommendation_and_explains_absences():
+    text = comparison().to_markdown()
+    assert "| float32 | measured | 10 ms" in text
+    assert "×2.00" in text
+    assert "Noise floor: ±3.0% (float32 against itself, per round: 1.010, 0.970)" in text
+    assert "**Recommendation: mixed_float16**" in text
+    assert "not measured (measure_memory=False)" in text  # the absence, explained once
+    assert text.count("measure_memory=False") == 1
+
+
+def test_comparison_record_round_trips_and_other_text_is_no_record(tmp_path):
+    data = comparison().to_dict()
+    text = tags.format_comparison(data)
+    assert tags.parse_comparison(text) == data
+    assert tags.parse_comparison('{"record": "run_end"}') is None
+    assert tags.parse_comparison("not json") is None
+    assert tags.read_comparison_file(str(tmp_path)) is None
+    (tmp_path / tags.COMPARISON_FILE).write_text(text)
+    assert tags.read_comparison_file(str(tmp_path)) == data
+
+
+def test_peak_from_a_memory_process_says_what_was_measured():
+    cpu = peak_from_result({"start_rss": 2**29, "peak_rss": 2**30, "rss_from": "reset"})
+    assert cpu.bytes == 2**30 and cpu.baseline == 2**29
+    assert "CPU: peak resident memory" in cpu.note and "just before the model" in cpu.note
+    gpu = peak_from_result({"device": "GPU:0", "device_peak": 5, "start_rss": 1})
+    assert gpu.bytes == 5 and "GPU:0" in gpu.note
+    assert peak_from_result({"out_of_memory": True}).out_of_memory
+
+
+def test_only_functions_importable_by_name_get_a_memory_process():
+    assert importable_name(rules.recommend) == "kmix._compare_rules:recommend"
+    assert importable_name(lambda: None) is None
+
+    def nested():
+        return None
+
+    assert importable_name(nested) is None
+
+
+# ------------------------------------------------------------ CLI errors
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A module ``cmpmodels`` in the current directory, as a user would have it."""
+    (tmp_path / "cmpmodels.py").write_text(
+        textwrap.dedent(
+            """
+            import numpy as np
+
+            def tiny():
+                import keras
+                model = keras.Sequential(
+                    [keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                     keras.layers.Dense(2, dtype="float32")])
+                model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+                return model
+
+            def not_a_model():
+                return 42
+
+            def data():
+                rng = np.random.default_rng(0)
+                return (rng.normal(size=(128, 6)).astype("float32"),
+                        rng.normal(size=(128, 2)).astype("float32"))
+
+            def wrong_shape():
+                return np.zeros((64, 5), "float32"), np.zeros((64, 2), "float32")
+
+            VALUE = 3
+            """
+        )
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("cmpmodels", None)
+
+
+def one_line_error(capsys, argv) -> str:
+    status = main(argv)
+    err = capsys.readouterr().err
+    assert status == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("target", "expected"),
+    [
+        ("cmpmodels", "is not MODULE:FUNCTION"),
+        ("no_such_module_xyz:build", "no module named 'no_such_module_xyz'"),
+        ("cmpmodels:missing", "module cmpmodels has no 'missing'"),
+        ("cmpmodels:VALUE", "VALUE is not a function but int"),
+    ],
+)
+def test_bad_module_function_is_one_line_and_status_2(user_module, capsys, target, expected):
+    line = one_line_error(capsys, ["compare", target, "--data", "cmpmodels:data"])
+    assert line.startswith("kmix compare: ") and expected in line
+
+
+def test_a_target_needs_data_and_exactly_one_of_target_or_demo(user_module, capsys):
+    assert "needs --data" in one_line_error(capsys, ["compare", "cmpmodels:tiny"])
+    assert "either MODULE:FUNCTION" in one_line_error(capsys, ["compare"])
+    assert "either" in one_line_error(capsys, ["compare", "--demo", "cmpmodels:tiny"])
+
+
+def test_a_used_logdir_is_refused(user_module, capsys):
+    (user_module / "used").mkdir()
+    (user_module / "used" / "keep.txt").write_text("mine")
+    argv = ["compare", "cmpmodels:tiny", "--data", "cmpmodels:data", "--logdir", "used"]
+    assert "is not empty" in one_line_error(capsys, argv)
+    assert (user_module / "used" / "keep.txt").read_text() == "mine"
+
+
+def test_load_target_returns_the_function(user_module):
+    assert load_target("cmpmodels:data", "--data")()[0].shape == (128, 6)
+    with pytest.raises(TargetError, match="--data 'cmpmodels:nope'"):
+        load_target("cmpmodels:nope", "--data")
+
+
+def test_bad_arguments_of_compare_policies():
+    from kmix.compare import compare_policies
+
+    with pytest.raises(CompareError, match="include 'float32'"):
+        compare_policies(lambda: None, None, policies=("mixed_float16",))
+    with pytest.raises(CompareError, match="each once"):
+        compare_policies(lambda: None, None, policies=("float32", "float32"))
+    with pytest.raises(CompareError, match=r"steps=4: use an integer >= 2 \* rounds \+ 1 = 9"):
+        compare_policies(lambda: None, None, steps=4)
+
+
+def test_a_function_that_returns_no_model_is_one_line_and_status_2(user_module, capsys):
+    argv = ["compare", "cmpmodels:not_a_model", "--data", "cmpmodels:data", "--no-memory"]
+    line = one_line_error(capsys, argv)
+    assert "returned int (42), not a keras.Model" in line
+
+
+def test_data_of_the_wrong_shape_is_one_line_and_status_2(user_module, capsys):
+    argv = ["compare", "cmpmodels:tiny", "--data", "cmpmodels:wrong_shape", "--no-memory"]
+    line = one_line_error(capsys, argv)
+    assert "have shape (32, 5)" in line and "expects (None, 6)" in line
+
+
+# ------------------------------------------------------------ a real comparison
+@pytest.mark.slow  # three small models trained side by side, then two memory processes
+def test_cli_compares_a_tiny_model_and_report_prints_the_comparison(user_module, capsys):
+    argv = ["compare", "cmpmodels:tiny", "--data", "cmpmodels:data", "--steps", "13"]
+    argv += ["--rounds", "2", "--policies", "float32,mixed_float16", "--logdir", "cmp", "--json"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    assert "round 2/2, mixed_float16, step 5/5" in err  # progress: policy, round, step
+    got = comparison_from_dict(data)
+    float32, float16 = got.row("float32"), got.row("mixed_float16")
+    for r in got.rows:
+        assert r.steps == 13 and len(r.loss_curve) == 13
+        assert r.step_time_s > 0 and r.step_time_iqr_s >= 0
+        assert r.examples_per_s == pytest.approx(32 / r.step_time_s)
+        assert r.speedup == pytest.approx(float32.step_time_s / r.step_time_s)
+        assert r.final_loss == pytest.approx(sum(r.loss_curve[-1:]))
+        assert r.weights_bytes == (6 * 8 + 8 + 8 * 2 + 2) * 4
+        assert (r.peak_memory_bytes is None) == ("not measured" in r.memory_note)
+        assert r.memory_note
+    assert float32.activation_bytes == 32 * (8 + 2) * 4
+    assert float16.activation_bytes == 32 * (8 * 2 + 2 * 4)  # float16 hidden, float32 head
+    assert float16.min_headroom_bits is not None and float16.tightest_layer
+    assert float32.min_headroom_bits is None
+    assert got.noise_floor is not None and len(got.noise_ratios) == 2
+    assert got.recommendation.policy in ("float32", "mixed_float16")
+    assert os.path.isdir(user_module / "cmp" / "mixed_float16" / "train")
+    assert os.path.isdir(user_module / "cmp" / tags.COMPARISON_RUN)
+    assert main(["report", "cmp"]) == 0
+    report = capsys.readouterr().out
+    assert "**Recommendation: " in report and "Noise floor: ±" in report
