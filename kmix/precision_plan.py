@@ -183,6 +183,44 @@ def layers_by_path(model: Any) -> dict[str, Any]:
     return found
 
 
+def _without_root(path: str) -> str:
+    return path.split("/", 1)[1] if "/" in path else path
+
+
+def find_layer(model: Any, path: str) -> Any | None:
+    """The layer of ``model`` a plan's path names, or None (none, or more than one).
+
+    A path matches a layer's own ``path`` or its path in the model; then, so that a
+    plan made on one instance applies to another built by the same code (Keras numbers
+    the second ``sequential_1`` and puts that name first in its layers' paths), the
+    path without its first part matches such a path without the model's name; then a
+    unique layer name matches.
+
+    Args:
+        model: the model.
+        path: e.g. ``"sequential/dense_1"`` or ``"block_3/ffn_out"``.
+
+    Returns:
+        The layer, or None.
+    """
+    by_path = layers_by_path(model)
+    if path in by_path:
+        return by_path[path]
+    layers = {id(layer): layer for layer in by_path.values()}
+    root = f"{getattr(model, 'name', '')}/"
+    for matches in (
+        {
+            id(layer)
+            for own, layer in by_path.items()
+            if own.startswith(root) and own[len(root) :] == _without_root(path)
+        },
+        {key for key, layer in layers.items() if layer.name == path},
+    ):
+        if len(matches) == 1:
+            return layers[matches.pop()]
+    return None
+
+
 def apply_plan(model: Any, plan: PrecisionPlan) -> list[str]:
     """Sets each planned layer's dtype policy, so the run starts where the plan says.
 
@@ -208,13 +246,21 @@ def apply_plan(model: Any, plan: PrecisionPlan) -> list[str]:
             f"kmix.apply_plan: plan={plan!r} is a {type(plan).__name__}; pass a "
             "kmix.PrecisionPlan (autopilot.plan, or PrecisionPlan.from_json(text))."
         )
-    layers = layers_by_path(model)
-    missing = [path for path in plan.policies if path not in layers]
+    layers, missing = {}, []
+    for path in plan.policies:
+        found = find_layer(model, path)
+        if found is None:
+            missing.append(path)
+        else:
+            layers[path] = found
     if missing:
-        known = ", ".join(sorted(layers)[:12]) + (", …" if len(layers) > 12 else "")
+        known = sorted(
+            p for p, layer in layers_by_path(model).items() if type(layer).__name__ != "InputLayer"
+        )
+        shown = ", ".join(known[:12]) + (", …" if len(known) > 12 else "")
         raise ValueError(
             f"kmix.apply_plan: the plan names {missing!r}, not layers of model "
-            f"{getattr(model, 'name', model)!r} (its layers: {known}). Apply a plan to "
+            f"{getattr(model, 'name', model)!r} (its layers: {shown}). Apply a plan to "
             "the model it was made for."
         )
     policies = {}

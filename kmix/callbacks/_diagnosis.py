@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kmix import tags
+from kmix._words import plural
 from kmix.callbacks._trip import NonfiniteLoss, OverflowAtFloor, SkipRate, Trip
+from kmix.precision_plan import PrecisionMove
 from kmix.tags import ScaleEvent
 
 UNRECORDED_VARIABLE = {
@@ -179,3 +181,31 @@ def diagnosis(
     if isinstance(trip, OverflowAtFloor):
         return floor_text(trip, patience, events, loss_scaling)
     return skip_rate_text(trip, max_skip_rate)
+
+
+def moves_text(moves: Sequence[PrecisionMove], max_layers: int) -> str:
+    """What ``PrecisionAutopilot`` did before the guard stopped the run.
+
+    Args:
+        moves: the autopilot's moves, oldest first (may be empty).
+        max_layers: its ``max_layers``.
+
+    Returns:
+        A paragraph naming every move, and that moving did not help (or reached
+        ``max_layers``); "" without moves.
+    """
+    if not moves:
+        return ""
+    listed = "; ".join(
+        f"`{m.layer}` ({m.layer_class}) to {m.to_policy} at step {m.step}, {m.reason}"
+        for m in moves
+    )
+    why = (
+        f"it reached max_layers={max_layers}"
+        if len(moves) >= max_layers
+        else "the rule still held after them"
+    )
+    return (
+        f"PrecisionAutopilot moved {plural(len(moves), 'layer')} out of float16 before "
+        f"this ({listed}); {why}."
+    )

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 from kmix import tags
 from kmix._checks import check_choice, check_int, check_real
+from kmix._runs import OPEN
 from kmix.callbacks._base import StepCallback, end_run, warn_user
-from kmix.callbacks._diagnosis import diagnosis
+from kmix.callbacks._diagnosis import diagnosis, moves_text
 from kmix.callbacks._forecast import HeadroomForecast, headroom_series
 from kmix.callbacks._source import STOCK_MIN_SCALE
 from kmix.callbacks._trip import (
@@ -28,6 +29,7 @@ from kmix.callbacks._trip import (
     steps_to_next_read,
     streak_trip,
 )
+from kmix.callbacks.autopilot import PrecisionAutopilot
 from kmix.tags import GUARD_RAISED, STOPPED_BY_GUARD, ScaleEvent
 
 if TYPE_CHECKING:
@@ -223,13 +225,24 @@ class LossScaleGuard(StepCallback):
                 self._rules,
                 exact_from=self._exact_from if source.records_events else None,
             )
-        if trip is not None:
+        if trip is not None and not self._autopilot_moved():
             self._trip(trip)
             return
         for _ in range(kept_from(self._history, step, self.window)):
             self._history.popleft()
         if source.records_events:
             self._schedule(streaks)
+
+    def _autopilots(self) -> list[PrecisionAutopilot]:
+        """The open PrecisionAutopilots of this model."""
+        return [
+            c for c in list(OPEN) if isinstance(c, PrecisionAutopilot) and c.model is self.model
+        ]
+
+    def _autopilot_moved(self) -> bool:
+        """Lets the model's PrecisionAutopilot act first: True when it moved a layer now
+        (the rule is judged again once the move has taken effect)."""
+        return any([autopilot.act() for autopilot in self._autopilots()])
 
     def _note_skips(self, state: Snapshot) -> None:
         """Adds a history point at each skipped step recorded since the last read."""
@@ -288,6 +301,9 @@ class LossScaleGuard(StepCallback):
             events=() if trip.reason == SKIP_RATE else self._recent_events(),
             loss_scaling=self._source.kind,
         )
+        for autopilot in self._autopilots():
+            if autopilot.moves:
+                message += "\n\n" + moves_text(autopilot.moves, autopilot.max_layers)
         self.diagnosis, self.reason, self.step = message, trip.reason, trip.step
         # Every open kmix callback of this model writes its evidence first.
         end_run(self.model, GUARD_RAISED if self.mode == "raise" else STOPPED_BY_GUARD, message)

@@ -9,14 +9,15 @@ worker at the same step, so none is left waiting in a collective.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
 import keras
 
 from kmix._cluster import worker_count
-from kmix.callbacks._base import end_run, reason_for
+from kmix.callbacks._base import end_run, reason_for, warn_user
+from kmix.callbacks.autopilot import PrecisionAutopilot
 from kmix.callbacks.monitor import MixedPrecisionMonitor
 
 CHIEF_ONLY = (MixedPrecisionMonitor, keras.callbacks.TensorBoard)
@@ -85,6 +86,42 @@ class LoopDriver:
         self.callbacks.set_params({"epochs": 1, "steps": None, "verbose": 0})
         self.step = 0
         self._batch = 0
+        self._autopilots = [c for c in callbacks if isinstance(c, PrecisionAutopilot)]
+        self._moves_seen = 0  # PrecisionAutopilot moves at the last step end
+        self._retraces = False  # a function of driver.function() follows the moves
+
+    def function(self, fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+        """``tf.function(fn, **kwargs)``, traced again after PrecisionAutopilot moves a layer.
+
+        A custom loop's compiled step keeps the dtype policies it was traced with; a
+        layer the autopilot moved to float32 computes in float32 only in a new trace.
+
+        Example::
+
+            train_step = driver.function(train_step)   # instead of @tf.function
+
+        Args:
+            fn: the Python function of the step.
+            **kwargs: passed to ``tf.function`` (e.g. ``jit_compile=True``).
+
+        Returns:
+            A callable with ``fn``'s arguments.
+        """
+        import tensorflow as tf
+
+        traced: dict[str, Any] = {}
+        self._retraces = True
+
+        def call(*args: Any, **call_kwargs: Any) -> Any:
+            moves = self._move_count()
+            if traced.get("moves") != moves:
+                traced["moves"], traced["fn"] = moves, tf.function(fn, **kwargs)
+            return traced["fn"](*args, **call_kwargs)
+
+        return call
+
+    def _move_count(self) -> int:
+        return sum(len(autopilot.moves) for autopilot in self._autopilots)
 
     def __enter__(self) -> LoopDriver:
         self.model.stop_training = False
@@ -124,6 +161,15 @@ class LoopDriver:
 
         stop = self._agree(hooks)
         self._batch += 1
+        moves = self._move_count()
+        if moves > self._moves_seen and not self._retraces:
+            warn_user(
+                "kmix.callbacks.LoopDriver: PrecisionAutopilot moved a layer out of float16; "
+                "a tf.function traced before keeps the old policy until it is traced again. "
+                "Wrap the step with `train_step = driver.function(train_step)` instead of "
+                "@tf.function, so it is."
+            )
+        self._moves_seen = moves
         return stop
 
     def _agree(self, run_hooks: Any) -> bool:

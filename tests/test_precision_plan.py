@@ -1,0 +1,190 @@
+"""Precision moves and plans, the float16 share, and the autopilot's rules (no fit)."""
+
+from __future__ import annotations
+
+import json
+
+import keras
+import numpy as np
+import pytest
+
+import kmix
+from kmix import tags
+from kmix.callbacks import _autopilot_rules as rules
+from kmix.callbacks._diagnosis import moves_text
+from kmix.precision_plan import (
+    MULTIPLY_ADDS,
+    PARAMETERS,
+    LayerCost,
+    float16_share,
+    layer_costs,
+)
+from kmix.tags import ForwardOrigin, ScaleEvent
+
+MOVE = kmix.PrecisionMove(
+    12, "block/ffn", "Dense", "forward overflow at step 12", "mixed_float16", "float32"
+)
+
+
+def event(step: int, origin: ForwardOrigin | None, loss_finite: bool | None = False) -> ScaleEvent:
+    return ScaleEvent(
+        step, step, "forward_overflow", 1024.0, 1024.0, "d/kernel", 1, loss_finite, origin
+    )
+
+
+def test_plan_json_round_trip_and_later_moves_win():
+    later = kmix.PrecisionMove(30, "block/ffn", "Dense", "r", "float32", "mixed_bfloat16")
+    plan = kmix.PrecisionPlan.from_moves([MOVE, later])
+    assert plan.policies == {"block/ffn": "mixed_bfloat16"}
+    text = plan.to_json()
+    assert json.loads(text) == {
+        "format": "kmix.precision_plan",
+        "version": 1,
+        "policies": {"block/ffn": "mixed_bfloat16"},
+    }
+    assert kmix.PrecisionPlan.from_json(text) == plan
+    assert kmix.PrecisionPlan.from_json('{"a": "float32"}').policies == {"a": "float32"}
+
+
+@pytest.mark.parametrize("text", ["not json", "[1]", '{"policies": {"a": 3}}', '{"a": null}'])
+def test_plan_from_bad_json_says_what_it_expected(text):
+    with pytest.raises(ValueError, match="PrecisionPlan.from_json"):
+        kmix.PrecisionPlan.from_json(text)
+
+
+def test_move_record_round_trip_and_line():
+    text = tags.format_precision_move_record(MOVE, "run-1", 0.25)
+    assert tags.parse_precision_move_record(text) == tags.MoveRecord(MOVE, "run-1", 0.25)
+    assert tags.parse_precision_move_record('{"type": "scale_event"}') is None
+    assert tags.parse_precision_move_record("**moved**") is None
+    assert tags.format_precision_move(MOVE) == (
+        "**moved** `block/ffn` (Dense) `mixed_float16` → `float32` at step 12: "
+        "forward overflow at step 12"
+    )
+
+
+def test_float16_share_is_exact_and_names_the_layers_weighed_by_parameters():
+    costs = [
+        LayerCost("a", "float16", 300.0, MULTIPLY_ADDS),
+        LayerCost("b", "float32", 100.0, MULTIPLY_ADDS),
+        LayerCost("norm", "float16", 100.0, PARAMETERS),
+    ]
+    share = float16_share(costs)
+    assert share.share == 400.0 / 500.0
+    assert share.by_parameters == ("norm",)
+    assert share.words() == (
+        "80% of the estimated multiply-adds (weighed by parameters, multiply-adds unknown: `norm`)"
+    )
+    assert float16_share([]).share is None
+
+
+def test_layer_costs_count_dense_and_conv_multiply_adds(float16_policy):
+    inputs = keras.Input((6, 6, 2))
+    x = keras.layers.Conv2D(4, 3, name="conv")(inputs)  # 4x4 positions, kernel 3*3*2*4
+    x = keras.layers.LayerNormalization(name="norm")(x)
+    x = keras.layers.Flatten()(x)
+    outputs = keras.layers.Dense(5, dtype="float32", name="head")(x)
+    model = keras.Model(inputs, outputs)
+    costs = {c.path: c for c in layer_costs(model)}
+    assert costs["conv"] == LayerCost("conv", "float16", 3 * 3 * 2 * 4 * 16.0, MULTIPLY_ADDS)
+    assert costs["norm"] == LayerCost("norm", "float16", 8.0, PARAMETERS)
+    assert costs["head"] == LayerCost("head", "float32", 64.0 * 5, MULTIPLY_ADDS)
+    assert set(costs) == {"conv", "norm", "head"}
+
+
+@pytest.fixture
+def float16_policy():
+    keras.config.set_dtype_policy("mixed_float16")
+
+
+def test_apply_plan_sets_policies_and_refuses_unknown_layers(float16_policy):
+    model = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(4, name="a"), keras.layers.Dense(2, name="b")]
+    )
+    plan = kmix.PrecisionPlan({"a": "float32"})
+    assert kmix.apply_plan(model, plan) == ["a"]
+    assert [layer.dtype_policy.name for layer in model.layers] == ["float32", "mixed_float16"]
+    assert kmix.apply_plan(model, plan) == []  # already so
+    with pytest.raises(
+        ValueError,
+        match=r"names \['nope'\], not layers of model 'sequential' "
+        r"\(its layers: sequential/a, sequential/b\)",
+    ):
+        kmix.apply_plan(model, kmix.PrecisionPlan({"b": "float32", "nope": "float32"}))
+    with pytest.raises(ValueError, match="policy 'float17' for layer 'b'"):
+        kmix.apply_plan(model, kmix.PrecisionPlan({"b": "float17"}))
+    assert model.layers[1].dtype_policy.name == "mixed_float16"  # nothing changed
+    with pytest.raises(TypeError, match="pass a kmix.PrecisionPlan"):
+        kmix.apply_plan(model, {"a": "float32"})
+    x = np.ones((2, 3), "float32")
+    assert model(x).dtype == "float16"
+
+
+def test_overflow_candidates_take_each_origin_once_with_its_reason():
+    own = ForwardOrigin("block/ffn#2", "Dense", True, 3.5)
+    cast = ForwardOrigin("head_in", "Dense", True, 70000.0)
+    found = rules.overflow_candidates(
+        [
+            event(5, own),
+            event(6, own),
+            event(7, None),
+            event(8, cast),
+            event(9, ForwardOrigin("x", "Dense", True, 1.0), loss_finite=True),
+        ]
+    )
+    assert found == [
+        rules.Candidate("block/ffn", 5, "forward overflow at step 5"),
+        rules.Candidate(
+            "head_in",
+            8,
+            "forward overflow at step 8: the cast of its input (max |input| 70000) overflowed",
+        ),
+    ]
+    assert [e.step for e in rules.unhealable_overflows([event(7, None), event(5, own)])] == [7]
+
+
+def test_headroom_candidates_below_margin_and_forecast():
+    history = rules.HeadroomHistory()
+    for step in range(10, 90, 10):  # "fall" loses 1 bit per 10 steps; "flat" keeps 8
+        history.add(step, {"fall": 10.0 - 0.1 * step, "flat": 8.0, "low#2": 0.5, "low": 3.0})
+    # at step 80: fall has 2 bits left, 0 forecast at step 100
+    assert rules.headroom_candidates(history, 80, 1.0, 10) == [
+        rules.Candidate("low", 80, "headroom 0.5 bits, below the margin of 1 bit"),
+    ]
+    assert rules.headroom_candidates(history, 80, 1.0, 20) == [
+        rules.Candidate(
+            "fall",
+            80,
+            "headroom 2 bits, falling 10 bits per 100 steps: 0 bits forecast at step 100",
+        ),
+        rules.Candidate("low", 80, "headroom 0.5 bits, below the margin of 1 bit"),
+    ]
+    assert rules.headroom_candidates(history, 90, 1.0, 20) == []  # no reading at step 90
+
+
+def test_moves_text_names_each_move_and_why_the_guard_still_stopped():
+    assert moves_text([], 8) == ""
+    assert moves_text([MOVE], 8) == (
+        "PrecisionAutopilot moved 1 layer out of float16 before this (`block/ffn` (Dense) to "
+        "float32 at step 12, forward overflow at step 12); the rule still held after them."
+    )
+    assert moves_text([MOVE], 1).endswith("; it reached max_layers=1.")
+
+
+def test_autopilot_arguments_are_checked(monkeypatch):
+    from kmix.callbacks import autopilot
+
+    for kwargs, match in [
+        ({"update_freq": 0}, "update_freq"),
+        ({"margin_bits": -1}, "margin_bits"),
+        ({"fallback": "float16"}, "fallback"),
+        ({"max_layers": 0}, "max_layers"),
+        ({"proactive": 1}, "proactive"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            kmix.callbacks.PrecisionAutopilot(**kwargs)
+    monkeypatch.setattr(autopilot, "_bfloat16_hardware_reason", lambda: "no AVX512-BF16")
+    with pytest.raises(ValueError, match=r"fallback='bfloat16'.*\(no AVX512-BF16\)"):
+        kmix.callbacks.PrecisionAutopilot(fallback="bfloat16")
+    monkeypatch.setattr(autopilot, "_bfloat16_hardware_reason", lambda: None)
+    assert kmix.callbacks.PrecisionAutopilot(fallback="bfloat16").to_policy == "mixed_bfloat16"
