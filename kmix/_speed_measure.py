@@ -3,9 +3,11 @@
 What the times mean is judged in ``kmix/_speed_probe.py``. How they are taken
 (:func:`measure`): every cell (op, dtype) is run once untimed (kernel set-up), once timed
 to size its rounds, then the cells take turns in :data:`ROUNDS` rounds of about
-:data:`ROUND_SECONDS` each; a call slower than :data:`SLOW_CALL_S` is timed in two rounds
-only (where float16 is 300x slow). :func:`measure_in_subprocess` does the same in a fresh
-process, e.g. with ``TF_ENABLE_ONEDNN_OPTS=0``, which TensorFlow reads when it is imported.
+:data:`ROUND_SECONDS` each; a round's time is its fastest call (on a machine shared with
+other jobs, the one they disturbed least). A call slower than :data:`SLOW_CALL_S` is timed
+in two rounds only (where float16 is 300x slow). :func:`measure_in_subprocess` does the
+same in a fresh process, e.g. with ``TF_ENABLE_ONEDNN_OPTS=0``, which TensorFlow reads
+when it is imported.
 
 Run as ``python -m kmix._speed_measure [--ops matmul,conv2d] [--dtypes float32,float16]``
 it prints the measurement as JSON (what :func:`measure_in_subprocess` reads).
@@ -140,7 +142,7 @@ _float16_matmul: list[SpeedMeasurement] = []
 
 
 def float16_matmul_probe() -> SpeedMeasurement:
-    """The float32 and float16 matmul timed once per process (3 short rounds, ~0.1 s).
+    """The float32 and float16 matmul timed once per process (5 short rounds, ~0.1 s).
 
     Returns:
         The measurement; the same value on later calls (oneDNN's state and the kernels
@@ -148,7 +150,7 @@ def float16_matmul_probe() -> SpeedMeasurement:
     """
     if not _float16_matmul:
         _float16_matmul.append(
-            measure(("matmul",), ("float32", "float16"), rounds=3, round_seconds=0.02)
+            measure(("matmul",), ("float32", "float16"), rounds=5, round_seconds=0.01)
         )
     return _float16_matmul[0]
 
@@ -199,12 +201,18 @@ def _op_call(tf: Any, op: str, dtype: str) -> Any:
 
 
 def _time_calls(call: Any, count: int) -> float:
-    """Seconds per call of ``count`` calls; the last result is read, so all have run."""
-    start = time.perf_counter()
+    """The fastest of ``count`` calls, in seconds: the one other jobs disturbed least.
+
+    TensorFlow runs eager ops synchronously by default, so a call's time is its op's; the
+    last result is read anyway, so that nothing is left running.
+    """
+    fastest = float("inf")
     for _ in range(count):
+        start = time.perf_counter()
         result = call()
+        fastest = min(fastest, time.perf_counter() - start)
     result.numpy()
-    return (time.perf_counter() - start) / count
+    return fastest
 
 
 def _main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,8 @@ this module judges them, pure functions over typed values (:class:`Timing`,
 :class:`SpeedMeasurement`, :class:`Ratio`). A cell that could not be timed is absent
 from ``timings`` and explained in ``missing``; no number stands in for it.
 
-A cell's time is the median of its rounds' per-call times (the cells take turns in
+A cell's time is the median of its rounds' times, a round's time being its fastest call
+(the one other jobs on a shared machine disturbed least; the cells take turns in
 rounds, so a burst of load from other jobs hits every dtype alike); float32's own spread
 between rounds is the noise floor a ratio is judged against (:func:`verdict`).
 """
@@ -48,7 +49,7 @@ class Timing:
     Attributes:
         op: ``"matmul"`` or ``"conv2d"``.
         dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-        seconds: the per-call time of each round, in seconds.
+        seconds: each round's time, in seconds: the fastest of its calls.
     """
 
     op: str
@@ -57,7 +58,7 @@ class Timing:
 
     @property
     def median(self) -> float:
-        """The median of the rounds' per-call times, in seconds."""
+        """The median of the rounds' times, in seconds."""
         return statistics.median(self.seconds)
 
 
@@ -156,7 +157,7 @@ def relative_spread(seconds: Sequence[float]) -> float | None:
     """The spread of a cell's round times relative to their median: (max - min) / median.
 
     Args:
-        seconds: the per-call time of each round.
+        seconds: each round's time.
 
     Returns:
         The relative spread (0.1: the rounds differ by 10% of the median), or None for
