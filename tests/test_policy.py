@@ -221,7 +221,7 @@ def test_float16_on_this_cpu_is_measured_by_default_and_never_claims_a_fixed_rat
     assert choice.reason == again.reason
     assert "measured" in choice.reason and "about 2x" not in choice.reason
     for warning in record:
-        assert "float32's time (median of 3 rounds" in str(warning.message)
+        assert "float32's time (median of 5 rounds" in str(warning.message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         use("mixed_float16", detected=gpus((8, 0)))  # a fast GPU: nothing measured
