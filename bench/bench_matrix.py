@@ -28,6 +28,9 @@ Configurations (``stock`` always runs: the ratios are to it):
   ``kmix.callbacks.LossScaleGuard(verbose=0)`` (defaults otherwise: check every step).
 * ``monitor_histograms`` and ``monitor_guard``: the two halves of ``everything``, to
   tell their costs apart (only with ``--config``).
+* ``autopilot``: ``monitor`` + ``kmix.callbacks.PrecisionAutopilot()`` (proactive: it
+  asks for statistics every 10 steps); ``autopilot_reactive``: with ``proactive=False``
+  (issue 22: ratio to ``monitor`` ≤ 1.01×; only with ``--config``).
 
 ``--jit`` compiles every configuration with ``jit_compile=True`` (default: off, Keras's
 default on CPU).
@@ -164,6 +167,14 @@ def monitor(log_dir: str) -> list:
     return [kmix.callbacks.MixedPrecisionMonitor(log_dir, verbose=0)]
 
 
+def autopilot(log_dir: str) -> list:
+    return monitor(log_dir) + [kmix.callbacks.PrecisionAutopilot()]
+
+
+def autopilot_reactive(log_dir: str) -> list:
+    return monitor(log_dir) + [kmix.callbacks.PrecisionAutopilot(proactive=False)]
+
+
 def monitor_histograms(log_dir: str) -> list:
     return [kmix.callbacks.MixedPrecisionMonitor(log_dir, histogram_freq=100, verbose=0)]
 
@@ -192,6 +203,16 @@ CONFIGS: dict[str, tuple[str, Callable[[], keras.Optimizer], Callable[[str], lis
     ),
     "optimizer": ("kmix optimizer alone, no callbacks", kmix_optimizer, no_callbacks),
     "monitor": ("kmix optimizer + MixedPrecisionMonitor (defaults)", kmix_optimizer, monitor),
+    "autopilot": (
+        "kmix optimizer + monitor (defaults) + PrecisionAutopilot (defaults: proactive)",
+        kmix_optimizer,
+        autopilot,
+    ),
+    "autopilot_reactive": (
+        "kmix optimizer + monitor (defaults) + PrecisionAutopilot(proactive=False)",
+        kmix_optimizer,
+        autopilot_reactive,
+    ),
     "monitor_histograms": (
         "kmix optimizer + monitor (histogram_freq=100), no guard (a part of everything)",
         kmix_optimizer,
@@ -348,6 +369,11 @@ def bench(
             f"| {ratio:.3f}× | {goal} | {met} |",
             flush=True,
         )
+    for config in ("autopilot", "autopilot_reactive"):
+        if config in times and "monitor" in times:
+            pairs = zip(times[config], times["monitor"], strict=True)
+            ratio = statistics.median(a / m for a, m in pairs)
+            print(f"\n{config} / monitor, median over rounds: {ratio:.3f}× (issue 22: ≤ 1.01×)")
 
 
 def names(value: str, known: dict) -> list[str]:
