@@ -188,3 +188,44 @@ def test_autopilot_arguments_are_checked(monkeypatch):
         kmix.callbacks.PrecisionAutopilot(fallback="bfloat16")
     monkeypatch.setattr(autopilot, "_bfloat16_hardware_reason", lambda: None)
     assert kmix.callbacks.PrecisionAutopilot(fallback="bfloat16").to_policy == "mixed_bfloat16"
+
+
+def test_report_lists_the_moves_the_share_and_the_plan():
+    from test_report import hand_log
+
+    from kmix import report
+
+    moved = ScaleEvent(
+        1,
+        12,
+        "forward_overflow",
+        8.0,
+        8.0,
+        None,
+        0,
+        False,
+        ForwardOrigin("block/ffn#2", "Dense", True, 3.0),
+    )
+    log = hand_log(
+        scalars={tags.LOSS_SCALE: ([12], [8.0]), tags.FLOAT16_SHARE: ([0, 12], [0.9, 0.6])},
+        texts={
+            tags.PRECISION_MOVE_RECORD: [(12, tags.format_precision_move_record(MOVE, "r", 0.6))],
+            tags.EVENT_RECORD: [(12, tags.format_event_record(moved, "r"))],
+        },
+    )
+    summary = report.summarize(log)
+    assert summary.precision_moves == (MOVE,)
+    printed = report.format_summary(summary)
+    assert (
+        "precision moves 1 (PrecisionAutopilot)\n"
+        "  moved block/ffn (Dense) mixed_float16 → float32 at step 12: "
+        "forward overflow at step 12\n"
+        "  float16 share of the estimated multiply-adds: 90% at train begin, 60% at the end\n"
+        "  to start the next run healed, before compile:\n"
+        "    kmix.apply_plan(model, kmix.PrecisionPlan({'block/ffn': 'float32'}))"
+    ) in printed
+    assert "PrecisionAutopilot moved each of them out of float16" in printed
+    data = json.loads(report.to_json(summary))
+    assert data["precision_plan"] == {"block/ffn": "float32"}
+    assert data["precision_moves"] == [MOVE.to_dict()]
+    assert data["float16_share"]["last"] == 0.6

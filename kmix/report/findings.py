@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 from kmix import tags
 from kmix._words import format_scale, percent, plural, steps_list
+from kmix.precision_plan import base_path
 from kmix.report.advice import skip_advice
 from kmix.report.runs import RUN_END_WORDS, runs_message
 from kmix.report.values import Finding, Summary
@@ -97,7 +98,13 @@ def _rule_nonfinite_loss(summary: Summary) -> list[Finding]:
         message += "; it started in " + ", ".join(
             f"{_origin_words(origin)} at step {step}" for step, origin in origins.values()
         )
-        if any(origin.inputs_finite for _, origin in origins.values()):
+        moved = {move.layer for move in summary.precision_moves}
+        if moved and {base_path(layer) for layer in origins} <= moved:
+            message += (
+                "; PrecisionAutopilot moved each of them out of float16 (see the precision "
+                "moves; kmix.apply_plan makes that permanent)"
+            )
+        elif any(origin.inputs_finite for _, origin in origins.values()):
             message += ": a layer with finite inputs overflowed, compute it in float32"
     return [Finding("warning", "nonfinite_loss", message)]
 

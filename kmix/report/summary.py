@@ -142,6 +142,13 @@ def summarize(log: KmixLog) -> Summary:
         variables_not_float16=_measured(other, log),
         run=log.run,
         runs=log.runs,
+        precision_moves=tuple(
+            record.move
+            for _, record in _records(
+                log, tags.PRECISION_MOVE_RECORD, tags.parse_precision_move_record
+            )
+        ),
+        float16_share=_trend(log.scalars.get(tags.FLOAT16_SHARE)),
     )
     return dataclasses.replace(summary, findings=tuple(findings(summary)))
 

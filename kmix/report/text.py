@@ -7,7 +7,7 @@ import dataclasses
 import json
 
 from kmix import tags
-from kmix._words import format_scale, plural
+from kmix._words import format_scale, percent, plural
 from kmix.report.findings import RUN_END_WORDS
 from kmix.report.runs import RunInfo, run_words
 from kmix.report.values import Summary, Trend, _jsonable
@@ -91,6 +91,26 @@ def _whatif_lines(summary: Summary) -> list[str]:
     return lines
 
 
+def _moves_lines(summary: Summary) -> list[str]:
+    """The layers PrecisionAutopilot moved, the float16 share, and the plan's code."""
+    share = summary.float16_share
+    if not summary.precision_moves and share is None:
+        return []
+    lines = [f"precision moves {len(summary.precision_moves)} (PrecisionAutopilot)"]
+    lines += [
+        "  " + tags.plain_text(tags.format_precision_move(move)) for move in summary.precision_moves
+    ]
+    if share is not None and share.first is not None and share.last is not None:
+        lines.append(
+            f"  float16 share of the estimated multiply-adds: {percent(share.first)} at train "
+            f"begin, {percent(share.last)} at the end"
+        )
+    if summary.precision_moves:
+        lines.append("  to start the next run healed, before compile:")
+        lines.append("    " + summary.precision_plan.code().splitlines()[0])
+    return lines
+
+
 def format_summary(summary: Summary) -> str:
     """Formats a summary as text for a terminal.
 
@@ -128,6 +148,7 @@ def format_summary(summary: Summary) -> str:
     lines += ["  " + tags.plain_text(tags.format_event(event)) for event in summary.events]
     if summary.events_lost:
         lines.append(f"events lost     {summary.events_lost} (see the notes)")
+    lines += _moves_lines(summary)
     lines.append("gradient health (finite points: first -> last, min..max, trend)")
     for key, name in _HEALTH_NAMES.items():
         lines.append(_trend_line(name, summary.trends.get(key), key in _PERCENT))

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from kmix.precision_plan import PrecisionMove, PrecisionPlan
 from kmix.report.runs import RunInfo
 from kmix.report.whatif import PrecisionWhatIf
 from kmix.tags import PolicyRecord, RunEnd, ScaleEvent
@@ -174,6 +175,8 @@ class Summary:
             when not known.
         runs: every kmix run of the log dir, oldest first.
         plots: the PNG files written for it (set by the caller).
+        precision_moves: the layers ``PrecisionAutopilot`` moved out of float16, in order.
+        float16_share: :class:`Trend` of ``kmix/float16_share``, None if not logged.
     """
 
     logdir: str
@@ -204,6 +207,13 @@ class Summary:
     runs: tuple[RunInfo, ...] = ()
     findings: tuple[Finding, ...] = ()
     plots: tuple[str, ...] = ()
+    precision_moves: tuple[PrecisionMove, ...] = ()
+    float16_share: Trend | None = None
+
+    @property
+    def precision_plan(self) -> PrecisionPlan:
+        """The moves as a plan (``kmix.apply_plan`` starts the next run healed)."""
+        return PrecisionPlan.from_moves(self.precision_moves)
 
     def to_dict(self) -> dict[str, Any]:
         """The summary as JSON-ready data: lists for tuples, None for non-finite numbers.
@@ -217,6 +227,7 @@ class Summary:
         data = _jsonable(dataclasses.asdict(self))
         for event in data["events"]:
             del event["index"]
+        data["precision_plan"] = dict(self.precision_plan.policies)  # {} without moves
         return data
 
     def __getitem__(self, key: str) -> Any:
