@@ -136,8 +136,8 @@ class Ratio:
         op: the op.
         dtype: the half-precision dtype.
         ratio: the dtype's median time over float32's (2.0: twice as long).
-        noise: float32's own relative spread between rounds (see :func:`relative_spread`);
-            None when float32 was timed in fewer than two rounds.
+        noise: float32's own noise, its relative spread between rounds (see
+            :func:`relative_spread`); None when float32 was timed in fewer than two rounds.
         rounds: the rounds of the half-precision cell.
     """
 
@@ -154,7 +154,11 @@ class Ratio:
 
 
 def relative_spread(seconds: Sequence[float]) -> float | None:
-    """The spread of a cell's round times relative to their median: (max - min) / median.
+    """The noise of a cell's rounds: their spread relative to their median.
+
+    Rule: ``(max - min) / median`` of the round times, with the fastest and the slowest
+    round left out when there are 4 or more (one round that another job disturbed
+    throughout does not set the noise floor alone).
 
     Args:
         seconds: each round's time.
@@ -165,7 +169,10 @@ def relative_spread(seconds: Sequence[float]) -> float | None:
     """
     if len(seconds) < 2:
         return None
-    return (max(seconds) - min(seconds)) / statistics.median(seconds)
+    ordered = sorted(seconds)
+    if len(ordered) >= 4:
+        ordered = ordered[1:-1]
+    return (ordered[-1] - ordered[0]) / statistics.median(seconds)
 
 
 def verdict(ratio: float, noise: float | None) -> str:
@@ -235,7 +242,7 @@ def describe(ratio: Ratio) -> str:
         The text, without a full stop.
     """
     head = f"{ratio.dtype} {ratio.op}: {_times(ratio.ratio)} float32's time"
-    noise = "" if ratio.noise is None else f"float32 varied {ratio.noise:.0%} between rounds"
+    noise = "" if ratio.noise is None else f"float32's own noise {ratio.noise:.0%}"
     if ratio.verdict == "pathological":
         return f"{head}, pathologically slow"
     if ratio.verdict == "same":
@@ -391,7 +398,7 @@ def float16_cpu_finding(measured: SpeedMeasurement) -> tuple[str, bool]:
     if ratio is None:
         why = "; ".join(f"{m.dtype} {m.op}: {m.why}" for m in measured.missing)
         return f"float16's speed on this CPU was not measured ({why or 'no timing'})", False
-    noise = "" if ratio.noise is None else f"; float32 varied {ratio.noise:.0%}"
+    noise = "" if ratio.noise is None else f"; float32's own noise {ratio.noise:.0%}"
     sentence = (
         f"no GPU or TPU was found, and on this CPU a float16 {ratio.op} ({SHAPES[ratio.op]}) "
         f"measured {_times(ratio.ratio)} float32's time (median of {ratio.rounds} rounds{noise})"

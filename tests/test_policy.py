@@ -39,7 +39,7 @@ def matmul(float32_ms, float16_ms, onednn=None):
     )
 
 
-SLOWER = matmul((1.0, 1.02, 0.98), (3.0, 3.1, 2.9))  # 3x, float32 varied 4%
+SLOWER = matmul((1.0, 1.02, 0.98), (3.0, 3.1, 2.9))  # 3x, float32's own noise 4%
 SAME = matmul((1.0, 1.2, 0.9), (1.1, 1.1, 1.1))  # 1.1x inside float32's 30% spread
 ONEDNN_XEON = matmul((1.0, 1.0), (400.0, 410.0), onednn=True)  # 405x with oneDNN on
 
@@ -157,7 +157,7 @@ def test_float16_on_a_cpu_warns_once_with_the_measured_ratio_and_says_what_to_us
     assert str(record[0].message) == (
         "kmix.use('mixed_float16'): float16 is not fast on this machine: no GPU or TPU was "
         "found, and on this CPU a float16 matmul (128x512 @ 512x512) measured 3.00x "
-        "float32's time (median of 3 rounds; float32 varied 4%). Use "
+        "float32's time (median of 3 rounds; float32's own noise 4%). Use "
         "kmix.use('mixed_bfloat16') instead (no GPU or TPU; the CPU has AVX512-BF16, which "
         "computes bfloat16 natively); kmix doctor times matmul and convolution in each dtype "
         "here, kmix compare each policy on your model."
@@ -165,7 +165,7 @@ def test_float16_on_a_cpu_warns_once_with_the_measured_ratio_and_says_what_to_us
     assert choice.reason == (
         "'mixed_float16' was requested explicitly; float16 is not fast here: no GPU or TPU "
         "was found, and on this CPU a float16 matmul (128x512 @ 512x512) measured 3.00x "
-        "float32's time (median of 3 rounds; float32 varied 4%)"
+        "float32's time (median of 3 rounds; float32's own noise 4%)"
     )
     assert keras.config.dtype_policy().name == "mixed_float16"  # still set
 
@@ -188,7 +188,7 @@ def test_float16_on_a_cpu_claims_no_speed_when_not_measurably_slower():
     assert choice.reason == (
         "'mixed_float16' was requested explicitly; no GPU or TPU was found, and on this CPU "
         "a float16 matmul (128x512 @ 512x512) measured 1.10x float32's time (median of 3 "
-        "rounds; float32 varied 30%)"
+        "rounds; float32's own noise 30%)"
     )
     assert unmeasured.reason == (
         "'mixed_float16' was requested explicitly; float16's speed on this CPU was not "
@@ -202,7 +202,7 @@ def test_float16_pathologically_slow_with_onednn_warns_with_the_fix():
     with pytest.warns(UserWarning) as record:
         use("mixed_float16", detected=CPU, measured=ONEDNN_XEON)
     message = str(record[0].message)
-    assert "measured 405x float32's time (median of 2 rounds; float32 varied 0%)" in message
+    assert "measured 405x float32's time (median of 2 rounds; float32's own noise 0%)" in message
     assert f"oneDNN's float16 path is slow here: {ONEDNN_FIX}. Use kmix.use('float32')" in (message)
 
 

@@ -78,6 +78,9 @@ def test_relative_spread_is_max_minus_min_over_the_median():
     assert relative_spread([]) is None
     assert relative_spread([1.0, 2.0, 3.0]) == 1.0
     assert relative_spread([4.0, 4.0]) == 0.0
+    # 4 or more rounds: the fastest and the slowest are left out of the spread
+    assert relative_spread([1.0, 2.0, 2.0, 2.5, 9.0]) == pytest.approx(0.25)
+    assert relative_spread([1.0, 2.0, 3.0, 4.0]) == pytest.approx(1.0 / 2.5)
 
 
 def test_speed_ratios_in_op_and_dtype_order_against_float32():
@@ -108,14 +111,13 @@ def test_describe_words_each_verdict():
         "float16 matmul: 400x float32's time, pathologically slow"
     )
     assert describe(Ratio("matmul", "float16", 1.5, 0.2, 5)) == (
-        "float16 matmul: 1.50x float32's time (slower; float32 varied 20% between rounds)"
+        "float16 matmul: 1.50x float32's time (slower; float32's own noise 20%)"
     )
     assert describe(Ratio("conv2d", "bfloat16", 0.5, 0.04, 5)) == (
-        "bfloat16 conv2d: 0.50x float32's time (faster; float32 varied 4% between rounds)"
+        "bfloat16 conv2d: 0.50x float32's time (faster; float32's own noise 4%)"
     )
     assert describe(Ratio("matmul", "float16", 1.09, 0.21, 5)) == (
-        "float16 matmul: 1.09x float32's time, no measurable difference "
-        "(float32 varied 21% between rounds)"
+        "float16 matmul: 1.09x float32's time, no measurable difference (float32's own noise 21%)"
     )
     assert describe(Ratio("matmul", "float16", 1.5, None, 1)) == (
         "float16 matmul: 1.50x float32's time (slower)"
@@ -153,17 +155,16 @@ def test_doctor_lines_show_the_fix_and_its_measured_effect():
         "conv2d 8x32x32x32 (NHWC), 3x3 kernel, 32 filters: float32 2.00 ms, float16 750 ms, "
         "bfloat16 2.10 ms a call (median of 2/3 rounds)",
         "float16 matmul: 400x float32's time, pathologically slow",
-        "bfloat16 matmul: 0.50x float32's time (faster; float32 varied 20% between rounds)",
+        "bfloat16 matmul: 0.50x float32's time (faster; float32's own noise 20%)",
         "float16 conv2d: 375x float32's time, pathologically slow",
-        "bfloat16 conv2d: 1.05x float32's time (slower; float32 varied 0% between rounds)",
+        "bfloat16 conv2d: 1.05x float32's time (slower; float32's own noise 0%)",
         f"fix: oneDNN's float16 path is slow here: {ONEDNN_FIX}",
         "measured with TF_ENABLE_ONEDNN_OPTS=0 in a fresh process (4.0 s):",
         "  matmul 128x512 @ 512x512: float32 1.00 ms, float16 1.50 ms a call (median of 2 rounds)",
         "  conv2d 8x32x32x32 (NHWC), 3x3 kernel, 32 filters: float32 2.00 ms, float16 2.00 ms "
         "a call (median of 2 rounds)",
-        "  float16 matmul: 1.50x float32's time (slower; float32 varied 0% between rounds)",
-        "  float16 conv2d: 1.00x float32's time, no measurable difference "
-        "(float32 varied 0% between rounds)",
+        "  float16 matmul: 1.50x float32's time (slower; float32's own noise 0%)",
+        "  float16 conv2d: 1.00x float32's time, no measurable difference (float32's own noise 0%)",
     ]
 
 
@@ -188,19 +189,19 @@ def test_float16_cpu_finding_gives_the_measured_ratio_or_says_why_not():
     slow = SpeedMeasurement(cells("matmul", float32=(1.0, 1.02, 0.98), float16=(3.0, 3.1, 2.9)))
     assert float16_cpu_finding(slow) == (
         "no GPU or TPU was found, and on this CPU a float16 matmul (128x512 @ 512x512) "
-        "measured 3.00x float32's time (median of 3 rounds; float32 varied 4%)",
+        "measured 3.00x float32's time (median of 3 rounds; float32's own noise 4%)",
         True,
     )
     same = SpeedMeasurement(cells("matmul", float32=(1.0, 1.2, 0.9), float16=(1.1, 1.1, 1.1)))
     assert float16_cpu_finding(same) == (
         "no GPU or TPU was found, and on this CPU a float16 matmul (128x512 @ 512x512) "
-        "measured 1.10x float32's time (median of 3 rounds; float32 varied 30%)",
+        "measured 1.10x float32's time (median of 3 rounds; float32's own noise 30%)",
         False,
     )
     sentence, slower = float16_cpu_finding(XEON)
     assert slower
     assert sentence.endswith(
-        "measured 400x float32's time (median of 2 rounds; float32 varied 20%); "
+        "measured 400x float32's time (median of 2 rounds; float32's own noise 20%); "
         f"oneDNN's float16 path is slow here: {ONEDNN_FIX}"
     )
     missing = SpeedMeasurement(missing=(Missing("matmul", "float16", "TypeError: no"),))
