@@ -273,3 +273,48 @@ def test_float16_views_of_a_run_with_a_float32_head(page, tensorboard, tmp_path)
     if os.environ.get("KMIX_SCREENSHOT_DIR"):
         shutil.copy(shot, os.environ["KMIX_SCREENSHOT_DIR"])
     assert page.errors == []
+
+
+def test_precision_changes_of_a_healed_run(page, tensorboard, tmp_path):
+    """PrecisionAutopilot's moves: a dashed line each on the loss-scale chart, with the
+    move's line on hover, and the "Precision changes" table with the plan's code."""
+    from test_autopilot import X, Y, make
+
+    model = make("functional")
+    autopilot = kmix.callbacks.PrecisionAutopilot(proactive=False)
+    monitor = MixedPrecisionMonitor(str(tmp_path / "healed"), update_freq=2, verbose=0)
+    model.fit(X, Y, batch_size=8, verbose=0, shuffle=False, callbacks=[autopilot, monitor])
+    payload = serve(default_provider(tmp_path)).get("/data/plugin/kmix/run?run=healed/train")
+    page.route(
+        "**/data/plugin/kmix/runs",
+        lambda route: route.fulfill(json={"runs": ["healed"], "other_runs": []}),
+    )
+    page.route(
+        "**/data/plugin/kmix/run?run=healed*",
+        lambda route: route.fulfill(body=payload.get_data(), content_type="application/json"),
+    )
+    frame = open_tab(page, tensorboard)
+    marks = frame.locator(".loss-scale g.precision-move")
+    assert marks.count() == 2
+    assert [marks.nth(i).get_attribute("data-step") for i in range(2)] == ["1", "2"]
+    marks.nth(1).hover()
+    said = frame.locator("#tooltip").text_content()
+    assert said == (
+        "moved next (Dense) mixed_float16 → float32 at step 2: forward overflow at step 2: "
+        "the cast of its input (max |input| 72000) overflowed"
+    )
+    rows = frame.locator(".precision-panel tbody tr").evaluate_all(
+        "rows => rows.map(r => Array.from(r.cells, c => c.textContent))"
+    )
+    assert rows == [
+        [str(m.step), m.layer, "Dense", "mixed_float16 → float32", m.reason]
+        for m in autopilot.moves
+    ]
+    code = frame.locator(".precision-panel pre.plan-code").text_content()
+    assert code.startswith("kmix.apply_plan(model, kmix.PrecisionPlan({'big': 'float32', 'next'")
+    assert "Still computed in float16" in frame.locator(".float16-share").text_content()
+    shot = tmp_path / "mixed_precision_precision_changes.png"
+    page.screenshot(path=str(shot), full_page=True)
+    if os.environ.get("KMIX_SCREENSHOT_DIR"):
+        shutil.copy(shot, os.environ["KMIX_SCREENSHOT_DIR"])
+    assert page.errors == []

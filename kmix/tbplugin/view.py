@@ -332,7 +332,10 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
     Returns:
         A JSON-ready dict: ``run``, ``empty``, and for a run with kmix data
         ``summary`` (the report's), ``event_lines`` (one per event of the summary:
-        :func:`event_lines`), ``events_check``, ``series``, ``exponents`` (histogram
+        :func:`event_lines`), ``precision_lines`` (one per move of
+        ``summary["precision_moves"]``, :func:`kmix.tags.format_precision_move`) and
+        ``precision_code`` (the plan's ``apply_plan`` code, None without moves),
+        ``events_check``, ``series``, ``exponents`` (histogram
         ``steps`` and the gradient ``heatmap`` at the latest, or None; the page
         draws the variables of ``summary["variables_not_float16"]`` apart, without
         float16's limits), ``headroom_by_variable`` (:func:`headroom_grid`),
@@ -366,6 +369,8 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
         "empty": False,
         "summary": summary,
         "event_lines": event_lines(typed),
+        "precision_lines": [tags.format_precision_move(m) for m in typed.precision_moves],
+        "precision_code": typed.precision_plan.code() if typed.precision_moves else None,
         "events_check": events_check(summary),
         "series": {
             key: _series(

@@ -77,7 +77,12 @@ function fmtNumber(value) {
  * this page only drops their markup.
  */
 function plainLine(e) {
-  return inline(e.line || '').map((n) => (typeof n === 'string' ? n : n.textContent)).join('');
+  return plainText(e.line || '');
+}
+
+/** A server-worded markdown line as plain text (for SVG titles). */
+function plainText(line) {
+  return inline(line).map((n) => (typeof n === 'string' ? n : n.textContent)).join('');
 }
 
 function originText(origin) {
@@ -255,6 +260,7 @@ function lossScaleChart(run, view) {
     markers.append(mark);
   }
   f.root.append(markers);
+  f.root.append(precisionMarkers(run, f));
   view.onSelect((e) => {
     placeHighlight(f, e && e.step);
     for (const mark of markers.children) {
@@ -262,6 +268,46 @@ function lossScaleChart(run, view) {
     }
   });
   return f.root;
+}
+
+/** A dashed line at each step where PrecisionAutopilot moved a layer, its line on hover. */
+function precisionMarkers(run, f) {
+  const group = svg('g', {class: 'precision-moves'});
+  (run.summary.precision_moves || []).forEach((m, i) => {
+    const x = f.x(m.step);
+    const line = (run.precision_lines || [])[i] || '';
+    const mark = svg('g', {class: 'precision-move', 'data-step': m.step}, [
+      svg('line', {x1: x, x2: x, y1: f.m.top, y2: f.height - f.m.bottom, stroke: '#2e7d32', 'stroke-dasharray': '5 3'}),
+      svg('path', {d: `M${x},${f.m.top - 1}l5,5l-5,5l-5,-5z`, fill: '#2e7d32'}),
+      svg('title', {text: plainText(line)}),
+    ]);
+    mark.addEventListener('mouseenter', (ev) => showTooltip(line, ev));
+    mark.addEventListener('mousemove', (ev) => moveTooltip(ev));
+    mark.addEventListener('mouseleave', hideTooltip);
+    group.append(mark);
+  });
+  return group;
+}
+
+/** The "Precision changes" table: one row per move, the float16 share and the plan's code. */
+function precisionTable(run) {
+  const moves = run.summary.precision_moves || [];
+  const wrap = el('div');
+  const table = el('table', {class: 'precision-moves-table'}, [
+    el('thead', {}, el('tr', {}, ['step', 'layer', 'class', 'policy', 'why'].map((h) => el('th', {text: h})))),
+    el('tbody', {}, moves.map((m) => el('tr', {}, [
+      el('td', {text: String(m.step)}), el('td', {}, el('code', {text: m.layer})),
+      el('td', {text: m.layer_class}), el('td', {text: `${m.from_policy} → ${m.to_policy}`}),
+      el('td', {text: m.reason}),
+    ]))),
+  ]);
+  wrap.append(table);
+  const share = run.summary.float16_share;
+  if (share && share.first !== null && share.last !== null) {
+    wrap.append(el('p', {class: 'float16-share', text: `Still computed in float16: ${fmtPercent(share.first, 1)} of the estimated multiply-adds at train begin, ${fmtPercent(share.last, 1)} at the end (kmix/float16_share).`}));
+  }
+  if (run.precision_code) wrap.append(el('pre', {class: 'plan-code', text: run.precision_code}));
+  return wrap;
 }
 
 function placeHighlight(f, step) {
@@ -779,6 +825,14 @@ function fillRun(section, run) {
   const table = eventsTable(run, view);
   if (table.filters) q('.filters').replaceWith(table.filters);
   q('.events').append(table.wrap);
+  if ((run.summary.precision_moves || []).length) {
+    q('.precision-panel').hidden = false;
+    q('.precision').append(precisionTable(run));
+    q('.legend').append(el('span', {}, [
+      svg('svg', {viewBox: '0 0 12 12', 'aria-hidden': 'true'}, svg('line', {x1: 6, x2: 6, y1: 0, y2: 12, stroke: '#2e7d32', 'stroke-dasharray': '3 2', 'stroke-width': 2})),
+      'a layer moved out of float16 (PrecisionAutopilot)',
+    ]));
+  }
   if (run.exponents) {
     exponentPanel(run, view, q('.hist-step'), q('.exponents'));
   } else {
@@ -848,8 +902,25 @@ async function showRuns(names) {
   document.body.dataset.state = 'ready';
 }
 
+/** The kmix compare tables recorded in the log dir, above the runs (hidden if none). */
+async function showComparison() {
+  const box = document.getElementById('comparison');
+  let found = [];
+  try {
+    found = (await getJSON('./comparison')).comparisons;
+  } catch (error) {
+    found = [];
+  }
+  box.hidden = !found.length;
+  box.querySelector('.comparison-body').replaceChildren(...found.map((c) => el('div', {}, [
+    el('p', {class: 'hint', text: `recorded in run ${c.run}`}),
+    markdown(c.markdown.replace(/^## /, '')),
+  ])));
+}
+
 async function start() {
   document.body.dataset.state = 'loading';
+  await showComparison();
   let listing;
   try {
     listing = await getJSON('./runs');
