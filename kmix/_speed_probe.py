@@ -35,6 +35,11 @@ PATHOLOGICAL = 10.0
 """A half-precision op this many times float32's time or more is not emulation's cost but a
 broken path (oneDNN's float16 kernels on Xeons with AVX512_FP16 measured 300-400x)."""
 
+WORTH_A_WARNING = 1.2
+"""``kmix.use`` warns when float16 measured slower than float32 beyond the noise and at least
+this many times float32's time: a few percent (1.04x measured on the 2-core AMD EPYC) is
+stated in the choice's reason, not warned about."""
+
 ONEDNN_FIX = (
     "set TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow is imported "
     "(e.g. TF_ENABLE_ONEDNN_OPTS=0 python train.py), which turns oneDNN's CPU kernels off"
@@ -391,8 +396,9 @@ def float16_cpu_finding(measured: SpeedMeasurement) -> tuple[str, bool]:
         measured: a measurement holding at least the float32 and float16 matmul.
 
     Returns:
-        ``(sentence, slower)``: the measured ratio in words (or why it is not known), and
-        whether float16 measured slower than float32 beyond the noise floor.
+        ``(sentence, slow)``: the measured ratio in words (or why it is not known), and
+        whether float16 measured slower than float32 beyond the noise floor and by
+        :data:`WORTH_A_WARNING` or more.
     """
     ratio = next((r for r in speed_ratios(measured) if r.dtype == "float16"), None)
     if ratio is None:
@@ -405,7 +411,10 @@ def float16_cpu_finding(measured: SpeedMeasurement) -> tuple[str, bool]:
     )
     if ratio.verdict == "pathological" and measured.onednn:
         sentence += f"; oneDNN's float16 path is slow here: {ONEDNN_FIX}"
-    return sentence, ratio.verdict in ("slower", "pathological")
+    slow = ratio.verdict == "pathological" or (
+        ratio.verdict == "slower" and ratio.ratio >= WORTH_A_WARNING
+    )
+    return sentence, slow
 
 
 def _times(ratio: float) -> str:

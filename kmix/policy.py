@@ -29,8 +29,8 @@ explicit choice on those GPUs.
 Without a GPU or TPU, what ``kmix.use("mixed_float16")`` says of float16's speed is
 measured: a small float16 and float32 matmul timed on the CPU once per process
 (``kmix/_speed_measure.py``, judged by ``kmix/_speed_probe.py``); it warns with the
-measured ratio when float16 is slower beyond the noise, and says nothing of speed
-otherwise.
+measured ratio when float16 is slower beyond the noise and by 1.2x or more, states the
+ratio in the choice's reason otherwise, and claims nothing it did not measure.
 """
 
 from __future__ import annotations
@@ -125,9 +125,9 @@ def use(
     Warns:
         UserWarning: once per process, when the policy computes in float16 where float16
             is not fast: a TPU, a GPU below compute capability 7.0, or a CPU where float16
-            measured slower than float32 beyond the noise (the message gives the measured
-            ratio; nothing is claimed when float16 is not measurably slower). The message
-            says what to use instead.
+            measured slower than float32 beyond the noise and by 1.2x or more (the message
+            gives the measured ratio; below that the reason states it, and nothing is
+            claimed). The message says what to use instead.
 
     Example:
         >>> import kmix
