@@ -427,3 +427,34 @@ def test_cli_compares_a_tiny_model_and_report_prints_the_comparison(user_module,
     assert main(["report", "cmp"]) == 0
     report = capsys.readouterr().out
     assert "**Recommendation: " in report and "Noise floor: ±" in report
+
+
+# ------------------------------------------------------------ the TensorBoard tab
+def test_the_tab_serves_a_recorded_comparison_and_lists_no_run_for_it(tmp_path):
+    from tensorboard.backend import application
+    from tensorboard.backend.event_processing import data_ingester, plugin_event_multiplexer
+    from tensorboard.backend.event_processing import data_provider as mux_provider
+    from tensorboard.plugins import base_plugin
+    from werkzeug import test as werkzeug_test
+    from werkzeug import wrappers
+
+    from kmix.compare import write_comparison
+    from kmix.tbplugin import plugin
+
+    write_comparison(str(tmp_path), comparison())
+    assert tags.read_comparison_file(str(tmp_path)) == comparison().to_dict()
+    multiplexer = plugin_event_multiplexer.EventMultiplexer(
+        tensor_size_guidance=data_ingester.DEFAULT_TENSOR_SIZE_GUIDANCE
+    )
+    multiplexer.AddRunsFromDirectory(str(tmp_path))
+    multiplexer.Reload()
+    provider = mux_provider.MultiplexerDataProvider(multiplexer, str(tmp_path))
+    context = base_plugin.TBContext(logdir=None, data_provider=provider)
+    app = application.TensorBoardWSGI([plugin.KmixPlugin(context)], data_provider=provider)
+    client = werkzeug_test.Client(app, wrappers.Response)
+    shown = json.loads(client.get("/data/plugin/kmix/comparison").get_data(as_text=True))
+    (only,) = shown["comparisons"]
+    assert only["run"] == tags.COMPARISON_RUN
+    assert only["markdown"] == comparison().to_markdown()
+    runs = json.loads(client.get("/data/plugin/kmix/runs").get_data(as_text=True))
+    assert runs["runs"] == []  # the record alone is no training run

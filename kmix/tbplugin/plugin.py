@@ -8,6 +8,8 @@ Routes, under ``/data/plugin/kmix``:
 * ``/runs``: ``{"runs": [runs with kmix data], "other_runs": [runs without]}``;
 * ``/run?run=NAME[&points=N]``: one run's data (:func:`kmix.tbplugin.view.run_payload`);
 * ``/exponents?run=NAME[&step=S]``: the gradient exponent heatmap at one histogram step;
+* ``/comparison``: ``{"comparisons": [{"run", "markdown"}]}``, the ``kmix compare``
+  tables recorded in the experiment (:func:`kmix.tbplugin.reader.read_comparisons`);
 * ``/static/NAME``: the page's files, from a fixed list.
 
 Query values are only ever compared with names the data provider listed or parsed
@@ -27,6 +29,7 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
+from kmix import tags
 from kmix.tbplugin import reader, view
 
 PLUGIN_NAME = "kmix"
@@ -115,6 +118,7 @@ class KmixPlugin(base_plugin.TBPlugin):
             "/runs": self._serve_runs,
             "/run": self._serve_run,
             "/exponents": self._serve_exponents,
+            "/comparison": self._serve_comparison,
             "/static/*": self._serve_static,
         }
 
@@ -199,6 +203,22 @@ class KmixPlugin(base_plugin.TBPlugin):
         except BadRequest as error:
             return _json(request, {"error": str(error)}, code=400)
         return _json(request, view.json_safe(view.heatmap(rows, step)))
+
+    @wrappers.Request.application
+    def _serve_comparison(self, request: Any) -> Any:
+        from kmix._compare_values import CompareError, comparison_from_dict
+
+        ctx, experiment = self._where(request)
+        shown = []
+        for run, text in reader.read_comparisons(self._provider, ctx, experiment):
+            data = tags.parse_comparison(text)
+            try:
+                comparison = None if data is None else comparison_from_dict(data)
+            except CompareError:
+                comparison = None
+            if comparison is not None:
+                shown.append({"run": run, "markdown": comparison.to_markdown()})
+        return _json(request, {"comparisons": shown})
 
     @wrappers.Request.application
     def _serve_static(self, request: Any) -> Any:

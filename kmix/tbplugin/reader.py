@@ -79,9 +79,39 @@ def list_runs(
     for plugin in (TEXT, HISTOGRAMS):
         listings.append(provider.list_tensors(ctx, experiment_id=experiment_id, plugin_name=plugin))
     for listing in listings:
-        with_kmix.update(_kmix_tags(listing or {}))
+        with_kmix.update(
+            run  # a kmix compare record alone is no training run (read_comparisons)
+            for run, names in _kmix_tags(listing or {}).items()
+            if set(names) - {tags.COMPARISON}
+        )
     every = {run.run_name for run in provider.list_runs(ctx, experiment_id=experiment_id)}
     return sorted(with_kmix), sorted(every - with_kmix)
+
+
+def read_comparisons(
+    provider: tb_provider.DataProvider, ctx: Any, experiment_id: str
+) -> list[tuple[str, str]]:
+    """The ``kmix compare`` records of the experiment: the latest text of each run's.
+
+    Args:
+        provider: TensorBoard's data provider.
+        ctx: the request's ``RequestContext``.
+        experiment_id: the request's experiment id.
+
+    Returns:
+        ``[(run, record text)]``, sorted by run.
+    """
+    only = tb_provider.RunTagFilter(tags=[tags.COMPARISON])
+    data = provider.read_tensors(
+        ctx, experiment_id=experiment_id, plugin_name=TEXT, downsample=10, run_tag_filter=only
+    )
+    found = []
+    for run, by_tag in sorted((data or {}).items()):
+        points = by_tag.get(tags.COMPARISON) or []
+        if points:
+            value = np.asarray(points[-1].numpy).reshape(-1)[0]
+            found.append((run, value.decode("utf-8") if isinstance(value, bytes) else str(value)))
+    return found
 
 
 def read_run(
