@@ -165,6 +165,8 @@ def test_doctor_lines_show_the_fix_and_its_measured_effect():
         "a call (median of 2 rounds)",
         "  float16 matmul: 1.50x float32's time (slower; float32's own noise 0%)",
         "  float16 conv2d: 1.00x float32's time, no measurable difference (float32's own noise 0%)",
+        "effect: float16 matmul 400 ms -> 1.50 ms a call (400x -> 1.50x float32's time)",
+        "effect: float16 conv2d 750 ms -> 2.00 ms a call (375x -> 1.00x float32's time)",
     ]
 
 
