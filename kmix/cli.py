@@ -159,11 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = commands.add_parser(
         "doctor",
-        help="show hardware, the policy 'auto' would choose, and package versions",
+        help="show hardware, the policy 'auto' would choose, measured dtype speed, versions",
         description=(
             "Print the detected hardware, the policy kmix.use('auto') would choose and "
-            "why, and the versions of TensorFlow, Keras and TensorBoard, with a warning "
-            "for combinations known not to work."
+            "why, the time of a small float32, float16 and bfloat16 matmul and convolution "
+            "measured on this CPU (about a second) as ratios to float32, with the known fix "
+            "and its measured effect where one applies, and the versions of TensorFlow, "
+            "Keras and TensorBoard, with a warning for combinations known not to work."
         ),
     )
     doctor.set_defaults(run=run_doctor, imports_tensorflow=True)
