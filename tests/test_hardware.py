@@ -146,3 +146,12 @@ def test_public_names(cpuinfo):
     assert kmix.hardware(cpuinfo) == hardware(cpuinfo)
     assert hardware_module(cpuinfo) == hardware(cpuinfo)
     assert kmix.Hardware is Hardware
+
+
+def test_read_cpuinfo_keeps_the_float16_flags_that_decide_onednn_s_path(tmp_path):
+    path = tmp_path / "cpuinfo"
+    path.write_text("model name\t: Xeon\nflags\t\t: avx512f avx512_fp16 amx_fp16 amx_bf16 sse2\n")
+    assert read_cpuinfo(str(path)) == (
+        "Xeon",
+        ("amx_bf16", "amx_fp16", "avx512_fp16", "avx512f"),
+    )

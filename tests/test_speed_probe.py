@@ -352,3 +352,19 @@ def fail_to_measure(*args, **kwargs):
 
 def test_demo_checks_nothing_on_this_process():
     assert probe.avoid_slow_float16_path("mixed_float16") is None  # TensorFlow is imported
+
+
+def test_doctor_speed_section_says_an_accelerator_is_not_timed():
+    from kmix._cli_doctor import speed_section
+    from kmix.hardware import GPU, Hardware
+
+    cpu_only = speed_section(Hardware(), XEON_OFF)
+    assert cpu_only == ["speed on this CPU (each dtype's time for the same op)"] + [
+        f"  {line}" for line in doctor_lines(XEON_OFF)
+    ]
+    with_gpu = speed_section(
+        Hardware(gpus=(GPU("/physical_device:GPU:0", "H200", (9, 0)),)), XEON_OFF
+    )
+    assert with_gpu == cpu_only + [
+        "  the GPU or TPU is not timed here: kmix compare times each policy on your model"
+    ]
