@@ -141,6 +141,7 @@ class MixedPrecisionMonitor(StepCallback):
         self._forecast = HeadroomForecast()
         self._batch = SummaryBatch(tags.description)  # one write per step per read
         self._told_origins: set[str] = set()  # layers a forward overflow was printed for
+        self._share_written = False  # kmix/float16_share, once the model has weights
         self.run_id: str | None = None  # set at train begin
         self._heads: dict = {}  # event file -> the train begin at its head (_prior_runs)
 
@@ -248,6 +249,7 @@ class MixedPrecisionMonitor(StepCallback):
         tf.summary.experimental.write_raw_pb(
             custom_scalar.pb(layout()).SerializeToString(), step=step
         )
+        self._share_written = False  # a lazily built model has no weights to weigh yet
         self._write_share(float16_share(layer_costs(model)), step)
 
     def _write_share(self, share: Float16Share, step: int) -> None:
@@ -257,6 +259,7 @@ class MixedPrecisionMonitor(StepCallback):
 
         if share.share is None:
             return
+        self._share_written = True
         tf.summary.scalar(
             tags.FLOAT16_SHARE,
             share.share,
@@ -302,6 +305,8 @@ class MixedPrecisionMonitor(StepCallback):
         with self._writer.as_default():
             if source.records_events:
                 self._drain_events(state, scale_points, skipped_points)
+            if not self._share_written:  # built by the first step
+                self._write_share(float16_share(layer_costs(self.model)), step)
             if source.measures_health:
                 self._write_health(state)
                 self._write_histograms(state.histogram_step)
