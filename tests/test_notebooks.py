@@ -64,7 +64,9 @@ def _run(name: str, workdir: pathlib.Path, values: str) -> tuple[Any, dict[str, 
     return notebook, json.loads(_stdout(probe))
 
 
-@pytest.mark.parametrize("name", ["01_quickstart.ipynb", "02_diagnose_overflow.ipynb"])
+@pytest.mark.parametrize(
+    "name", ["01_quickstart.ipynb", "02_diagnose_overflow.ipynb", "03_autopilot.ipynb"]
+)
 def test_stored_without_outputs(name):
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     nbformat.validate(notebook)
@@ -81,7 +83,9 @@ def _heading_level(cell) -> int | None:
     return len(match[1]) if match else None
 
 
-@pytest.mark.parametrize("name", ["01_quickstart.ipynb", "02_diagnose_overflow.ipynb"])
+@pytest.mark.parametrize(
+    "name", ["01_quickstart.ipynb", "02_diagnose_overflow.ipynb", "03_autopilot.ipynb"]
+)
 def test_every_heading_has_content_and_nothing_prints_for_the_tests(name):
     cells = nbformat.read(NOTEBOOKS / name, as_version=4).cells
     for index, cell in enumerate(cells):
@@ -147,3 +151,64 @@ def test_diagnose_overflow(tmp_path):
     lines = _stdout(notebook.cells[heading + 1]).splitlines()
     assert [line.split()[0] for line in lines] == ["skipped", "loss_scale", "loss", "accuracy"]
     assert all(" before " in line and " after " in line for line in lines), lines
+
+
+@pytest.mark.slow
+def test_autopilot(tmp_path):
+    import importlib.util
+
+    import numpy as np
+
+    _, result = _run(
+        "03_autopilot.ipynb",
+        tmp_path,
+        "{'stock': {k: float(v) for k, v in stock.items()}, "
+        "'stop': {'step': stop_guard.step, 'reason': stop_guard.reason, "
+        "'diagnosis': stop_guard.diagnosis}, "
+        "'healing': {k: float(v) for k, v in healing.items()}, "
+        "'moves': [[m.step, m.layer, m.from_policy, m.to_policy] for m in autopilot.moves], "
+        "'reactive': {'skipped': int(reactive_optimizer.skipped_steps), "
+        "'moves': [[m.step, m.layer] for m in reactive.moves], "
+        "'loss': float(reactive_history.history['loss'][-1])}, "
+        "'float32': [float(v) for v in float32_losses.values()], "
+        "'plan': dict(plan.policies), 'healed': {k: float(v) for k, v in healed.items()}, "
+        "'healed_policies': {l.name: l.dtype_policy.name for l in healed_model.layers}, "
+        "'loaded_policies': loaded_policies, "
+        "'model': [[type(l).__name__, l.name] for l in build_model().layers], "
+        "'data': [float(x.astype('float64').sum()), float(np.log(y.astype('float64')).sum())]}",
+    )
+    # The notebook's model and data are bench/growing_model.py's.
+    path = NOTEBOOKS.parent / "bench" / "growing_model.py"
+    spec = importlib.util.spec_from_file_location("growing_model", path)
+    growing_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(growing_model)
+    x, y = growing_model.make_data(2048 + 512)
+    expected = [float(x.astype("float64").sum()), float(np.log(y.astype("float64")).sum())]
+    np.testing.assert_allclose(result["data"], expected, rtol=1e-6, atol=1e-6)
+    assert result["model"] == [
+        [type(lay).__name__, lay.name] for lay in growing_model.build_model().layers
+    ]
+
+    # Stock Keras: the loss becomes inf, the scale falls to 0.
+    assert not np.isfinite(result["stock"]["loss"])
+    assert result["stock"]["loss_scale"] == 0.0 and result["stock"]["skipped"] > 100
+    # kmix without the autopilot: the guard stops, naming the layer.
+    assert result["stop"]["step"] < 512 and result["stop"]["reason"] == "nonfinite_loss"
+    assert "`energy`" in result["stop"]["diagnosis"]
+    # With the autopilot (proactive): energy moves before it overflows; nothing skipped.
+    assert [m[1:] for m in result["moves"]] == [["energy", "mixed_float16", "float32"]]
+    assert result["healing"]["skipped"] == 0 and np.isfinite(result["healing"]["loss"])
+    # Reactive: one skipped step per moved layer.
+    assert [m[1] for m in result["reactive"]["moves"]] == ["energy"]
+    assert result["reactive"]["skipped"] == 1
+    # Within float32's run-to-run spread: as close to float32 with the same seed as the
+    # float32 seeds are to each other.
+    spread = max(result["float32"]) - min(result["float32"])
+    for loss in (result["healing"]["loss"], result["reactive"]["loss"], result["healed"]["loss"]):
+        assert abs(loss - result["float32"][0]) <= spread
+    # The plan starts the next run healed, and a .keras file keeps the policies.
+    assert result["plan"] == {"energy": "float32"}
+    assert result["healed"]["skipped"] == 0
+    assert result["healed_policies"]["energy"] == "float32"
+    assert result["loaded_policies"] == result["healed_policies"]
+    assert result["loaded_policies"]["proj"] == "mixed_float16"
