@@ -333,6 +333,6 @@ def report_comparison(logdir: str, as_json: bool) -> bool:
         return True
     print(comparison.to_markdown())
     print()
-    runs = " ".join(os.path.join(logdir, row.policy) for row in comparison.rows)
-    print(f"each policy's own run: kmix report DIR for DIR in {runs}")
+    policies = ", ".join(row.policy for row in comparison.rows)
+    print(f"each policy's own run: kmix report {os.path.join(logdir, '<policy>')} ({policies})")
     return True

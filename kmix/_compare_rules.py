@@ -271,8 +271,12 @@ def _number(value: float | None) -> str:
 def _speed_words(row: PolicyRow) -> str:
     if row.speedup is None:
         return "not timed"
+    if row.policy == "float32":
+        return "the reference"
     if row.within_noise:
         return f"×{row.speedup:.2f}, no measurable difference from float32"
+    if row.speedup < 1:
+        return f"×{row.speedup:.2f}, slower than float32"
     return f"×{row.speedup:.2f} float32's speed"
 
 

@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 import warnings
@@ -139,7 +140,7 @@ def compare_policies(
         warnings.filterwarnings("ignore", r"The model computes in \w+, not float16", UserWarning)
 
         def budget(entry: Entry) -> float | None:
-            if entry is first or first.wall_s == 0:
+            if entry.policy == "float32" or first.wall_s == 0:  # float32-repeat: the floor
                 return None
             return rules.slow_budget_s(first.wall_s * steps / max(first.steps, 1))
 
@@ -155,6 +156,7 @@ def compare_policies(
         build_model, data, policies, batch_size, loss, seed, measure_memory, skip=skip
     )
     comparison = _table(entries, logs, peaks, detected, steps, rounds, examples)
+    comparison = dataclasses.replace(comparison, model=f"{what} (model {comparison.model!r})")
     if logdir is not None:
         write_comparison(logdir, comparison)
     return comparison
@@ -344,8 +346,6 @@ def _table(
 
 
 def _replace(row: PolicyRow, **changes: Any) -> PolicyRow:
-    import dataclasses
-
     return dataclasses.replace(row, **changes)
 
 

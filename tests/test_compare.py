@@ -458,3 +458,32 @@ def test_the_tab_serves_a_recorded_comparison_and_lists_no_run_for_it(tmp_path):
     assert only["markdown"] == comparison().to_markdown()
     runs = json.loads(client.get("/data/plugin/kmix/runs").get_data(as_text=True))
     assert runs["runs"] == []  # the record alone is no training run
+
+
+@pytest.mark.slow  # three small models trained side by side
+def test_a_pathologically_slow_policy_is_stopped_and_reported(user_module, monkeypatch):
+    """With a budget of 0 s every policy but float32 (and its repeat) stops after a step."""
+    import cmpmodels
+
+    from kmix.compare import compare_policies
+
+    monkeypatch.setattr(rules, "slow_budget_s", lambda float32_s: 0.0)
+    monkeypatch.setattr(rules, "slow_cause", lambda *args: "a cause kmix names")
+    got = compare_policies(
+        cmpmodels.tiny,
+        cmpmodels.data(),
+        policies=("float32", "mixed_bfloat16"),
+        steps=9,
+        rounds=2,
+        measure_memory=False,
+    )
+    float32, stopped = got.row("float32"), got.row("mixed_bfloat16")
+    assert float32.status == MEASURED and float32.steps == 9
+    assert stopped.status == STOPPED_SLOW and stopped.steps == 1  # its first warm-up step
+    assert stopped.note.startswith("stopped after ") and "cause: a cause kmix names" in stopped.note
+    assert stopped.step_time_s is None and stopped.speedup is None
+    assert got.noise_floor is not None  # float32-repeat is never stopped
+    assert got.recommendation.policy == "float32"
+    assert any("pathologically slow" in r for r in got.recommendation.reasons)
+    assert stopped.memory_note == "not measured (measure_memory=False)"
+    assert "stopped: too slow" in got.to_markdown()
