@@ -479,6 +479,20 @@ def test_a_pathologically_slow_policy_is_stopped_and_reported(user_module, monke
     )
     float32, stopped = got.row("float32"), got.row("mixed_bfloat16")
     assert float32.status == MEASURED and float32.steps == 9
+    # the per-step loss, recovered from Keras's running mean, against an independent one:
+    # the first step's loss is the seeded model's loss on the first batch
+    import keras
+
+    keras.utils.clear_session()
+    keras.utils.set_random_seed(0)
+    x, y = cmpmodels.data()
+    model = cmpmodels.tiny()
+    first = float(model.evaluate(x[:32], y[:32], batch_size=32, verbose=0))
+    assert float32.loss_curve[0] == pytest.approx(first, rel=1e-5)
+    # the second: after one SGD step on the first batch (a power-of-two loss scale is exact)
+    model.fit(x[:32], y[:32], batch_size=32, epochs=1, shuffle=False, verbose=0)
+    second = float(model.evaluate(x[32:64], y[32:64], batch_size=32, verbose=0))
+    assert float32.loss_curve[1] == pytest.approx(second, rel=1e-4)
     assert stopped.status == STOPPED_SLOW and stopped.steps == 1  # its first warm-up step
     assert stopped.note.startswith("stopped after ") and "cause: a cause kmix names" in stopped.note
     assert stopped.step_time_s is None and stopped.speedup is None
