@@ -501,3 +501,20 @@ def test_a_pathologically_slow_policy_is_stopped_and_reported(user_module, monke
     assert any("pathologically slow" in r for r in got.recommendation.reasons)
     assert stopped.memory_note == "not measured (measure_memory=False)"
     assert "stopped: too slow" in got.to_markdown()
+
+
+def test_compare_is_a_kmix_command_with_its_own_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["compare", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kmix compare")
+    for option in ("--demo", "--data", "--steps", "--policies", "--logdir", "--json"):
+        assert option in out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "compare" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:  # argparse's usage and error, as every command
+        main(["compare", "--demo", "--steps", "0"])
+    assert exit_.value.code == 2
+    assert "argument --steps: expected an integer >= 1, got 0" in capsys.readouterr().err
