@@ -1,11 +1,12 @@
 """PrecisionAutopilot: a layer that overflows float16 moves to float32 during ``fit``.
 
 The rules are pure (:mod:`kmix.callbacks._autopilot_rules`); this module is the glue:
-it reads the optimizer's counters after each execution (one small transfer), the events
-when there are new ones, and the activation statistics at each health step; it sets the
-chosen layers' dtype policies, rebuilds the train function and tells the open monitors
-of the model, which write each move at its step (:meth:`MixedPrecisionMonitor.
-write_precision_moves`).
+it reads the optimizer's counters (one small transfer) every ``update_freq`` steps and
+after an execution whose logged loss is non-finite, the events when there are new ones,
+and the activation statistics at each health step; a healthy step between reads costs
+nothing. It sets the chosen layers' dtype policies, rebuilds the train function and
+tells the open monitors of the model, which write each move at its step
+(:meth:`MixedPrecisionMonitor.write_precision_moves`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kmix.callbacks._autopilot_rules import (
     unhealable_overflows,
 )
 from kmix.callbacks._base import StepCallback, warn_user
+from kmix.callbacks._trip import is_nonfinite
 from kmix.precision_plan import (
     Float16Share,
     PrecisionMove,
@@ -38,6 +40,7 @@ FALLBACKS = {
     "bfloat16": "mixed_bfloat16: float32's range at half the bytes, where the hardware computes it",
 }
 _TO_POLICY = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
+_NEVER = 2**62  # no scheduled read: reactive only
 
 
 def _bfloat16_hardware_reason() -> str | None:
@@ -107,8 +110,8 @@ class PrecisionAutopilot(StepCallback):
         max_layers: int = 8,
         proactive: bool = True,
     ) -> None:
-        super().__init__(every=1)
         self.update_freq = check_int(_OWNER, "update_freq", update_freq, 1)
+        super().__init__(every=self.update_freq if proactive is True else _NEVER)
         self.margin_bits = check_real(_OWNER, "margin_bits", margin_bits, 0.0, 15.0)
         self.fallback = check_choice(_OWNER, "fallback", fallback, FALLBACKS)
         self.max_layers = check_int(_OWNER, "max_layers", max_layers, 1)
@@ -174,6 +177,17 @@ class PrecisionAutopilot(StepCallback):
         """Withdraws the statistics request and closes the run."""
         self._source.release_statistics(self)
         super().finish(reason, message, logs)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """Reads every ``update_freq`` steps (proactive), and after any execution whose
+        logged loss is non-finite (a forward overflow makes it so; Keras's running mean
+        then stays so until the epoch ends) or not logged: a healthy step costs no read."""
+        read_before = self._steps_at_read
+        super().on_train_batch_end(batch, logs)
+        loss = (logs or {}).get("loss")
+        if self._active and self in OPEN and self._steps_at_read == read_before:
+            if loss is None or is_nonfinite(loss):
+                self._read(logs)
 
     def _on_read(self, logs: dict) -> None:
         if self._active:
