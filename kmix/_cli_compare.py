@@ -237,7 +237,9 @@ def run_compare(args: argparse.Namespace) -> int:
             "MODULE:FUNCTION, or --demo for kmix demo's digits CNN"
         )
     if args.logdir is not None:
-        problem = _logdir_problem(args.logdir)
+        from kmix.compare import logdir_problem
+
+        problem = logdir_problem(args.logdir, "--logdir")
         if problem:
             return _error(problem)
     try:
@@ -292,20 +294,6 @@ def _call_data(function: Callable[[], Any], target: str) -> Any:
         raise TargetError(
             f"--data {target!r} raised {type(error).__name__}: {_first_line(error)}"
         ) from None
-
-
-def _logdir_problem(logdir: str) -> str | None:
-    """Why ``--logdir`` cannot take a comparison, or None: it must be new or empty."""
-    if not logdir.strip():
-        return "--logdir '' is empty: give a directory, e.g. --logdir runs/compare"
-    if os.path.isfile(logdir):
-        return f"--logdir {logdir} is a file: give a new or empty directory"
-    if os.path.isdir(logdir) and os.listdir(logdir):
-        return (
-            f"--logdir {logdir} is not empty: give a new or empty directory (kmix never "
-            "deletes what it did not write)"
-        )
-    return None
 
 
 def report_comparison(logdir: str, as_json: bool) -> bool:

@@ -224,15 +224,9 @@ class _Turn:
     ) -> None:
         import keras
 
-        class _Callback(keras.callbacks.Callback):
-            def on_train_batch_begin(inner, batch: int, logs: Any = None) -> None:  # noqa: N805
-                if self.last is None:
-                    self.last = time.perf_counter()
-
-            def on_train_batch_end(inner, batch: int, logs: Any = None) -> None:  # noqa: N805
-                self.step_end(batch, logs or {})
-
-        self.callback = _Callback()
+        self.callback = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs: self.step_end(batch, logs or {})
+        )
         self.entry, self.where, self.steps, self.budget_s = entry, where, steps, budget_s
         self.progress = progress
         self.last: float | None = None

@@ -68,6 +68,7 @@ __all__ = [
     "PolicyRow",
     "Progress",
     "compare_policies",
+    "logdir_problem",
     "write_comparison",
 ]
 
@@ -120,10 +121,13 @@ def compare_policies(
         The :class:`PolicyComparison`.
 
     Raises:
-        CompareError: a bad argument, a function that returns no model, or data that
-            does not fit the model; the message names it and says what to do.
+        CompareError: a bad argument, a log dir that is not new or empty, a function
+            that returns no model, or data that does not fit the model; the message
+            names it and says what to do.
     """
     policies = _check_arguments(policies, steps, rounds, batch_size)
+    if logdir is not None and (problem := logdir_problem(logdir, "logdir")):
+        raise CompareError(problem)
     from kmix._compare_memory import measure_peaks
     from kmix.hardware import hardware
 
@@ -181,6 +185,28 @@ def write_comparison(logdir: str, comparison: PolicyComparison) -> None:
     with writer.as_default():
         tf.summary.text(tags.COMPARISON, text, step=0, description="kmix compare's table (JSON)")
     writer.close()
+
+
+def logdir_problem(logdir: str, name: str) -> str | None:
+    """Why a log dir cannot take a comparison, or None: it must be new or empty.
+
+    Args:
+        logdir: the directory.
+        name: how to name it in the message (``--logdir`` or ``logdir``).
+
+    Returns:
+        A one-line message naming it and what to do, or None.
+    """
+    if not str(logdir).strip():
+        return f"{name} '' is empty: give a directory, e.g. runs/compare"
+    if os.path.isfile(logdir):
+        return f"{name} {logdir} is a file: give a new or empty directory"
+    if os.path.isdir(logdir) and os.listdir(logdir):
+        return (
+            f"{name} {logdir} is not empty: give a new or empty directory (kmix never "
+            "deletes what it did not write)"
+        )
+    return None
 
 
 def _check_arguments(

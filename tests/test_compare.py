@@ -373,8 +373,12 @@ def test_load_target_returns_the_function(user_module):
         load_target("cmpmodels:nope", "--data")
 
 
-def test_bad_arguments_of_compare_policies():
+def test_bad_arguments_of_compare_policies(tmp_path):
     from kmix.compare import compare_policies
+
+    (tmp_path / "mine.txt").write_text("mine")
+    with pytest.raises(CompareError, match="logdir .* is not empty: give a new or empty"):
+        compare_policies(lambda: None, None, logdir=str(tmp_path))
 
     with pytest.raises(CompareError, match="include 'float32'"):
         compare_policies(lambda: None, None, policies=("mixed_float16",))
