@@ -147,17 +147,6 @@ class PrecisionAutopilot(StepCallback):
         """
         super().on_train_begin(logs)
         model, source = self.model, self._source
-        if source.kind != "kmix":
-            OPEN.discard(self)
-            raise ValueError(
-                f"{_OWNER} needs kmix's optimizer, which names the layer where the forward "
-                f"pass overflows; model {model.name!r} is compiled with "
-                f"{source.optimizer_name}. Compile with "
-                "`optimizer=kmix.LossScaleOptimizer(keras.optimizers.Adam())`."
-            )
-        if self._model_id != id(model):
-            self._model_id, self.moves = id(model), []
-        self.float16_share = float16_share(layer_costs(model))
         float16 = [p for p, layer in _layers.walk_layers(model) if layer.compute_dtype == "float16"]
         self._active = bool(float16) or model.compute_dtype == "float16"
         if not self._active:
@@ -166,6 +155,18 @@ class PrecisionAutopilot(StepCallback):
                 "computes in float16: there is nothing to move."
             )
             return
+        if source.kind != "kmix":
+            OPEN.discard(self)
+            self._active = False
+            raise ValueError(
+                f"{_OWNER} needs kmix's optimizer, which names the layer where the forward "
+                f"pass overflows; model {model.name!r} is compiled with "
+                f"{source.describe()}. Compile with "
+                "`optimizer=kmix.LossScaleOptimizer(keras.optimizers.Adam())`."
+            )
+        if self._model_id != id(model):
+            self._model_id, self.moves = id(model), []
+        self.float16_share = float16_share(layer_costs(model))
         if self.proactive:
             source.request_statistics(self, self.update_freq, 0)
         state = self._read_state(counters_only=True)
