@@ -118,7 +118,9 @@ def compare_policies(
         progress: called after every step with a :class:`Progress`.
 
     Returns:
-        The :class:`PolicyComparison`.
+        The :class:`PolicyComparison`. Keras's session is cleared before each model is
+        built (so every model's layers have the same names); the global dtype policy
+        is the same afterwards as before.
 
     Raises:
         CompareError: a bad argument, a log dir that is not new or empty, a function
@@ -128,6 +130,8 @@ def compare_policies(
     policies = _check_arguments(policies, steps, rounds, batch_size)
     if logdir is not None and (problem := logdir_problem(logdir, "logdir")):
         raise CompareError(problem)
+    import keras
+
     from kmix._compare_memory import measure_peaks
     from kmix.hardware import hardware
 
@@ -136,6 +140,8 @@ def compare_policies(
     warmup = max(1, min(2, steps - 2 * rounds))  # untimed: the train function is traced
     plan = round_plan(steps, rounds, warmup)
     with contextlib.ExitStack() as stack:
+        previous = keras.config.dtype_policy()  # clear_session resets it before each build
+        stack.callback(keras.config.set_dtype_policy, previous)
         root = logdir if logdir is not None else stack.enter_context(tempfile.TemporaryDirectory())
         what = getattr(build_model, "__qualname__", None) or repr(build_model)
         entries = _build_all(build_model, policies, seed, loss, root, dataset, what)

@@ -468,9 +468,11 @@ def test_the_tab_serves_a_recorded_comparison_and_lists_no_run_for_it(tmp_path):
 def test_a_pathologically_slow_policy_is_stopped_and_reported(user_module, monkeypatch):
     """With a budget of 0 s every policy but float32 (and its repeat) stops after a step."""
     import cmpmodels
+    import keras
 
     from kmix.compare import compare_policies
 
+    keras.config.set_dtype_policy("mixed_float16")  # the user's, kept
     monkeypatch.setattr(rules, "slow_budget_s", lambda float32_s: 0.0)
     monkeypatch.setattr(rules, "slow_cause", lambda *args: "a cause kmix names")
     got = compare_policies(
@@ -481,12 +483,12 @@ def test_a_pathologically_slow_policy_is_stopped_and_reported(user_module, monke
         rounds=2,
         measure_memory=False,
     )
+    assert keras.config.dtype_policy().name == "mixed_float16"
+    keras.config.set_dtype_policy("float32")
     float32, stopped = got.row("float32"), got.row("mixed_bfloat16")
     assert float32.status == MEASURED and float32.steps == 9
     # the per-step loss, recovered from Keras's running mean, against an independent one:
     # the first step's loss is the seeded model's loss on the first batch
-    import keras
-
     keras.utils.clear_session()
     keras.utils.set_random_seed(0)
     x, y = cmpmodels.data()
