@@ -524,3 +524,24 @@ def test_compare_is_a_kmix_command_with_its_own_help(capsys):
         main(["compare", "--demo", "--steps", "0"])
     assert exit_.value.code == 2
     assert "argument --steps: expected an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_data_that_is_neither_arrays_nor_a_dataset_is_refused_with_what_to_give():
+    import numpy as np
+    import tensorflow as tf
+
+    from kmix._compare_run import make_dataset
+
+    with pytest.raises(CompareError, match=r"\(x, y\) of arrays; got str"):
+        make_dataset("digits.npz", 32)
+    with pytest.raises(CompareError, match="got tuple of length 3"):
+        make_dataset((1, 2, 3), 32)
+    x, y = np.zeros((10, 4), "float32"), np.zeros((10,), "int32")
+    with pytest.raises(CompareError, match="10 examples, fewer than one batch of batch_size=32"):
+        make_dataset((x, y), 32)
+    batched = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    dataset, examples = make_dataset(batched, 32)
+    assert examples == 4  # a dataset's own batches
+    assert len(list(dataset.take(5))) == 5  # repeated
+    with pytest.raises(CompareError, match="empty tf.data.Dataset"):
+        make_dataset(batched.take(0), 32)
