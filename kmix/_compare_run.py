@@ -36,7 +36,7 @@ class Progress(NamedTuple):
     """Where a comparison is: shown while it runs.
 
     Attributes:
-        run: the run's name (a policy, or ``float32-repeat`` for the noise floor).
+        run: the run's name (a policy, or ``float32_repeat`` for the noise floor).
         round: the round, from 1 (0 while warming up).
         rounds: how many rounds.
         step: steps done in this turn.

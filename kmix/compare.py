@@ -10,7 +10,7 @@ How it measures (in one process; TensorFlow is imported once):
   :class:`kmix.LossScaleOptimizer`, and logged by
   :class:`kmix.callbacks.MixedPrecisionMonitor` to ``LOGDIR/<policy>/train`` (so
   TensorBoard overlays their curves; a temporary directory when ``logdir`` is None);
-* a second float32 model from another seed, ``float32-repeat``, trains beside them:
+* a second float32 model from another seed, ``float32_repeat``, trains beside them:
   its step times against float32's are the noise floor, its final loss against
   float32's the loss spread;
 * after a short warm-up, the models take turns in rounds (ABBA order); a policy that
@@ -75,8 +75,9 @@ __all__ = [
 DEFAULT_POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 COMPARABLE = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
 """The policies ``compare_policies`` accepts."""
-REPEAT = "float32-repeat"
-"""The run name of float32's second model, whose times give the noise floor."""
+REPEAT = "float32_repeat"
+"""The run name of float32's second model, whose times give the noise floor (it sorts
+after ``float32``, so TensorBoard lists float32's own run first)."""
 TIMING = (
     "in one process, median of the step times between the ends of consecutive steps "
     "(monitor reads included, the first step of each turn left out); the policies take "
@@ -113,7 +114,7 @@ def compare_policies(
         rounds: turns each policy takes.
         batch_size: examples per step for ``(x, y)`` data.
         loss: the loss for an uncompiled model.
-        seed: the random seed each model is built with (``float32-repeat``: seed + 1).
+        seed: the random seed each model is built with (``float32_repeat``: seed + 1).
         measure_memory: measure peak memory in a process per policy.
         progress: called after every step with a :class:`Progress`.
 
@@ -150,7 +151,7 @@ def compare_policies(
         warnings.filterwarnings("ignore", r"The model computes in \w+, not float16", UserWarning)
 
         def budget(entry: Entry) -> float | None:
-            if entry.policy == "float32" or first.wall_s == 0:  # float32-repeat: the floor
+            if entry.policy == "float32" or first.wall_s == 0:  # float32_repeat: the floor
                 return None
             return rules.slow_budget_s(first.wall_s * steps / max(first.steps, 1))
 
@@ -257,7 +258,7 @@ def _build_all(
     dataset: Any,
     what: str,
 ) -> list[Entry]:
-    """Builds every run's model (float32 first, then float32-repeat) with its monitor."""
+    """Builds every run's model (float32 first, then float32_repeat) with its monitor."""
     from kmix.callbacks import MixedPrecisionMonitor
 
     runs = [("float32", "float32", seed), (REPEAT, "float32", seed + 1)]

@@ -502,7 +502,7 @@ def test_a_pathologically_slow_policy_is_stopped_and_reported(user_module, monke
     assert stopped.status == STOPPED_SLOW and stopped.steps == 1  # its first warm-up step
     assert stopped.note.startswith("stopped after ") and "cause: a cause kmix names" in stopped.note
     assert stopped.step_time_s is None and stopped.speedup is None
-    assert got.noise_floor is not None  # float32-repeat is never stopped
+    assert got.noise_floor is not None  # float32_repeat is never stopped
     assert got.recommendation.policy == "float32"
     assert any("pathologically slow" in r for r in got.recommendation.reasons)
     assert stopped.memory_note == "not measured (measure_memory=False)"
