@@ -236,6 +236,11 @@ def run_compare(args: argparse.Namespace) -> int:
             "give either MODULE:FUNCTION (a function that builds the model) with --data "
             "MODULE:FUNCTION, or --demo for kmix demo's digits CNN"
         )
+    if args.demo and args.data:
+        return _error(
+            f"--demo trains on kmix demo's digits; --data {args.data} is for MODULE:FUNCTION: "
+            "give one or the other"
+        )
     if args.logdir is not None:
         from kmix.compare import logdir_problem
 

@@ -357,6 +357,8 @@ def test_a_target_needs_data_and_exactly_one_of_target_or_demo(user_module, caps
     assert "needs --data" in one_line_error(capsys, ["compare", "cmpmodels:tiny"])
     assert "either MODULE:FUNCTION" in one_line_error(capsys, ["compare"])
     assert "either" in one_line_error(capsys, ["compare", "--demo", "cmpmodels:tiny"])
+    line = one_line_error(capsys, ["compare", "--demo", "--data", "cmpmodels:data"])
+    assert "--data cmpmodels:data is for MODULE:FUNCTION" in line
 
 
 def test_a_used_logdir_is_refused(user_module, capsys):
