@@ -140,6 +140,21 @@ def open_tab(page, url: str):
     return frame
 
 
+def open_run(page, url: str, root, name: str):
+    """Opens the tab on the one run ``root/name/train``, served by the plugin's own code
+    (the page's requests are answered with its payload)."""
+    payload = serve(default_provider(root)).get(f"/data/plugin/kmix/run?run={name}/train")
+    page.route(
+        "**/data/plugin/kmix/runs",
+        lambda route: route.fulfill(json={"runs": [name], "other_runs": []}),
+    )
+    page.route(
+        f"**/data/plugin/kmix/run?run={name}*",
+        lambda route: route.fulfill(body=payload.get_data(), content_type="application/json"),
+    )
+    return open_tab(page, url)
+
+
 def test_the_tab_shows_the_optimizers_events_and_charts(
     page, tensorboard, run_with_overflows, tmp_path
 ):
@@ -226,16 +241,7 @@ def test_float16_views_of_a_run_with_a_float32_head(page, tensorboard, tmp_path)
     """Float16's limits over float16 rows only, a colour scale, steps labelled across the
     grid, a single reading drawn as a point, reference lines named outside the chart."""
     write_mixed_run(str(tmp_path / "mixed" / "train"))
-    payload = serve(default_provider(tmp_path)).get("/data/plugin/kmix/run?run=mixed/train")
-    page.route(
-        "**/data/plugin/kmix/runs",
-        lambda route: route.fulfill(json={"runs": ["mixed"], "other_runs": []}),
-    )
-    page.route(
-        "**/data/plugin/kmix/run?run=mixed*",
-        lambda route: route.fulfill(body=payload.get_data(), content_type="application/json"),
-    )
-    frame = open_tab(page, tensorboard)
+    frame = open_run(page, tensorboard, tmp_path, "mixed")
     scale = frame.locator(".loss-scale svg").first
     assert scale.locator("rect.lost-events").count() == 1
     line = scale.locator("path.loss-scale-line").get_attribute("d")
@@ -284,16 +290,7 @@ def test_precision_changes_of_a_healed_run(page, tensorboard, tmp_path):
     autopilot = kmix.callbacks.PrecisionAutopilot(proactive=False)
     monitor = MixedPrecisionMonitor(str(tmp_path / "healed"), update_freq=2, verbose=0)
     model.fit(X, Y, batch_size=8, verbose=0, shuffle=False, callbacks=[autopilot, monitor])
-    payload = serve(default_provider(tmp_path)).get("/data/plugin/kmix/run?run=healed/train")
-    page.route(
-        "**/data/plugin/kmix/runs",
-        lambda route: route.fulfill(json={"runs": ["healed"], "other_runs": []}),
-    )
-    page.route(
-        "**/data/plugin/kmix/run?run=healed*",
-        lambda route: route.fulfill(body=payload.get_data(), content_type="application/json"),
-    )
-    frame = open_tab(page, tensorboard)
+    frame = open_run(page, tensorboard, tmp_path, "healed")
     marks = frame.locator(".loss-scale g.precision-move")
     assert marks.count() == 2
     assert [marks.nth(i).get_attribute("data-step") for i in range(2)] == ["1", "2"]
