@@ -215,12 +215,11 @@ def native_compute(
     )
 
 
-def safety_problem(row: PolicyRow, steps: int) -> str | None:
+def safety_problem(row: PolicyRow) -> str | None:
     """What makes a policy's numbers unsafe for this model, in words, or None.
 
     Args:
         row: the policy's row.
-        steps: steps asked of each policy.
 
     Returns:
         A sentence naming the layer or the measurement, or None when it is safe.
@@ -281,7 +280,7 @@ def _speed_words(row: PolicyRow) -> str:
 
 
 def recommend(
-    rows: Sequence[PolicyRow], floor: float | None, steps: int, loss_spread: float | None = None
+    rows: Sequence[PolicyRow], floor: float | None, loss_spread: float | None = None
 ) -> Recommendation:
     """The policy to use, with its reasons: a pure function of the table.
 
@@ -290,7 +289,6 @@ def recommend(
     Args:
         rows: the table; must hold a float32 row.
         floor: the noise floor (relative); None counts every difference as measurable.
-        steps: steps asked of each policy.
         loss_spread: float32's run-to-run spread of the final loss, for the words.
 
     Returns:
@@ -303,9 +301,7 @@ def recommend(
     reference = next((row for row in rows if row.policy == "float32"), None)
     if reference is None:
         raise ValueError("recommend needs a float32 row: speed-ups and losses are against it")
-    left_out = {
-        row.policy: why for row in rows if (why := _left_out(row, reference, steps, loss_spread))
-    }
+    left_out = {row.policy: why for row in rows if (why := _left_out(row, reference, loss_spread))}
     candidates = [row for row in rows if row.policy not in left_out and row.step_time_s is not None]
     if reference.status == OUT_OF_MEMORY:
         fitting = [row for row in candidates if row is not reference]
@@ -336,7 +332,7 @@ def recommend(
     return Recommendation(chosen.policy, (head, *_others(rows, chosen, left_out, tied)))
 
 
-def _left_out(row: PolicyRow, reference: PolicyRow, steps: int, spread: float | None) -> str | None:
+def _left_out(row: PolicyRow, reference: PolicyRow, spread: float | None) -> str | None:
     """Why a row cannot be recommended, or None when it can."""
     if row.status == STOPPED_SLOW:
         return f"{row.policy} is pathologically slow here: {row.note}"
@@ -344,7 +340,7 @@ def _left_out(row: PolicyRow, reference: PolicyRow, steps: int, spread: float | 
         return f"{row.policy} does not fit in device memory"
     if row.loss_ok is False:
         return f"{row.policy} is left out: {_loss_words(row, reference, spread)}"
-    problem = safety_problem(row, steps)
+    problem = safety_problem(row)
     if problem is not None:
         return f"{row.policy} is left out: {problem}; {_fix_words(row)}"
     return None

@@ -56,7 +56,6 @@ from kmix._compare_values import (
     CompareError,
     PolicyComparison,
     PolicyRow,
-    Recommendation,
 )
 
 __all__ = [
@@ -362,13 +361,13 @@ def _table(
             note = f"{entry.stopped}; cause: {cause or 'kmix cannot name one'}"
         rows.append(_replace(row, native=native, native_note=why, note=note))
     rows_t = tuple(rows)
-    recommendation = rules.recommend(rows_t, floor, steps, spread)
+    recommendation = rules.recommend(rows_t, floor, spread)
     return PolicyComparison(
         rows=rows_t,
         noise_floor=floor,
         noise_ratios=tuple(ratios),
         loss_spread=spread,
-        recommendation=Recommendation(recommendation.policy, recommendation.reasons),
+        recommendation=recommendation,
         steps=steps,
         rounds=rounds,
         batch_size=examples,

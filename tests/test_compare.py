@@ -121,7 +121,7 @@ def test_slow_cause_names_onednn_float16_on_a_cpu():
 def test_all_within_noise_recommends_float32():
     table = [row("float32", 10), row("mixed_float16", 9.8), row("mixed_bfloat16", 10.1)]
     table = [dataclasses.replace(r, within_noise=r.policy != "float32" or None) for r in table]
-    advice = rules.recommend(table, floor=0.05, steps=200)
+    advice = rules.recommend(table, floor=0.05)
     assert advice.policy == "float32"
     assert "no policy is measurably faster" in advice.reasons[0]
     assert "±5.0%" in advice.reasons[0]
@@ -129,14 +129,14 @@ def test_all_within_noise_recommends_float32():
 
 def test_fastest_safe_policy_is_recommended():
     table = [row("float32", 10), row("mixed_float16", 5), row("mixed_bfloat16", 8)]
-    advice = rules.recommend(table, floor=0.05, steps=200)
+    advice = rules.recommend(table, floor=0.05)
     assert advice.policy == "mixed_float16"
     assert advice.reasons[0].startswith("mixed_float16: ×2.00")
 
 
 def test_tied_fastest_prefers_bfloat16_which_needs_no_loss_scaling():
     table = [row("float32", 10), row("mixed_float16", 5.0), row("mixed_bfloat16", 5.1)]
-    advice = rules.recommend(table, floor=0.05, steps=200)
+    advice = rules.recommend(table, floor=0.05)
     assert advice.policy == "mixed_bfloat16"
     assert "mixed_float16 was faster by less than the noise floor" in advice.reasons[0]
 
@@ -147,7 +147,7 @@ def test_float16_fastest_but_a_layer_overflows_names_the_layer_and_the_fixes():
         row("mixed_float16", 5, overflow_layers=("block_2/ffn_out",), skipped_steps=30),
         row("mixed_bfloat16", 8),
     ]
-    advice = rules.recommend(table, floor=0.05, steps=200)
+    advice = rules.recommend(table, floor=0.05)
     assert advice.policy == "mixed_bfloat16"
     second = advice.reasons[1]
     assert second.startswith("mixed_float16 would be faster (×2.00")
@@ -161,15 +161,15 @@ def test_low_activation_headroom_is_unsafe_and_names_the_tightest_layer():
         row("float32", 10),
         row("mixed_float16", 5, min_headroom_bits=0.4, tightest_layer="logits"),
     ]
-    advice = rules.recommend(table, floor=0.05, steps=200)
+    advice = rules.recommend(table, floor=0.05)
     assert advice.policy == "float32"
     assert any("'logits'" in r and "0.4 bits" in r for r in advice.reasons)
 
 
 def test_too_many_skipped_steps_are_unsafe():
     table = [row("float32", 10), row("mixed_float16", 5, skipped_steps=40)]
-    assert rules.safety_problem(table[1], 200) == "40 of 200 steps were skipped (safe: at most 5%)"
-    assert rules.recommend(table, 0.05, 200).policy == "float32"
+    assert rules.safety_problem(table[1]) == "40 of 200 steps were skipped (safe: at most 5%)"
+    assert rules.recommend(table, 0.05).policy == "float32"
 
 
 def test_float16_pathologically_slow_is_reported_with_its_cause():
@@ -185,7 +185,7 @@ def test_float16_pathologically_slow_is_reported_with_its_cause():
         ),
         row("mixed_bfloat16", 17),
     ]
-    advice = rules.recommend(table, floor=0.05, steps=200)
+    advice = rules.recommend(table, floor=0.05)
     assert advice.policy == "mixed_bfloat16"
     slow = [r for r in advice.reasons if r.startswith("mixed_float16")]
     assert len(slow) == 1 and "pathologically slow" in slow[0]
@@ -198,7 +198,7 @@ def test_float32_out_of_device_memory_but_a_mixed_policy_fits():
         row("mixed_float16", 7, peak_memory_bytes=30 * 2**30),
         row("mixed_bfloat16", 8, peak_memory_bytes=31 * 2**30),
     ]
-    advice = rules.recommend(table, floor=0.05, steps=200)
+    advice = rules.recommend(table, floor=0.05)
     assert advice.policy == "mixed_float16"
     assert "float32 does not fit in device memory, mixed_float16 does" in advice.reasons[0]
     assert "peak 30720 MiB" in advice.reasons[0]
@@ -209,14 +209,14 @@ def test_a_loss_that_departs_from_float32_is_left_out_and_says_by_how_much():
         row("float32", 10, final_loss=0.30),
         row("mixed_float16", 5, final_loss=0.45, loss_departure=0.15, loss_ok=False),
     ]
-    advice = rules.recommend(table, floor=0.05, steps=200, loss_spread=0.01)
+    advice = rules.recommend(table, floor=0.05, loss_spread=0.01)
     assert advice.policy == "float32"
     assert "higher by 0.15" in advice.reasons[1] and "spread (0.01)" in advice.reasons[1]
 
 
 def test_recommend_needs_float32():
     with pytest.raises(ValueError, match="float32 row"):
-        rules.recommend([row("mixed_float16", 5)], 0.05, 200)
+        rules.recommend([row("mixed_float16", 5)], 0.05)
 
 
 # ------------------------------------------------------------ values and record
