@@ -5,7 +5,8 @@ recommendation (:func:`recommend`) is a function of the rows and the noise floor
 alone, so it can be checked on a hand-made table::
 
     candidates = rows that trained every step (not stopped, not out of memory),
-                 whose loss stays within float32's run-to-run spread,
+                 whose final loss is not above float32's by more than float32's
+                 own run-to-run spread (a lower loss is no departure to worry about),
                  and whose float16 range is safe (no forward overflow, activation
                  headroom >= 1 bit, skip rate <= 5%)
     fastest    = the candidate with the shortest median step
