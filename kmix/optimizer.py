@@ -3,7 +3,8 @@
 Glue only: arguments -> a validated :class:`OptimizerConfig`; ``build`` -> the step
 record's variables (:class:`kmix.step_recorder.StepRecorder`); ``apply`` -> the finite
 check, agreed across replicas, then apply or skip, and the recorder records the step;
-plus what Keras and ``tf.distribute`` need. The record's variables, writes and reads live
+plus what Keras and ``tf.distribute`` need. On JAX, ``stateless_apply`` runs the same
+rules as values (:mod:`kmix._jax_step`). The record's variables, writes and reads live
 in :mod:`kmix.step_recorder`, over the pure rules of :mod:`kmix.scaling` (the scale),
 :mod:`kmix.record` (counters and events) and :mod:`kmix.health` (statistics); what the
 optimizer attaches to its model lives in :mod:`kmix.model_hooks`.
@@ -22,13 +23,14 @@ import numpy as np
 from keras import ops
 
 from kmix import (
+    _backend,
+    _jax_step,
     _runs,  # noqa: F401  (wraps fit: runs end with evidence)
     health,
 )
 from kmix._checks import check_int
 from kmix._cluster import worker_count
 from kmix._config import OWNER, OptimizerConfig, invalid_argument
-from kmix._graph import reachable
 from kmix.model_hooks import ModelHooks, restore
 from kmix.record import INT64_MAX, RecordedEvent  # noqa: F401  (the 0.1.0 names)
 from kmix.snapshot import Snapshot
@@ -121,7 +123,8 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
 
     Raises:
         ValueError: an argument is outside its valid range, the inner optimizer
-            is unknown or already scales the loss, or the backend is not TensorFlow.
+            is unknown or already scales the loss, or the backend is neither
+            TensorFlow nor JAX (on JAX: the core only, see :mod:`kmix._jax_step`).
     """
 
     def __init__(
@@ -141,12 +144,7 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if keras.backend.backend() != "tensorflow":
-            raise ValueError(
-                "kmix.LossScaleOptimizer needs the TensorFlow backend; the active "
-                f"Keras backend is {keras.backend.backend()!r}. Set "
-                "KERAS_BACKEND=tensorflow before importing keras."
-            )
+        _backend.check_supported(OWNER)
         config = OptimizerConfig.from_arguments(
             initial_scale=initial_scale,
             dynamic_growth_steps=dynamic_growth_steps,
@@ -171,11 +169,14 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
         self.recorder = StepRecorder(config, self.initial_scale)
         self.hooks = ModelHooks()
         self._trace = threading.local()  # what scale_loss saw in this step's graph
+        if _backend.on_jax():
+            _jax_step.warn_what_is_missing(config.health_every, config.histogram_every)
         _warn_if_fit_cannot_run_here()
 
     def build(self, var_list: list[Any]) -> None:
         """Creates the step record's variables (:class:`StepRecorder`), then the inner ones."""
-        self.recorder.build(self.add_variable, var_list, self.hooks.float16_mask(var_list))
+        with _backend.int64_as_int32():
+            self.recorder.build(self.add_variable, var_list, self.hooks.float16_mask(var_list))
         self.dynamic_scale = self.recorder.scale  # the name Keras's scale_loss reads
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
@@ -195,7 +196,7 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
         """
         nonfinite = ops.logical_not(ops.all(ops.isfinite(loss)))
         previous = getattr(self._trace, "loss_nonfinite", None)
-        if previous is not None and reachable(previous):
+        if previous is not None and _backend.reachable(previous):
             nonfinite = ops.logical_or(previous, nonfinite)
         self._trace.loss_nonfinite = nonfinite
         return super().scale_loss(loss)
@@ -212,11 +213,15 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
             ValueError: called in a cross-replica context, or with variables the
                 optimizer was not built with.
         """
-        import tensorflow as tf
-
         grads = list(grads)
         if not grads:
             return
+        if _backend.on_jax():
+            return _jax_step.apply_now(
+                self, grads, trainable_variables, _take_loss_flags(self._trace)
+            )
+        import tensorflow as tf
+
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
@@ -235,7 +240,7 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
         aligned = [None] * len(self._trainable_variables)
         for grad, variable in zip(grads, variables, strict=True):
             aligned[self._get_variable_index(variable)] = grad
-        flags = ops.concatenate([health.nonfinite_flags(aligned), self._take_loss_flags()])
+        flags = ops.concatenate([health.nonfinite_flags(aligned), _take_loss_flags(self._trace)])
         # Replicas agree: every replica sees the same flags before any update.
         context = tf.distribute.get_replica_context()
         if context.num_replicas_in_sync > 1:
@@ -252,6 +257,15 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
                 self._merged_step,
                 args=(aligned, flags, before, forward_state, forward, grads, variables),
             )
+
+    def stateless_apply(self, optimizer_variables: list, grads: list, variables: list) -> tuple:
+        """The step as values (what ``fit`` calls on JAX): :func:`kmix._jax_step.stateless_apply`.
+
+        Returns:
+            ``(trainable_values, optimizer_values)`` after the step (a skip: as given).
+        """
+        flags = _take_loss_flags(self._trace)
+        return _jax_step.stateless_apply(self, optimizer_variables, grads, variables, flags)
 
     def _apply_inner(self, grads: list, variables: list) -> None:
         """Unscales the gradients and applies the inner optimizer (replica context)."""
@@ -308,14 +322,6 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
         on_skip = (lambda: restore(forward_state)) if forward_state else None
         self.recorder.record(aligned, flags, before, forward, on_skip)
 
-    def _take_loss_flags(self) -> Any:
-        """What ``scale_loss`` saw in this step's graph: ``[non-finite, unknown]`` as 1.0/0.0."""
-        nonfinite = getattr(self._trace, "loss_nonfinite", None)
-        self._trace.loss_nonfinite = None
-        if nonfinite is None or not reachable(nonfinite):
-            return ops.convert_to_tensor([0.0, 1.0], "float32")
-        return ops.where(nonfinite, np.float32([1.0, 0.0]), np.float32([0.0, 0.0]))
-
     # ------------------------------------------------------------- the model
     def watch(self, model: keras.Model) -> list[str]:
         """:meth:`protect_forward_state`, and taps the float16 layers (:mod:`kmix.model_hooks`).
@@ -333,7 +339,7 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
             (empty while a lazily built model has no variables yet).
         """
         self.protect_forward_state(model)
-        self.hooks.tap(model)
+        _jax_step.warn_no_tap() if _backend.on_jax() else self.hooks.tap(model)
         mask = self.hooks.float16_mask(model.trainable_weights)
         return [v.path for v, m in zip(model.trainable_weights, mask, strict=True) if m]
 
@@ -350,7 +356,10 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
         Args:
             model: the model whose trainable variables this optimizer updates.
         """
-        self.hooks.protect(model)
+        if _backend.on_jax():  # the trainer's step is not wrapped: values are returned
+            _jax_step.remember(self, model)
+        else:
+            self.hooks.protect(model)
         if self.built:
             mask = self.hooks.float16_mask(self._trainable_variables)
             self.recorder.settings.set_base("float16_mask", mask)
@@ -374,6 +383,8 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
             health_every: health statistics every this many steps, >= 1.
             histogram_every: histograms every this many steps; 0 asks for none.
         """
+        if _backend.on_jax():
+            _jax_step.refuse_statistics(owner)
         self.recorder.settings.request(
             owner,
             health_every=check_int(OWNER, "health_every", health_every, 1),
@@ -409,21 +420,33 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
             ValueError: ``optimizer`` is not a stock Keras loss-scale optimizer (a
                 kmix one is refused: migrating would reset its counters and bounds).
         """
-        if isinstance(optimizer, LossScaleOptimizer):
-            raise invalid_argument(
-                "optimizer",
-                optimizer,
-                "a stock keras.mixed_precision.LossScaleOptimizer; this one is already a "
-                "kmix.LossScaleOptimizer: use it as it is",
-            )
-        if not isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
-            raise invalid_argument(
-                "optimizer", optimizer, "a keras.mixed_precision.LossScaleOptimizer"
-            )
+        _check_stock(optimizer)
         if "initial_scale" not in kwargs:
             kwargs["initial_scale"] = _migrated_scale(optimizer, kwargs)
         kwargs.setdefault("dynamic_growth_steps", optimizer.dynamic_growth_steps)
         return cls(optimizer.inner_optimizer, **kwargs)
+
+
+def _take_loss_flags(trace: threading.local) -> Any:
+    """What ``scale_loss`` saw in this step's graph: ``[non-finite, unknown]`` as 1.0/0.0."""
+    nonfinite = getattr(trace, "loss_nonfinite", None)
+    trace.loss_nonfinite = None
+    if nonfinite is None or not _backend.reachable(nonfinite):
+        return ops.convert_to_tensor([0.0, 1.0], "float32")
+    return ops.where(nonfinite, np.float32([1.0, 0.0]), np.float32([0.0, 0.0]))
+
+
+def _check_stock(optimizer: Any) -> None:
+    """Refuses what :meth:`LossScaleOptimizer.from_keras` cannot migrate."""
+    if isinstance(optimizer, LossScaleOptimizer):
+        raise invalid_argument(
+            "optimizer",
+            optimizer,
+            "a stock keras.mixed_precision.LossScaleOptimizer; this one is already a "
+            "kmix.LossScaleOptimizer: use it as it is",
+        )
+    if not isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
+        raise invalid_argument("optimizer", optimizer, "a keras.mixed_precision.LossScaleOptimizer")
 
 
 def _migrated_scale(optimizer: keras.mixed_precision.LossScaleOptimizer, kwargs: dict) -> float:
@@ -456,6 +479,8 @@ FIT_UNDER_MULTI_WORKER = (
 
 def _warn_if_fit_cannot_run_here() -> None:
     """Says once, at creation, what Keras would otherwise say with a deep traceback."""
+    if not _backend.name() == "tensorflow":
+        return
     import tensorflow as tf
 
     strategy = tf.distribute.get_strategy()

@@ -20,7 +20,8 @@ Per step (every step, one assignment of the packed counters)::
 
 Events go to a ring of ``capacity`` rows (only when one happens, so in a rare
 branch): an int row and a float row, encoded and decoded side by side below.
-Counters saturate at int64's maximum instead of wrapping.
+Counters saturate at their dtype's maximum instead of wrapping: int64's, or int32's on
+JAX without ``jax_enable_x64`` (where an int64 variable holds int32 values).
 """
 
 from __future__ import annotations
@@ -30,12 +31,44 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-from keras import ops
+from keras import backend, ops
 
 from kmix import scaling
 from kmix.tags import ForwardOrigin, ScaleEvent
 
 INT64_MAX = 2**63 - 1
+
+
+def int_dtype_of(value: Any) -> str:
+    """The integer dtype a counter computes in: its own, or int64 for a Python int.
+
+    Args:
+        value: a tensor, a NumPy value or a Python int.
+
+    Returns:
+        The dtype's name, e.g. ``"int64"`` (``"int32"`` for an int64 variable's value on
+        JAX without ``jax_enable_x64``).
+    """
+    dtype = getattr(value, "dtype", None)
+    return "int64" if dtype is None else backend.standardize_dtype(dtype)
+
+
+def int_max(dtype: str) -> int:
+    """The largest value of the integer ``dtype``: where a saturating counter stops.
+
+    Args:
+        dtype: an integer dtype name, e.g. ``"int64"`` or ``"int32"``.
+
+    Returns:
+        ``2**63 - 1`` for int64, ``2**31 - 1`` for int32.
+
+    Raises:
+        ValueError: ``dtype`` is not an integer dtype.
+    """
+    if np.dtype(dtype).kind not in "iu":
+        raise ValueError(f"int_max: dtype={dtype!r} is not an integer dtype; pass e.g. 'int64'.")
+    return int(np.iinfo(dtype).max)
+
 
 LOSS_NONFINITE = 0
 LOSS_FINITE = 1
@@ -105,9 +138,17 @@ def initial_counters(hysteresis: int) -> Counters:
     return Counters(**values)
 
 
-def pack(counters: Counters) -> Any:
-    """Stacks the counters into one int64 vector (the variable's layout)."""
-    return ops.stack([ops.cast(value, "int64") for value in counters])
+def pack(counters: Counters, dtype: str = "int64") -> Any:
+    """Stacks the counters into one integer vector (the variable's layout).
+
+    Args:
+        counters: the counters.
+        dtype: the vector's dtype: the counters variable's (int32 on JAX without x64).
+
+    Returns:
+        The vector.
+    """
+    return ops.stack([ops.cast(value, dtype) for value in counters])
 
 
 def unpack(vector: Any) -> Counters:
@@ -116,14 +157,16 @@ def unpack(vector: Any) -> Counters:
 
 
 def saturating_add(counter: Any, amount: Any) -> Any:
-    """``counter + amount`` for int64 tensors, stopping at int64's maximum."""
-    amount = ops.cast(amount, "int64")
-    return ops.where(counter > INT64_MAX - amount, INT64_MAX, counter + amount)
+    """``counter + amount``, stopping at the maximum of the counter's dtype (:func:`int_max`)."""
+    dtype = int_dtype_of(counter)
+    top = int_max(dtype)
+    amount = ops.cast(amount, dtype)
+    return ops.where(counter > top - amount, top, counter + amount)
 
 
 def due(step: Any, every: Any) -> Any:
     """True when ``every > 0`` and ``step`` is a multiple of it."""
-    every = ops.cast(every, "int64")
+    every = ops.cast(every, int_dtype_of(step))
     return ops.logical_and(every > 0, ops.equal(ops.mod(step, ops.maximum(every, 1)), 0))
 
 
@@ -151,7 +194,7 @@ def advance(
         pipeline aborts the step before any counter moves).
     """
     c = record.counters
-    loss_state = ops.cast(loss_state, "int64")
+    loss_state = ops.cast(loss_state, int_dtype_of(c.attempted_steps))
     loss_nonfinite = ops.equal(loss_state, LOSS_NONFINITE)
     scale_state, event = scaling.update_scale(
         scaling.ScaleState(record.scale, c.good_steps, c.hysteresis_left),
@@ -205,7 +248,7 @@ def due_now(packed: Any, every: Any) -> Any:
         A boolean vector of two.
     """
     attempted = packed[Counters._fields.index("attempted_steps")]
-    step = ops.minimum(attempted, INT64_MAX - 1) + 1  # saturating, as advance counts
+    step = ops.minimum(attempted, int_max(int_dtype_of(attempted)) - 1) + 1  # as advance counts
     return due(step, every)
 
 
@@ -296,6 +339,7 @@ def encode_event(
     loss_state: Any,
     health: Any,
     origin: EventOrigin = NO_ORIGIN,
+    int_dtype: str = "int64",
 ) -> tuple[Any, Any]:
     """Encodes one event as the ring's ``(int_row, float_row)``.
 
@@ -307,15 +351,16 @@ def encode_event(
         loss_state: the loss code of the step.
         health: float32 vector laid out as :data:`HEALTH_FIELDS` (NaN where unmeasured).
         origin: the forward origin, if known.
+        int_dtype: the int row's dtype: the ring variable's (int32 on JAX without x64).
 
     Returns:
-        The int64 row and the float32 row.
+        The int row and the float32 row.
     """
     bad = ops.cast(var_bad, "int32")
-    first = ops.where(ops.any(var_bad), ops.cast(ops.argmax(bad), "int64"), -1)
+    first = ops.where(ops.any(var_bad), ops.cast(ops.argmax(bad), int_dtype), -1)
     ints = ops.stack(
         [
-            ops.cast(value, "int64")
+            ops.cast(value, int_dtype)
             for value in (
                 step,
                 event,
@@ -339,8 +384,9 @@ def encode_event(
 def write_event(ring: EventRing, event_index: Any, ints: Any, floats: Any) -> EventRing:
     """Writes the event numbered ``event_index`` (from 1) into its slot of the ring."""
     capacity = ops.shape(ring.ints)[0]
+    dtype = int_dtype_of(ring.ints)
     slot = ops.equal(
-        ops.arange(capacity, dtype="int64"), ops.mod(ops.cast(event_index, "int64") - 1, capacity)
+        ops.arange(capacity, dtype=dtype), ops.mod(ops.cast(event_index, dtype) - 1, capacity)
     )[:, None]
     return EventRing(
         ops.where(slot, ints[None, :], ring.ints), ops.where(slot, floats[None, :], ring.floats)

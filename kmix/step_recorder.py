@@ -27,8 +27,9 @@ import numpy as np
 from keras import ops
 
 from kmix import health, record, scaling
+from kmix._backend import host_value
 from kmix._config import OptimizerConfig, RunSettings, invalid_argument
-from kmix._graph import host_value, rare_cond
+from kmix._graph import rare_cond
 from kmix.activations import ACTIVATION_CAPACITY, ACTIVATION_FIELDS
 from kmix.record import HEALTH_FIELDS, RecordedEvent
 from kmix.snapshot import Snapshot, snapshot
@@ -59,6 +60,8 @@ class StepRecorder:
         settings: the run-time settings read in-graph (health and histogram steps, the
             float16 mask); callbacks request them through the optimizer.
         layers: ``(path, class)`` of the forward-pass records the last traced step kept.
+        sync: called before every host read (on JAX: the trained model's
+            ``jax_state_sync``, since ``fit`` keeps the state outside the variables).
     """
 
     def __init__(self, config: OptimizerConfig, initial_scale: float) -> None:
@@ -70,6 +73,7 @@ class StepRecorder:
             float16_mask=None,
         )
         self.layers: list[tuple[str, str]] = []
+        self.sync: Callable[[], None] = _noop
         self.built = False
         self._variables: list[Any] = []
 
@@ -287,6 +291,7 @@ class StepRecorder:
         if not self.built:
             counters = record.initial_counters(self.config.rule.hysteresis)
             return snapshot(self.initial_scale, list(counters), None)
+        self.sync()
         counters = host_value(self.counters).tolist()
         if counters_only:
             return snapshot(None, counters, None)
@@ -308,6 +313,7 @@ class StepRecorder:
         """
         if not self.built:
             return {}
+        self.sync()
         values = host_value(getattr(self, name))
         if values.ndim == 1:
             values = [float(v) for v in values]
@@ -320,6 +326,7 @@ class StepRecorder:
         """
         if not self.built or not self.layers:
             return {}
+        self.sync()
         values = host_value(self.activation_stats)[: len(self.layers)]
         return {
             path: dict(zip(ACTIVATION_FIELDS, map(float, row), strict=True))

@@ -1,0 +1,98 @@
+"""Which Keras backend kmix's optimizer runs on, and the few questions whose answer differs.
+
+A leaf: Keras and NumPy at import; TensorFlow (through :mod:`kmix._graph`) only when the
+backend is TensorFlow, so kmix's optimizer on JAX never imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import keras
+import numpy as np
+
+from kmix import _graph
+
+SUPPORTED = ("tensorflow", "jax")
+"""Backends kmix.LossScaleOptimizer runs on (JAX: the core of issue 24, see the README)."""
+
+
+def name() -> str:
+    """The active Keras backend's name, e.g. ``"tensorflow"`` or ``"jax"``."""
+    return keras.backend.backend()
+
+
+def on_jax() -> bool:
+    """True when the active Keras backend is JAX."""
+    return name() == "jax"
+
+
+def check_supported(owner: str) -> None:
+    """Refuses a backend kmix cannot keep its promises on (one line, naming it).
+
+    Args:
+        owner: who asks, e.g. ``"kmix.LossScaleOptimizer"``.
+
+    Raises:
+        ValueError: the active backend is neither TensorFlow nor JAX.
+    """
+    backend = name()
+    if backend not in SUPPORTED:
+        raise ValueError(
+            f"{owner} does not support the Keras backend {backend!r} yet (it runs on "
+            "'tensorflow' and 'jax'): set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax "
+            "before importing keras."
+        )
+
+
+def reachable(value: Any) -> bool:
+    """True if ``value`` can be used where the step is being built now.
+
+    TensorFlow: see :func:`kmix._graph.reachable`. JAX: a tracer is usable while the trace
+    that made it runs (a value noted by ``scale_loss`` inside ``jax.value_and_grad`` is
+    the enclosing ``jit``'s tracer, still live when ``stateless_apply`` runs); a concrete
+    array always is.
+
+    Args:
+        value: a tensor, a JAX array or tracer.
+
+    Returns:
+        Whether ops may take ``value`` as an input now.
+    """
+    if name() == "tensorflow":
+        return _graph.reachable(value)
+    trace = getattr(value, "_trace", None)
+    is_valid = getattr(trace, "is_valid", None)
+    return trace is None or is_valid is None or bool(is_valid())
+
+
+def host_value(variable: Any) -> np.ndarray:
+    """A Keras variable's value on the host (TensorFlow: one raw read, :mod:`kmix._graph`).
+
+    Args:
+        variable: a Keras variable.
+
+    Returns:
+        A NumPy array with the variable's current value.
+    """
+    if name() == "tensorflow":
+        return _graph.host_value(variable)
+    return np.asarray(keras.ops.convert_to_numpy(variable))
+
+
+@contextlib.contextmanager
+def int64_as_int32() -> Iterator[None]:
+    """Creates int64 variables quietly where JAX holds them as int32 (no ``jax_enable_x64``).
+
+    The record's counters and event rows are declared int64 (a file format); JAX without
+    x64 keeps their values as int32 and warns at each creation. kmix's record computes in
+    the dtype it is given and saturates at its end (:func:`kmix.record.int_max`), so the
+    warning says nothing the user must act on.
+    """
+    with warnings.catch_warnings():
+        if on_jax():
+            warnings.filterwarnings("ignore", "Explicitly requested dtype int64", UserWarning)
+        yield

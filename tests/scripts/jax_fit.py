@@ -1,0 +1,201 @@
+"""kmix.LossScaleOptimizer in model.fit on Keras's JAX backend; prints what it observed as JSON.
+
+Run by tests/test_jax_backend.py in a subprocess (the test process has TensorFlow's
+Keras loaded): ``python jax_fit.py fit DIR`` or ``python jax_fit.py data_parallel DIR``
+(the latter with ``XLA_FLAGS=--xla_force_host_platform_device_count=2``). Nothing here
+decides what is right: the test compares the observations with its own reference.
+
+The model: ``x -> direct -> + <- out <- hidden <- x``, Dense layers with constant kernels,
+everything but ``hidden`` (float16) in float32; two Identity layers after ``direct`` make
+Keras list its variables first. SGD with momentum (the inner optimizer has state).
+Batches of 2 rows: ``ok`` (ones), ``forward`` (a NaN input row: the loss is NaN, every
+gradient NaN, the first variable first), ``gradient`` (a target of 1e5: the float32 loss
+is finite, its gradient overflows float16 in ``hidden``, the third variable).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+os.environ["KERAS_BACKEND"] = "jax"
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kmix  # noqa: E402
+
+KINDS = ["ok", "ok", "forward", "ok", *["gradient"] * 4, *["ok"] * 8]
+"""Step k of the fit trains on batch KINDS[k - 1] (the test's reference reads the same list)."""
+SETTINGS = {
+    "initial_scale": 64.0,
+    "dynamic_growth_steps": 2,
+    "min_scale": 16.0,
+    "max_scale": 128.0,
+}
+BATCH = 2
+
+
+def batch(kind: str, rows: int = BATCH, bad_row: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    x, y = np.ones((rows, 4), "float32"), np.ones((rows, 1), "float32")
+    if kind == "forward":
+        x[bad_row] = np.nan
+    elif kind == "gradient":
+        y[bad_row] = 1e5
+    return x, y
+
+
+def build() -> tuple[keras.Model, kmix.LossScaleOptimizer]:
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    constant = keras.initializers.Constant(0.5)
+    inputs = keras.Input((4,))
+    direct = keras.layers.Dense(1, dtype="float32", kernel_initializer=constant, name="direct")
+    hidden = keras.layers.Dense(3, kernel_initializer=constant, name="hidden")  # float16
+    out = keras.layers.Dense(1, dtype="float32", kernel_initializer=constant, name="out")
+
+    def later(tensor: keras.KerasTensor) -> keras.KerasTensor:
+        return keras.layers.Identity(dtype="float32")(tensor)
+
+    model = keras.Model(
+        inputs,
+        keras.layers.Add(dtype="float32")([later(later(direct(inputs))), out(hidden(inputs))]),
+    )
+    inner = keras.optimizers.SGD(1e-3, momentum=0.9)
+    optimizer = kmix.LossScaleOptimizer(inner, **SETTINGS)
+    model.compile(optimizer=optimizer, loss="mse")
+    return model, optimizer
+
+
+def state_of(model: keras.Model, optimizer: kmix.LossScaleOptimizer) -> list[np.ndarray]:
+    """Weights, then the inner optimizer's variables (momentum, iterations)."""
+    return [np.array(w) for w in model.get_weights()] + [
+        np.array(v.value) for v in optimizer.inner_optimizer.variables
+    ]
+
+
+def same_bits(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and x.tobytes() == y.tobytes() for x, y in zip(a, b, strict=True)
+    )
+
+
+class Observe(keras.callbacks.Callback):
+    """After each batch: a raw read of the scale variable, then the optimizer's own read.
+
+    Keras 3.15 purges the variables' values during a JAX fit and drops their initializers
+    once initialized, so the raw read raises (TypeError) instead of giving the initial value.
+    """
+
+    def __init__(self, optimizer: kmix.LossScaleOptimizer) -> None:
+        super().__init__()
+        self.optimizer_ = optimizer
+        self.raw, self.scales, self.attempted = [], [], []
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        try:  # purged during fit: what reading the variable itself gives
+            self.raw.append(float(np.asarray(self.optimizer_.recorder.scale.value)))
+        except Exception as error:  # noqa: BLE001  (recorded, the test reads it)
+            self.raw.append(type(error).__name__)
+        state = self.optimizer_.read_state()  # syncs the model first
+        self.scales.append(state.loss_scale)
+        self.attempted.append(state.attempted_steps)
+
+
+def events(optimizer: kmix.LossScaleOptimizer) -> list[dict]:
+    return [
+        {
+            "step": e.step,
+            "kind": e.kind,
+            "old_scale": e.old_scale,
+            "new_scale": e.new_scale,
+            "variable": e.variable,
+            "loss_finite": e.loss_finite,
+        }
+        for e in optimizer.scale_events()
+    ]
+
+
+def fit_scenario(directory: str) -> dict:
+    model, optimizer = build()
+    data = [batch(kind) for kind in KINDS]
+    x = np.concatenate([d[0] for d in data])
+    y = np.concatenate([d[1] for d in data])
+    observe = Observe(optimizer)
+    model.fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, verbose=0, callbacks=[observe])
+    state = optimizer.read_state()
+    result = {
+        "tensorflow_imported": "tensorflow" in sys.modules,
+        "variables": optimizer.variable_paths(),
+        "raw_scale_reads": observe.raw,
+        "scales": observe.scales,
+        "attempted": observe.attempted,
+        "state": dataclasses.asdict(state),
+        "events": events(optimizer),
+        "counter_dtype": str(np.asarray(optimizer.recorder.counters.value).dtype),
+    }
+    # A skipped step, alone: weights and the inner optimizer's state keep every bit.
+    skips = {}
+    for kind in ("gradient", "forward"):
+        before = state_of(model, optimizer)
+        scale_before = optimizer.loss_scale
+        model.fit(*batch(kind), batch_size=BATCH, epochs=1, verbose=0)
+        skips[kind] = {
+            "unchanged": same_bits(before, state_of(model, optimizer)),
+            "scale_before": scale_before,
+            "scale_after": optimizer.loss_scale,
+        }
+    before = state_of(model, optimizer)
+    model.fit(*batch("ok"), batch_size=BATCH, epochs=1, verbose=0)
+    skips["ok_changes_weights"] = not same_bits(before, state_of(model, optimizer))
+    result["skips"] = skips
+    # Save and load: the scale, the counters and the events come back.
+    path = os.path.join(directory, "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    result["saved"] = {
+        "state": dataclasses.asdict(optimizer.read_state()),
+        "events": events(optimizer),
+    }
+    result["loaded"] = {
+        "type": type(loaded.optimizer).__name__,
+        "state": dataclasses.asdict(loaded.optimizer.read_state()),
+        "events": events(loaded.optimizer),
+    }
+    return result
+
+
+def data_parallel_scenario(directory: str) -> dict:
+    import jax
+
+    devices = jax.devices()
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    model, optimizer = build()
+    model.fit(*batch("ok", rows=4), batch_size=4, epochs=1, verbose=0)  # builds, one step
+    result = {"devices": len(devices), "steps": {}}
+    for kind in ("forward", "gradient", "ok"):
+        before = state_of(model, optimizer)
+        model.fit(*batch(kind, rows=4, bad_row=3), batch_size=4, epochs=1, verbose=0)
+        per_device = [
+            [np.asarray(shard.data) for shard in v.value.addressable_shards]
+            for v in model.trainable_variables
+        ]
+        result["steps"][kind] = {
+            "unchanged": same_bits(before, state_of(model, optimizer)),
+            "replicas_identical": all(
+                all(s.tobytes() == shards[0].tobytes() for s in shards) for shards in per_device
+            ),
+            "replicas": min(len(shards) for shards in per_device),
+            "finite": all(np.isfinite(w).all() for w in model.get_weights()),
+        }
+    result["state"] = dataclasses.asdict(optimizer.read_state())
+    result["events"] = events(optimizer)
+    result["variables"] = optimizer.variable_paths()
+    return result
+
+
+if __name__ == "__main__":
+    scenario, directory = sys.argv[1], sys.argv[2]
+    run = {"fit": fit_scenario, "data_parallel": data_parallel_scenario}[scenario]
+    print("JSON " + json.dumps(run(directory)))

@@ -1,0 +1,235 @@
+"""kmix.LossScaleOptimizer on Keras's JAX backend (issue 24, first slice).
+
+The slow tests run tests/scripts/jax_fit.py in a subprocess with ``KERAS_BACKEND=jax``
+(this process has TensorFlow's Keras loaded) and check what it printed against a plain
+Python reference of the scale rule written here. They skip when JAX is not installed.
+The fast tests check the pure pieces the JAX step adds, on the test process's backend.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from keras import ops
+
+from kmix import _backend, _jax_step, record, scaling
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "jax_fit.py")
+TIMEOUT = 120
+# As in the script (kept in step by test_the_reference_reads_the_scripts_settings).
+KINDS = ["ok", "ok", "forward", "ok", *["gradient"] * 4, *["ok"] * 8]
+SETTINGS = {"initial_scale": 64.0, "dynamic_growth_steps": 2, "min_scale": 16.0, "max_scale": 128.0}
+VARIABLES = [
+    "direct/kernel",
+    "direct/bias",
+    "hidden/kernel",
+    "hidden/bias",
+    "out/kernel",
+    "out/bias",
+]
+FIRST_NONFINITE = {"forward": "direct/kernel", "gradient": "hidden/kernel"}
+"""A NaN loss makes every gradient NaN; a float16 gradient overflow starts in ``hidden``."""
+
+needs_jax = pytest.mark.skipif(
+    importlib.util.find_spec("jax") is None, reason="JAX is not installed (pip install 'kmix[jax]')"
+)
+
+
+def reference(kinds: list[str], initial: float, growth: int, low: float, high: float) -> dict:
+    """The scale rule with hysteresis 1, in plain Python: scales, skips and events by step."""
+    scale, good = initial, 0
+    scales, skipped, events = [], [], []
+    for step, kind in enumerate(kinds, start=1):
+        old = scale
+        if kind == "ok":
+            good += 1
+            if good == growth:
+                scale, good = min(scale * 2, high), 0
+                if scale != old:
+                    events.append([step, "growth", old, scale, None, True])
+        elif kind == "forward":  # skipped, the scale kept
+            good = 0
+            skipped.append(step)
+            events.append([step, "forward_overflow", old, old, FIRST_NONFINITE[kind], False])
+        else:
+            good, scale = 0, max(scale / 2, low)
+            skipped.append(step)
+            kind_name = "backoff" if scale != old else "overflow_at_floor"
+            events.append([step, kind_name, old, scale, FIRST_NONFINITE[kind], True])
+        scales.append(scale)
+    return {"scales": scales, "skipped": skipped, "events": events, "good": good}
+
+
+def run_script(scenario: str, tmp_path: os.PathLike, devices: int = 1) -> dict:
+    env = {**os.environ, "KERAS_BACKEND": "jax", "CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"}
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    done = subprocess.run(
+        [sys.executable, SCRIPT, scenario, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("JSON ")]
+    assert done.returncode == 0 and lines, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return json.loads(lines[-1][len("JSON ") :])
+
+
+def as_rows(events: list[dict]) -> list[list]:
+    keys = ("step", "kind", "old_scale", "new_scale", "variable", "loss_finite")
+    return [[e[k] for k in keys] for e in events]
+
+
+@pytest.fixture(scope="module")
+def fit_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_script("fit", tmp_path_factory.mktemp("jax_fit"))
+
+
+# ------------------------------------------------------------------ slow: the subprocess
+@pytest.mark.slow
+@needs_jax
+def test_fit_follows_the_rule_at_every_step(fit_run):
+    expected = reference(KINDS, *SETTINGS.values())
+    assert fit_run["variables"] == VARIABLES
+    # read during fit, after each batch: the optimizer's reads sync the JAX state first
+    assert fit_run["scales"] == expected["scales"]
+    assert fit_run["attempted"] == list(range(1, len(KINDS) + 1))
+    assert min(expected["scales"]) == SETTINGS["min_scale"]  # the floor is reached...
+    assert max(expected["scales"]) == SETTINGS["max_scale"]  # ...and the ceiling
+    assert as_rows(fit_run["events"]) == expected["events"]
+    assert {e[1] for e in expected["events"]} >= {"overflow_at_floor", "forward_overflow"}
+    state = fit_run["state"]
+    assert state["attempted_steps"] == len(KINDS)
+    assert state["skipped_steps"] == len(expected["skipped"])
+    assert state["last_overflow_step"] == expected["skipped"][-1]
+    assert state["good_steps"] == expected["good"]
+    assert state["consecutive_skips"] == 0 and state["loss_finite"] is True
+    assert state["event_count"] == len(expected["events"])
+    assert state["loss_scale"] == expected["scales"][-1]
+    assert state["health"] == {} and state["health_step"] == 0  # not measured on JAX yet
+    assert fit_run["counter_dtype"] == "int32"  # int64 without jax_enable_x64
+
+
+@pytest.mark.slow
+@needs_jax
+def test_fit_on_jax_reads_the_facts_the_design_relies_on(fit_run):
+    # Keras 3.15 purges the variables during a JAX fit and drops their initializers:
+    # reading one raises instead of giving its initial value.
+    assert set(fit_run["raw_scale_reads"]) == {"TypeError"}
+    assert fit_run["tensorflow_imported"] is False  # kmix's core path on JAX
+
+
+@pytest.mark.slow
+@needs_jax
+def test_a_skipped_step_keeps_weights_and_inner_state_bit_for_bit(fit_run):
+    skips = fit_run["skips"]
+    assert skips["gradient"]["unchanged"] and skips["forward"]["unchanged"]
+    scale = fit_run["state"]["loss_scale"]
+    assert skips["gradient"]["scale_before"] == scale
+    assert skips["gradient"]["scale_after"] == max(scale / 2, SETTINGS["min_scale"])
+    assert skips["forward"]["scale_after"] == skips["forward"]["scale_before"]  # kept
+    assert skips["ok_changes_weights"]  # the comparison can see a change
+
+
+@pytest.mark.slow
+@needs_jax
+def test_save_and_load_keep_the_scale_counters_and_events(fit_run):
+    saved, loaded = fit_run["saved"], fit_run["loaded"]
+    assert loaded["type"] == "LossScaleOptimizer"
+    assert loaded["state"] == saved["state"]
+    assert loaded["events"] == saved["events"]
+    assert saved["state"]["attempted_steps"] == len(KINDS) + 3  # the three single-batch fits
+    assert saved["state"]["skipped_steps"] == fit_run["state"]["skipped_steps"] + 2
+    assert [e["kind"] for e in saved["events"][-2:]] == ["backoff", "forward_overflow"]
+
+
+@pytest.mark.slow
+@needs_jax
+def test_data_parallel_over_two_devices_skips_a_step_one_shard_spoils(tmp_path):
+    run = run_script("data_parallel", tmp_path, devices=2)
+    assert run["devices"] == 2 and run["variables"] == VARIABLES
+    for kind in ("forward", "gradient"):  # the bad row is on the second device only
+        step = run["steps"][kind]
+        assert step["unchanged"] and step["replicas_identical"] and step["finite"], kind
+        assert step["replicas"] == 2
+    assert not run["steps"]["ok"]["unchanged"] and run["steps"]["ok"]["replicas_identical"]
+    scale = SETTINGS["initial_scale"]
+    assert as_rows(run["events"]) == [
+        [2, "forward_overflow", scale, scale, "direct/kernel", False],
+        [3, "backoff", scale, scale / 2, "hidden/kernel", True],
+    ]
+    assert run["state"]["skipped_steps"] == 2 and run["state"]["attempted_steps"] == 4
+
+
+# ------------------------------------------------------------------ fast: the pure pieces
+def test_the_reference_reads_the_scripts_settings():
+    source = open(SCRIPT).read()
+    assert 'KINDS = ["ok", "ok", "forward", "ok", *["gradient"] * 4, *["ok"] * 8]' in source
+    for name, value in SETTINGS.items():
+        assert f'"{name}": {value},' in source
+
+
+@pytest.mark.parametrize(("dtype", "top"), [("int64", 2**63 - 1), ("int32", 2**31 - 1)])
+def test_counters_saturate_at_their_dtypes_end(dtype, top):
+    assert record.int_max(dtype) == top
+    counter = ops.convert_to_tensor(np.asarray([top - 2, top - 1, top], dtype))
+    after = ops.convert_to_numpy(record.saturating_add(counter, True))
+    assert after.dtype == np.dtype(dtype)
+    assert after.tolist() == [top - 1, top, top]
+
+
+def test_int_max_refuses_a_float_dtype():
+    with pytest.raises(ValueError, match="dtype='float32' is not an integer dtype"):
+        record.int_max("float32")
+
+
+def int32_record(attempted: int) -> tuple:
+    counters = record.initial_counters(1)._replace(attempted_steps=attempted)
+    packed = ops.convert_to_tensor(np.asarray(list(counters), "int32"))
+    ring = record.EventRing(
+        ops.convert_to_tensor(np.zeros((2, len(record.EVENT_INT_FIELDS)), "int32")),
+        ops.convert_to_tensor(np.zeros((2, len(record.EVENT_FLOAT_FIELDS)), "float32")),
+    )
+    return packed, ring
+
+
+def test_the_jax_record_step_keeps_int32_and_writes_an_event_only_when_one_happens():
+    rule = scaling.ScaleConfig(growth_steps=10, min_scale=1.0, max_scale=8.0)
+    packed, ring = int32_record(attempted=2**31 - 2)
+    scale, packed, ring = _jax_step.record_step(
+        ops.convert_to_tensor(4.0), packed, ring, np.array([False, False]), 1, rule
+    )
+    counters = record.Counters(*ops.convert_to_numpy(packed).tolist())
+    assert ops.convert_to_numpy(packed).dtype == np.int32
+    assert counters.attempted_steps == 2**31 - 1 and counters.event_count == 0
+    assert float(scale) == 4.0 and not ops.convert_to_numpy(ring.ints).any()
+    scale, packed, ring = _jax_step.record_step(  # a gradient overflow at the saturated end
+        scale, packed, ring, np.array([False, True]), 1, rule
+    )
+    counters = record.Counters(*ops.convert_to_numpy(packed).tolist())
+    assert counters.attempted_steps == 2**31 - 1 and counters.skipped_steps == 1
+    assert counters.event_count == 1 and float(scale) == 2.0
+    (event,) = record.decode_events(
+        ops.convert_to_numpy(ring.ints), ops.convert_to_numpy(ring.floats), 1, 0, ["a", "b"]
+    )
+    assert (event.event.step, event.event.kind, event.event.variable) == (2**31 - 1, "backoff", "b")
+    assert (event.event.old_scale, event.event.new_scale, event.health) == (4.0, 2.0, {})
+
+
+def test_the_torch_backend_is_refused_in_one_line(monkeypatch):
+    import kmix
+
+    monkeypatch.setattr(_backend, "name", lambda: "torch")
+    with pytest.raises(ValueError) as error:
+        kmix.LossScaleOptimizer("sgd")
+    message = str(error.value)
+    assert "\n" not in message
+    assert "kmix.LossScaleOptimizer does not support the Keras backend 'torch'" in message
+    assert "KERAS_BACKEND=jax" in message
