@@ -141,7 +141,9 @@ def run(
         optimizer = adam
     growing_model.compile_model(model, optimizer)
     recorder = StepRecorder(read_stock_scale=name == "stock")
-    callbacks: list = [recorder]  # first: its time of a step includes the others' work
+    # First: a step's time then holds the other callbacks' work after the step before
+    # (a move and its retrace fall in the step after the move).
+    callbacks: list = [recorder]
     autopilot = guard = None
     if config.autopilot is not None:
         autopilot = kmix.callbacks.PrecisionAutopilot(proactive=config.autopilot)
