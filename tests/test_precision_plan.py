@@ -229,3 +229,24 @@ def test_report_lists_the_moves_the_share_and_the_plan():
     assert data["precision_plan"] == {"block/ffn": "float32"}
     assert data["precision_moves"] == [MOVE.to_dict()]
     assert data["float16_share"]["last"] == 0.6
+
+
+def test_skip_rate_diagnosis_names_forward_overflows_instead_of_the_gradients():
+    from kmix.callbacks._diagnosis import skip_rate_text
+    from kmix.callbacks._trip import SkipRate
+
+    trip = SkipRate(step=352, end=352, steps=200, skipped=120)
+    origin = ForwardOrigin("energy", "Dense", True, 700.0)
+    overflows = [event(s, origin) for s in (352, 350, 349)]
+    backoff = ScaleEvent(9, 348, "backoff", 8.0, 4.0, "d/kernel", 1, True)
+    text = skip_rate_text(trip, 0.5, [*overflows, backoff])
+    assert text.startswith(
+        "kmix.LossScaleGuard stopped training at step 352: 120 of the last 200 steps (60%) "
+        "were skipped, more than max_skip_rate=0.5, so the model barely trains. 3 of the "
+        "latest 4 skipped steps were forward overflows: the loss itself was non-finite, "
+        "which no loss scale fixes. Forward overflow in `energy` (Dense)"
+    )
+    assert text.endswith("Or let kmix.callbacks.PrecisionAutopilot move it during training.")
+    gradients = skip_rate_text(trip, 0.5, [backoff])
+    assert "were skipped for non-finite gradients" in gradients and "energy" not in gradients
+    assert skip_rate_text(trip, 0.5) == gradients

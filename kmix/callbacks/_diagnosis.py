@@ -130,22 +130,38 @@ def floor_text(
     )
 
 
-def skip_rate_text(trip: SkipRate, max_skip_rate: float) -> str:
+def skip_rate_text(trip: SkipRate, max_skip_rate: float, events: Sequence[ScaleEvent] = ()) -> str:
     """The diagnosis of ``skip_rate``.
 
     Args:
         trip: the trip.
         max_skip_rate: the guard's ``max_skip_rate``.
+        events: the latest recorded events, newest first (none without kmix).
 
     Returns:
         The message, naming the span: "the last N steps" when it ends at the trip's
-        step, "the N steps up to step E" otherwise.
+        step, "the N steps up to step E" otherwise; when the latest skipped steps were
+        forward overflows (the loss itself non-finite), it says so and names the layer
+        instead of blaming the gradients.
     """
     step, end, steps, skipped = trip.step, trip.end, trip.steps, trip.skipped
     which = f"the last {steps} steps" if end == step else f"the {steps} steps up to step {end}"
-    return (
+    head = (
         f"kmix.LossScaleGuard stopped training at step {step}: {skipped} of {which} "
-        f"({skipped / steps:.0%}) were skipped for non-finite gradients, "
+        f"({skipped / steps:.0%}) were skipped"
+    )
+    skips = [e for e in events if e.kind in tags.SKIP_KINDS]
+    forward = [e for e in skips if e.kind == "forward_overflow"]
+    if forward and len(forward) * 2 >= len(skips):
+        return (
+            f"{head}, more than max_skip_rate={max_skip_rate:g}, so the model barely trains. "
+            f"{len(forward)} of the latest {plural(len(skips), 'skipped step')} were forward "
+            "overflows: the loss itself was non-finite, which no loss scale fixes."
+            f"{forward_origin(forward)} Or let kmix.callbacks.PrecisionAutopilot move it "
+            "during training."
+        )
+    return (
+        f"{head} for non-finite gradients, "
         f"more than max_skip_rate={max_skip_rate:g}, so the model barely trains. "
         "Usual causes: gradients that overflow float16 at every scale the optimizer "
         "tries (lower the learning rate or clip, e.g. clipnorm=1.0), or a scale that "
@@ -169,8 +185,7 @@ def diagnosis(
         trip: the trip.
         patience: the guard's ``patience``.
         max_skip_rate: the guard's ``max_skip_rate``.
-        events: for a streak trip, the events of the last ``patience`` indices, newest
-            first (unused for ``skip_rate``).
+        events: the events of the last ``patience`` indices, newest first.
         loss_scaling: the run's loss scaling (see :func:`first_variable`).
 
     Returns:
@@ -180,7 +195,7 @@ def diagnosis(
         return nonfinite_loss_text(trip, patience, events, loss_scaling)
     if isinstance(trip, OverflowAtFloor):
         return floor_text(trip, patience, events, loss_scaling)
-    return skip_rate_text(trip, max_skip_rate)
+    return skip_rate_text(trip, max_skip_rate, events)
 
 
 def moves_text(moves: Sequence[PrecisionMove], max_layers: int) -> str:

@@ -14,7 +14,6 @@ from kmix.callbacks._diagnosis import diagnosis, moves_text
 from kmix.callbacks._forecast import HeadroomForecast, headroom_series
 from kmix.callbacks._source import STOCK_MIN_SCALE
 from kmix.callbacks._trip import (
-    SKIP_RATE,
     Point,
     Rules,
     Streaks,
@@ -284,7 +283,9 @@ class LossScaleGuard(StepCallback):
         if not self._source.measures_health or state.health_step <= self._health_step:
             return
         self._health_step = state.health_step
-        series = headroom_series(state.health, self._source.per_layer())
+        # A proactive PrecisionAutopilot acts on falling activation headroom itself.
+        healing = any(autopilot.proactive for autopilot in self._autopilots())
+        series = headroom_series(state.health, {} if healing else self._source.per_layer())
         for message in self._forecast.add(state.health_step, series):
             warn_user(f"{_OWNER}: {message}")
 
@@ -298,7 +299,7 @@ class LossScaleGuard(StepCallback):
             trip,
             patience=self.patience,
             max_skip_rate=self.max_skip_rate,
-            events=() if trip.reason == SKIP_RATE else self._recent_events(),
+            events=self._recent_events(),
             loss_scaling=self._source.kind,
         )
         for autopilot in self._autopilots():
