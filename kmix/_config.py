@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import keras
 import numpy as np
+from keras import ops
 
 from kmix import scaling
 from kmix._checks import check_int, check_real, invalid
@@ -209,3 +211,30 @@ class RunSettings:
     def release(self, owner: Any) -> None:
         self.requests.pop(id(owner), None)
         self._sync()
+
+
+def migrated_scale(optimizer: keras.mixed_precision.LossScaleOptimizer, kwargs: dict) -> float:
+    """The stock optimizer's current scale, brought inside kmix's bounds (warns if moved).
+
+    Args:
+        optimizer: the stock Keras loss-scale optimizer being migrated.
+        kwargs: the kmix arguments given (their ``min_scale`` and ``max_scale``).
+
+    Returns:
+        The scale the migrated optimizer starts at.
+    """
+    scale = float(
+        ops.convert_to_numpy(optimizer.dynamic_scale)
+        if optimizer.built
+        else optimizer.initial_scale
+    )
+    low, high = kwargs.get("min_scale", 1.0), kwargs.get("max_scale", 2.0**24)
+    migrated = min(max(scale, low), high) if math.isfinite(scale) else high
+    if migrated != scale:  # e.g. stock Keras halved it to 0.0
+        warnings.warn(
+            f"The stock optimizer's loss scale {scale:.9g} is outside kmix's "
+            f"[min_scale, max_scale] = [{low:.9g}, {high:.9g}]; the migrated "
+            f"optimizer starts at {migrated:.9g}.",
+            stacklevel=3,
+        )
+    return migrated

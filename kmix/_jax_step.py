@@ -23,7 +23,6 @@ skipped step's forward pass assigned, and kmix's callbacks that request statisti
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Any
 
@@ -31,6 +30,7 @@ import numpy as np
 from keras import ops
 
 from kmix import health, record, scaling
+from kmix._checks import warn_user
 from kmix._layers import forward_state_variables
 
 __all__ = ["apply_now", "record_step", "refuse_statistics", "remember", "stateless_apply"]
@@ -41,7 +41,7 @@ _told: set[str] = set()
 def _warn_once(key: str, message: str) -> None:
     if key not in _told:
         _told.add(key)
-        warnings.warn(message, stacklevel=4)
+        warn_user(message)
 
 
 def warn_what_is_missing(health_every: int, histogram_every: int) -> None:
@@ -198,7 +198,7 @@ def apply_now(
     """``optimizer.apply`` on JAX (a custom loop, outside ``jit``): the step, then assign.
 
     Args:
-        optimizer: a ``kmix.LossScaleOptimizer`` (built here if it is not).
+        optimizer: a built ``kmix.LossScaleOptimizer``.
         grads: gradients of the scaled loss, one per variable.
         trainable_variables: the variables, all those the optimizer tracks, in its
             order; None for those.
@@ -207,9 +207,6 @@ def apply_now(
     Raises:
         ValueError: ``trainable_variables`` is not every tracked variable in order.
     """
-    if not optimizer.built:
-        optimizer.build(trainable_variables)
-        optimizer.built = True
     tracked = optimizer._trainable_variables
     variables = tracked if trainable_variables is None else list(trainable_variables)
     if [id(v) for v in variables] != [id(v) for v in tracked]:

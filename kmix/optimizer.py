@@ -13,7 +13,6 @@ optimizer attaches to its model lives in :mod:`kmix.model_hooks`.
 from __future__ import annotations
 
 import functools
-import math
 import threading
 import warnings
 from typing import Any
@@ -30,7 +29,7 @@ from kmix import (
 )
 from kmix._checks import check_int
 from kmix._cluster import worker_count
-from kmix._config import OWNER, OptimizerConfig, invalid_argument
+from kmix._config import OWNER, OptimizerConfig, invalid_argument, migrated_scale
 from kmix.model_hooks import ModelHooks, restore
 from kmix.record import INT64_MAX, RecordedEvent  # noqa: F401  (the 0.1.0 names)
 from kmix.snapshot import Snapshot
@@ -169,9 +168,7 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
         self.recorder = StepRecorder(config, self.initial_scale)
         self.hooks = ModelHooks()
         self._trace = threading.local()  # what scale_loss saw in this step's graph
-        if _backend.on_jax():
-            _jax_step.warn_what_is_missing(config.health_every, config.histogram_every)
-        _warn_if_fit_cannot_run_here()
+        _warn_at_creation(config)
 
     def build(self, var_list: list[Any]) -> None:
         """Creates the step record's variables (:class:`StepRecorder`), then the inner ones."""
@@ -216,16 +213,14 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
         grads = list(grads)
         if not grads:
             return
-        if _backend.on_jax():
-            return _jax_step.apply_now(
-                self, grads, trainable_variables, _take_loss_flags(self._trace)
-            )
-        import tensorflow as tf
-
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
+        if _backend.on_jax():
+            return _jax_step.apply_now(self, grads, trainable_variables, _loss_flags(self._trace))
+        import tensorflow as tf
+
         if tf.distribute.in_cross_replica_context():
             raise ValueError(
                 "kmix.LossScaleOptimizer.apply() must be called in a replica context, "
@@ -240,7 +235,7 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
         aligned = [None] * len(self._trainable_variables)
         for grad, variable in zip(grads, variables, strict=True):
             aligned[self._get_variable_index(variable)] = grad
-        flags = ops.concatenate([health.nonfinite_flags(aligned), _take_loss_flags(self._trace)])
+        flags = ops.concatenate([health.nonfinite_flags(aligned), _loss_flags(self._trace)])
         # Replicas agree: every replica sees the same flags before any update.
         context = tf.distribute.get_replica_context()
         if context.num_replicas_in_sync > 1:
@@ -261,10 +256,15 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
     def stateless_apply(self, optimizer_variables: list, grads: list, variables: list) -> tuple:
         """The step as values (what ``fit`` calls on JAX): :func:`kmix._jax_step.stateless_apply`.
 
+        Args:
+            optimizer_variables: the values of ``self.variables``, in that order.
+            grads: the gradients of the scaled loss, one per trainable variable.
+            variables: the values of the trainable variables the optimizer was built with.
+
         Returns:
             ``(trainable_values, optimizer_values)`` after the step (a skip: as given).
         """
-        flags = _take_loss_flags(self._trace)
+        flags = _loss_flags(self._trace)
         return _jax_step.stateless_apply(self, optimizer_variables, grads, variables, flags)
 
     def _apply_inner(self, grads: list, variables: list) -> None:
@@ -339,7 +339,10 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
             (empty while a lazily built model has no variables yet).
         """
         self.protect_forward_state(model)
-        _jax_step.warn_no_tap() if _backend.on_jax() else self.hooks.tap(model)
+        if _backend.on_jax():
+            _jax_step.warn_no_tap()
+        else:
+            self.hooks.tap(model)
         mask = self.hooks.float16_mask(model.trainable_weights)
         return [v.path for v, m in zip(model.trainable_weights, mask, strict=True) if m]
 
@@ -422,13 +425,13 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
         """
         _check_stock(optimizer)
         if "initial_scale" not in kwargs:
-            kwargs["initial_scale"] = _migrated_scale(optimizer, kwargs)
+            kwargs["initial_scale"] = migrated_scale(optimizer, kwargs)
         kwargs.setdefault("dynamic_growth_steps", optimizer.dynamic_growth_steps)
         return cls(optimizer.inner_optimizer, **kwargs)
 
 
-def _take_loss_flags(trace: threading.local) -> Any:
-    """What ``scale_loss`` saw in this step's graph: ``[non-finite, unknown]`` as 1.0/0.0."""
+def _loss_flags(trace: threading.local) -> Any:
+    """Takes what ``scale_loss`` saw in this step's graph: ``[non-finite, unknown]`` as 1.0/0.0."""
     nonfinite = getattr(trace, "loss_nonfinite", None)
     trace.loss_nonfinite = None
     if nonfinite is None or not _backend.reachable(nonfinite):
@@ -449,25 +452,6 @@ def _check_stock(optimizer: Any) -> None:
         raise invalid_argument("optimizer", optimizer, "a keras.mixed_precision.LossScaleOptimizer")
 
 
-def _migrated_scale(optimizer: keras.mixed_precision.LossScaleOptimizer, kwargs: dict) -> float:
-    """The stock optimizer's current scale, brought inside kmix's bounds (warns if moved)."""
-    scale = float(
-        ops.convert_to_numpy(optimizer.dynamic_scale)
-        if optimizer.built
-        else optimizer.initial_scale
-    )
-    low, high = kwargs.get("min_scale", 1.0), kwargs.get("max_scale", 2.0**24)
-    migrated = min(max(scale, low), high) if math.isfinite(scale) else high
-    if migrated != scale:  # e.g. stock Keras halved it to 0.0
-        warnings.warn(
-            f"The stock optimizer's loss scale {scale:.9g} is outside kmix's "
-            f"[min_scale, max_scale] = [{low:.9g}, {high:.9g}]; the migrated "
-            f"optimizer starts at {migrated:.9g}.",
-            stacklevel=3,
-        )
-    return migrated
-
-
 FIT_UNDER_MULTI_WORKER = (
     "kmix.LossScaleOptimizer was created under tf.distribute.MultiWorkerMirroredStrategy: "
     "model.fit cannot train under this strategy with Keras {version} (keras-team/keras#20585: "
@@ -477,9 +461,12 @@ FIT_UNDER_MULTI_WORKER = (
 )
 
 
-def _warn_if_fit_cannot_run_here() -> None:
-    """Says once, at creation, what Keras would otherwise say with a deep traceback."""
-    if not _backend.name() == "tensorflow":
+def _warn_at_creation(config: OptimizerConfig) -> None:
+    """Says at creation what would otherwise surprise later: on JAX, what is not computed
+    yet; under MultiWorkerMirroredStrategy, what Keras would say with a deep traceback."""
+    if _backend.on_jax():
+        _jax_step.warn_what_is_missing(config.health_every, config.histogram_every)
+    if _backend.name() != "tensorflow":
         return
     import tensorflow as tf
 

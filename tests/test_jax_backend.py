@@ -152,6 +152,32 @@ def test_save_and_load_keep_the_scale_counters_and_events(fit_run):
 
 @pytest.mark.slow
 @needs_jax
+def test_apply_in_a_custom_loop_skips_and_applies(fit_run):
+    loop = fit_run["custom_loop"]
+    assert loop["skip_unchanged"] and loop["applied_changes_weights"]
+    scale = SETTINGS["initial_scale"]
+    assert loop["skipped"]["skipped_steps"] == 1 and loop["skipped"]["loss_scale"] == scale / 2
+    assert loop["skipped"]["loss_finite"] is None  # no scale_loss in this loop: unknown
+    assert loop["applied"]["attempted_steps"] == 2 and loop["applied"]["good_steps"] == 1
+    assert as_rows(loop["events"]) == [[1, "backoff", scale, scale / 2, VARIABLES[0], None]]
+
+
+@pytest.mark.slow
+@needs_jax
+def test_what_is_not_yet_on_jax_says_so(fit_run):
+    (forward_state,) = fit_run["not_yet"]["forward_state"]
+    assert "on the JAX backend" in forward_state
+    assert forward_state.endswith(
+        "sequential/batch_normalization/moving_mean, "
+        "sequential/batch_normalization/moving_variance."
+    )
+    monitor = fit_run["not_yet"]["monitor"]
+    assert monitor.startswith("kmix: MixedPrecisionMonitor is not yet supported on the JAX")
+    assert "KERAS_BACKEND=tensorflow" in monitor
+
+
+@pytest.mark.slow
+@needs_jax
 def test_data_parallel_over_two_devices_skips_a_step_one_shard_spoils(tmp_path):
     run = run_script("data_parallel", tmp_path, devices=2)
     assert run["devices"] == 2 and run["variables"] == VARIABLES

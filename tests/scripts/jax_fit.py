@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 
 os.environ["KERAS_BACKEND"] = "jax"
 
@@ -163,7 +164,50 @@ def fit_scenario(directory: str) -> dict:
         "state": dataclasses.asdict(loaded.optimizer.read_state()),
         "events": events(loaded.optimizer),
     }
+    result["custom_loop"] = custom_loop()
+    result["not_yet"] = not_yet(directory)  # last: kmix's callbacks import TensorFlow
     return result
+
+
+def custom_loop() -> dict:
+    """``optimizer.apply`` outside fit: an inf gradient skips, a finite one applies."""
+    model, optimizer = build()
+    optimizer.build(model.trainable_variables)
+    before = [np.array(v.value) for v in model.trainable_variables]
+    optimizer.apply([np.full(v.shape, np.inf, "float32") for v in model.trainable_variables])
+    after_skip = [np.array(v.value) for v in model.trainable_variables]
+    skipped = dataclasses.asdict(optimizer.read_state())
+    optimizer.apply([np.ones(v.shape, "float32") for v in model.trainable_variables])
+    return {
+        "skip_unchanged": same_bits(before, after_skip),
+        "skipped": skipped,
+        "applied": dataclasses.asdict(optimizer.read_state()),
+        "applied_changes_weights": not same_bits(
+            before, [np.array(v.value) for v in model.trainable_variables]
+        ),
+        "events": events(optimizer),
+    }
+
+
+def not_yet(directory: str) -> dict:
+    """What this slice does not do on JAX says so: the warnings and the monitor's error."""
+    said = {}
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization()]
+    )
+    model.compile(optimizer=kmix.LossScaleOptimizer("sgd"), loss="mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(*batch("ok"), verbose=0)
+    said["forward_state"] = [str(w.message) for w in caught if "kmix" in str(w.message)]
+    monitor = kmix.callbacks.MixedPrecisionMonitor(os.path.join(directory, "logs"))
+    try:
+        model.fit(*batch("ok"), verbose=0, callbacks=[monitor])
+        said["monitor"] = None
+    except ValueError as error:
+        said["monitor"] = str(error)
+    return said
 
 
 def data_parallel_scenario(directory: str) -> dict:
