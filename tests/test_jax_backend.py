@@ -66,8 +66,10 @@ def reference(kinds: list[str], initial: float, growth: int, low: float, high: f
     return {"scales": scales, "skipped": skipped, "events": events, "good": good}
 
 
-def run_script(scenario: str, tmp_path: os.PathLike, devices: int = 1) -> dict:
+def run_script(scenario: str, tmp_path: os.PathLike, devices: int = 1, **environ: str) -> dict:
     env = {**os.environ, "KERAS_BACKEND": "jax", "CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"}
+    env.pop("JAX_ENABLE_X64", None)
+    env |= environ
     if devices > 1:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     done = subprocess.run(
@@ -115,6 +117,18 @@ def test_fit_follows_the_rule_at_every_step(fit_run):
     assert state["loss_scale"] == expected["scales"][-1]
     assert state["health"] == {} and state["health_step"] == 0  # not measured on JAX yet
     assert fit_run["counter_dtype"] == "int32"  # int64 without jax_enable_x64
+
+
+@pytest.mark.slow
+@needs_jax
+def test_with_jax_enable_x64_the_counters_are_int64_and_the_rule_the_same(tmp_path):
+    run = run_script("fit", tmp_path, JAX_ENABLE_X64="1")
+    expected = reference(KINDS, *SETTINGS.values())
+    assert run["counter_dtype"] == "int64"
+    assert run["scales"] == expected["scales"]
+    assert as_rows(run["events"]) == expected["events"]
+    assert run["skips"]["gradient"]["unchanged"] and run["skips"]["forward"]["unchanged"]
+    assert run["loaded"]["state"] == run["saved"]["state"]
 
 
 @pytest.mark.slow
