@@ -54,7 +54,8 @@ def reachable(value: Any) -> bool:
     TensorFlow: see :func:`kmix._graph.reachable`. JAX: a tracer is usable while the trace
     that made it runs (a value noted by ``scale_loss`` inside ``jax.value_and_grad`` is
     the enclosing ``jit``'s tracer, still live when ``stateless_apply`` runs); a concrete
-    array always is.
+    array always is. JAX has no public test for this: the tracer's ``_trace`` is asked
+    whether it is still valid, and a value without one counts as usable.
 
     Args:
         value: a tensor, a JAX array or tracer.

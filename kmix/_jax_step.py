@@ -33,7 +33,15 @@ from kmix import health, record, scaling
 from kmix._checks import warn_user
 from kmix._layers import forward_state_variables
 
-__all__ = ["apply_now", "record_step", "refuse_statistics", "remember", "stateless_apply"]
+__all__ = [
+    "apply_now",
+    "record_step",
+    "refuse_statistics",
+    "remember",
+    "stateless_apply",
+    "warn_no_tap",
+    "warn_what_is_missing",
+]
 
 _told: set[str] = set()
 
