@@ -256,6 +256,11 @@ def _fix_words(row: PolicyRow) -> str:
 
 
 def _loss_words(row: PolicyRow, reference: PolicyRow, spread: float | None) -> str:
+    if row.final_loss is None:
+        return (
+            "its loss is not finite over the last tenth of the steps (float32's final loss: "
+            f"{_number(reference.final_loss)})"
+        )
     spread_words = "not measured" if spread is None else f"{spread:.4g}"
     return (
         f"its final loss {_number(row.final_loss)} departs from float32's "

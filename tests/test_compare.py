@@ -214,6 +214,19 @@ def test_a_loss_that_departs_from_float32_is_left_out_and_says_by_how_much():
     assert "higher by 0.15" in advice.reasons[1] and "spread (0.01)" in advice.reasons[1]
 
 
+def test_a_loss_that_is_not_finite_is_left_out_and_says_so():
+    table = [
+        row("float32", 10, final_loss=0.30),
+        row("float16", 5, final_loss=None, loss_departure=None, loss_ok=False),
+    ]
+    advice = rules.recommend(table, floor=0.05)
+    assert advice.policy == "float32"
+    assert advice.reasons[1] == (
+        "float16 is left out: its loss is not finite over the last tenth of the steps "
+        "(float32's final loss: 0.3)"
+    )
+
+
 def test_recommend_needs_float32():
     with pytest.raises(ValueError, match="float32 row"):
         rules.recommend([row("mixed_float16", 5)], 0.05)
