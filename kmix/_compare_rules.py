@@ -175,6 +175,11 @@ def slow_cause(
     native, why = native_compute(policy, cpu_flags, ())
     if native is False:
         return why
+    if dtype == "bfloat16" and not onednn:
+        return (
+            "oneDNN is off (TF_ENABLE_ONEDNN_OPTS=0), so TensorFlow's own kernels compute "
+            "bfloat16 without the CPU's bfloat16 instructions; unset it and compare again"
+        )
     return None
 
 

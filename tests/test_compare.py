@@ -115,6 +115,9 @@ def test_slow_cause_names_onednn_float16_on_a_cpu():
     emulated = rules.slow_cause("mixed_bfloat16", ("avx2",), accelerators=False, onednn=True)
     assert "AVX512_BF16" in emulated
     assert rules.slow_cause("float32", (), accelerators=False, onednn=True) is None
+    no_onednn = rules.slow_cause("mixed_bfloat16", ("avx512_bf16",), False, onednn=False)
+    assert "oneDNN is off (TF_ENABLE_ONEDNN_OPTS=0)" in no_onednn
+    assert rules.slow_cause("mixed_bfloat16", ("avx512_bf16",), False, onednn=True) is None
 
 
 # ------------------------------------------------------------ recommendation
