@@ -14,11 +14,12 @@ same pure rules as on TensorFlow (:func:`kmix.record.advance` over
     ring = event ? write_event(ring, ...) : ring
 
 A skipped step returns the trainable values and the inner optimizer's values it was
-given, bit for bit. During ``fit`` JAX keeps the state outside the variables (purged until
-``model.jax_state_sync()``), so host reads first sync the model the optimizer trains
-(:func:`remember`). Not yet on JAX (each says so once, at run time): gradient health and
-histograms, the activation tap and forward origin, giving back the non-trainable state a
-skipped step's forward pass assigned, and kmix's callbacks that request statistics.
+given, bit for bit, and the model's wrapped train step returns the float state its forward
+pass assigned as it was (:func:`give_back_forward_state`). During ``fit`` JAX keeps the
+state outside the variables (purged until ``model.jax_state_sync()``), so host reads
+first sync the model the optimizer trains (:func:`remember`). Not yet on JAX (each says so
+once, at run time): gradient health and histograms, the activation tap and forward origin,
+and kmix's callbacks that request statistics.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ from typing import Any
 import numpy as np
 from keras import ops
 
-from kmix import health, record, scaling
+from kmix import _backend, health, record, scaling
 from kmix._checks import warn_user
-from kmix._layers import forward_state_variables
+from kmix._layers import forward_state_variables, unrestored_state_variables
 
 __all__ = [
     "apply_now",
+    "give_back_forward_state",
     "record_step",
     "refuse_statistics",
     "remember",
@@ -174,6 +176,7 @@ def stateless_apply(
         return list(trainable_variables), list(inner_values)
 
     new_trainable, new_inner = ops.cond(applies, apply_inner, skip)
+    optimizer._trace.jax_applied = applies  # for the train step's forward state
     loss_state = ops.where(
         flags[n] > 0,
         record.LOSS_NONFINITE,
@@ -238,15 +241,18 @@ def apply_now(
 
 
 def remember(optimizer: Any, model: Any) -> None:
-    """Host reads of ``optimizer`` sync ``model`` first; says what a skip keeps on JAX.
+    """Host reads of ``optimizer`` sync ``model`` first; a skip gives its forward state back.
 
-    JAX's trainer keeps the state outside the variables during ``fit`` (a purged variable
-    reads as its initializer) until ``model.jax_state_sync()``: the optimizer's reads
-    (``read_state``, ``scale_events``...) call it, so they are true during and after fit.
+    JAX's trainer keeps the state outside the variables during ``fit`` until
+    ``model.jax_state_sync()`` (Keras 3.15 purges the variables' values meanwhile: reading
+    one raises): the optimizer's reads (``read_state``, ``scale_events``...) call it, so
+    they are true during and after fit. The model's train step is wrapped
+    (:func:`give_back_forward_state`) so that a skipped step returns the float variables
+    its forward pass assigned (BatchNormalization's statistics) as they were.
 
     Args:
         optimizer: a ``kmix.LossScaleOptimizer``.
-        model: the model it trains (held weakly).
+        model: the model it trains (held weakly by the reads).
     """
     ref = weakref.ref(model)
 
@@ -256,14 +262,54 @@ def remember(optimizer: Any, model: Any) -> None:
             held.jax_state_sync()
 
     optimizer.recorder.sync = sync
-    assigned = [v.path for v in forward_state_variables(model)]
-    if assigned:
+    give_back_forward_state(optimizer, model)
+
+
+def give_back_forward_state(optimizer: Any, model: Any) -> None:
+    """Wraps ``model.train_step(state, data)`` so a skipped step keeps the forward state.
+
+    Keras's JAX train step returns the non-trainable values its forward pass computed
+    whatever the optimizer decided; :func:`stateless_apply` leaves its decision for this
+    wrapper (in the same trace), which returns the old values of the float variables the
+    layers declare non-trainable on a skipped step, as kmix does on TensorFlow. Integer
+    ones keep the update and are named once. Idempotent for the same optimizer; remakes a
+    train function made before the wrapper.
+
+    Args:
+        optimizer: a ``kmix.LossScaleOptimizer``.
+        model: the model it trains.
+    """
+    unrestored = [v.path for v in unrestored_state_variables(model)]
+    if unrestored:
         _warn_once(
-            f"forward-{id(model)}",
-            "kmix on the JAX backend: a skipped step leaves the weights and the optimizer "
-            "state as they were, but not yet the non-trainable variables its forward pass "
-            f"assigned (issue 24); these keep the skipped batch's update: {', '.join(assigned)}.",
+            f"integer-{id(model)}",
+            "kmix: a skipped step gives back the float variables the forward pass "
+            "assigned (BatchNormalization's statistics); these integer variables keep "
+            f"the skipped step's update: {', '.join(unrestored)}.",
         )
+    wrapped_for = getattr(model, "_kmix_jax_train_step_of", None)
+    if wrapped_for is not None and wrapped_for() is optimizer:
+        return
+    original = type(model).train_step.__get__(model)
+    owner = weakref.ref(optimizer)
+
+    def train_step(state: tuple, data: Any) -> tuple:
+        logs, new_state = original(state, data)
+        held = owner()
+        applied = None if held is None else getattr(held._trace, "jax_applied", None)
+        if held is not None:
+            held._trace.jax_applied = None
+        if applied is None or not _backend.reachable(applied):
+            return logs, new_state
+        given = {id(v) for v in forward_state_variables(model)}
+        pairs = zip(model.non_trainable_variables, state[1], new_state[1], strict=True)
+        kept = [ops.where(applied, new, old) if id(v) in given else new for v, old, new in pairs]
+        return logs, (new_state[0], kept, *new_state[2:])
+
+    model.train_step = train_step
+    model._kmix_jax_train_step_of = owner  # weak: the model is not saved with it
+    if getattr(model, "train_function", None) is not None:
+        model.make_train_function(force=True)
 
 
 def warn_no_tap() -> None:

@@ -178,13 +178,26 @@ def test_apply_in_a_custom_loop_skips_and_applies(fit_run):
 
 @pytest.mark.slow
 @needs_jax
-def test_what_is_not_yet_on_jax_says_so(fit_run):
-    (forward_state,) = fit_run["not_yet"]["forward_state"]
-    assert "on the JAX backend" in forward_state
-    assert forward_state.endswith(
-        "sequential/batch_normalization/moving_mean, "
-        "sequential/batch_normalization/moving_variance."
-    )
+def test_a_skipped_step_gives_back_batch_normalizations_statistics(fit_run):
+    state = fit_run["forward_state"]
+    assert state["paths"] == [
+        "sequential/batch_normalization/moving_mean",
+        "sequential/batch_normalization/moving_variance",
+        "sequential/count_calls/calls",
+    ]
+    assert state["skipped_steps"] == 1
+    assert state["skip_keeps_float_state"] and state["ok_changes_float_state"]
+    assert state["integer_calls"] == [1, 2, 3]  # as on TensorFlow: named, not given back
+    assert state["warnings"] == [
+        "kmix: a skipped step gives back the float variables the forward pass assigned "
+        "(BatchNormalization's statistics); these integer variables keep the skipped "
+        "step's update: sequential/count_calls/calls."
+    ]
+
+
+@pytest.mark.slow
+@needs_jax
+def test_the_monitor_says_it_is_not_yet_on_jax(fit_run):
     monitor = fit_run["not_yet"]["monitor"]
     assert monitor.startswith("kmix: MixedPrecisionMonitor is not yet supported on the JAX")
     assert "KERAS_BACKEND=tensorflow" in monitor

@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import warnings
+from typing import Any
 
 os.environ["KERAS_BACKEND"] = "jax"
 
@@ -165,6 +166,7 @@ def fit_scenario(directory: str) -> dict:
         "events": events(loaded.optimizer),
     }
     result["custom_loop"] = custom_loop()
+    result["forward_state"] = forward_state()
     result["not_yet"] = not_yet(directory)  # last: kmix's callbacks import TensorFlow
     return result
 
@@ -189,25 +191,67 @@ def custom_loop() -> dict:
     }
 
 
-def not_yet(directory: str) -> dict:
-    """What this slice does not do on JAX says so: the warnings and the monitor's error."""
-    said = {}
+class CountCalls(keras.layers.Layer):
+    """Counts its training calls in an integer variable (state a skip does not give back)."""
+
+    def build(self, input_shape: tuple) -> None:
+        self.calls = self.add_weight(shape=(), dtype="int32", trainable=False, name="calls")
+
+    def call(self, inputs: Any, training: bool = False) -> Any:
+        if training:
+            self.calls.assign_add(1)
+        return inputs
+
+
+def forward_state() -> dict:
+    """BatchNormalization's statistics across a skipped step, and an integer counter's."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential(
-        [keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization()]
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(3),
+            keras.layers.BatchNormalization(),
+            CountCalls(),
+            keras.layers.Dense(1, dtype="float32"),
+        ]
     )
     model.compile(optimizer=kmix.LossScaleOptimizer("sgd"), loss="mse")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.fit(*batch("ok"), verbose=0)
-    said["forward_state"] = [str(w.message) for w in caught if "kmix" in str(w.message)]
+    said = [str(w.message) for w in caught if "kmix" in str(w.message)]
+
+    def values() -> list[np.ndarray]:
+        return [np.array(v.value) for v in model.non_trainable_variables if "float" in v.dtype]
+
+    def calls() -> int:
+        return int(np.asarray(model.layers[2].calls.value))
+
+    before, calls_before = values(), calls()
+    model.fit(*batch("forward"), verbose=0)
+    kept, calls_after = same_bits(before, values()), calls()
+    model.fit(*batch("ok"), verbose=0)
+    return {
+        "warnings": said,
+        "paths": [v.path for v in model.non_trainable_variables],
+        "skip_keeps_float_state": kept,
+        "ok_changes_float_state": not same_bits(before, values()),
+        "integer_calls": [calls_before, calls_after, calls()],
+        "skipped_steps": model.optimizer.skipped_steps,
+    }
+
+
+def not_yet(directory: str) -> dict:
+    """What this slice does not do on JAX says so: the monitor's error at train begin."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=kmix.LossScaleOptimizer("sgd"), loss="mse")
     monitor = kmix.callbacks.MixedPrecisionMonitor(os.path.join(directory, "logs"))
     try:
         model.fit(*batch("ok"), verbose=0, callbacks=[monitor])
-        said["monitor"] = None
     except ValueError as error:
-        said["monitor"] = str(error)
-    return said
+        return {"monitor": str(error)}
+    return {"monitor": None}
 
 
 def data_parallel_scenario(directory: str) -> dict:
