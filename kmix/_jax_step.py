@@ -27,6 +27,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -234,6 +235,7 @@ def apply_now(
         [v.value for v in variables],
         loss_flags,
     )
+    optimizer._trace.jax_applied = None  # no train step here to take the decision
     for variable, value in zip(variables, new_trainable, strict=True):
         variable.assign(value)
     for variable, value in zip(optimizer.variables, new_values, strict=True):
@@ -286,6 +288,13 @@ def give_back_forward_state(optimizer: Any, model: Any) -> None:
             "kmix: a skipped step gives back the float variables the forward pass "
             "assigned (BatchNormalization's statistics); these integer variables keep "
             f"the skipped step's update: {', '.join(unrestored)}.",
+        )
+    if keras.config.is_nnx_enabled() and forward_state_variables(model):
+        _warn_once(  # Keras then calls the class's train_step, not the model's attribute
+            "nnx",
+            "kmix on the JAX backend with Flax NNX enabled: a skipped step does not give "
+            "back the float state the forward pass assigned (Keras calls the class's "
+            "train_step, which kmix does not wrap); disable NNX to have it given back.",
         )
     wrapped_for = getattr(model, "_kmix_jax_train_step_of", None)
     if wrapped_for is not None and wrapped_for() is optimizer:
