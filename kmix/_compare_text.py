@@ -13,7 +13,10 @@ from typing import Any
 # a PolicyRow or PolicyComparison is typed Any here.
 PolicyRow = PolicyComparison = Any
 
-__all__ = ["comparison_markdown", "format_bytes", "row_cells"]
+__all__ = ["BUSY_FLOOR", "comparison_markdown", "format_bytes", "row_cells"]
+
+BUSY_FLOOR = 0.2
+"""A noise floor above this says the machine was busy: the table says so."""
 
 HEADER = (
     "policy",
@@ -115,9 +118,16 @@ def comparison_markdown(comparison: PolicyComparison) -> str:
     else:
         ratios = ", ".join(f"{ratio:.3f}" for ratio in comparison.noise_ratios)
         lines.append(
-            f"Noise floor: ±{comparison.noise_floor:.1%} (float32 against itself, per round: "
-            f"{ratios}); a speed-up inside it is no measurable difference."
+            f"Noise floor: ±{comparison.noise_floor:.1%} (float32 against itself, the largest "
+            f"difference of any round; per round: {ratios}); a speed-up inside it is no "
+            "measurable difference."
         )
+        if comparison.noise_floor > BUSY_FLOOR:
+            lines.append(
+                "The machine was busy or uneven: differences smaller than the floor cannot be "
+                "told apart here. Run again when it is quieter, or with more --steps (longer "
+                "turns)."
+            )
     if comparison.loss_spread is not None:
         lines.append(
             f"Loss spread: {comparison.loss_spread:.3g} (float32's final loss, run again from "
