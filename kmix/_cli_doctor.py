@@ -123,7 +123,12 @@ VERSION_RULES: tuple[tuple[Callable[[VersionFacts], bool], Callable[[VersionFact
     (
         lambda f: f.backend not in (None, "", "tensorflow"),
         lambda f: (
-            f"the Keras backend is {f.backend!r}: kmix.LossScaleOptimizer and the "
+            "the Keras backend is 'jax': kmix.LossScaleOptimizer runs its core there (the "
+            "bounded scale, skipped steps, counters, events, save/load); gradient health, "
+            "the activation tap, MixedPrecisionMonitor and PrecisionAutopilot need "
+            "'tensorflow' (set KERAS_BACKEND=tensorflow)"
+            if f.backend == "jax"
+            else f"the Keras backend is {f.backend!r}: kmix.LossScaleOptimizer and the "
             "callbacks need 'tensorflow' (set KERAS_BACKEND=tensorflow)"
         ),
     ),

@@ -673,8 +673,10 @@ def test_version_warnings_one_per_rule_in_table_order():
         "TF_USE_LEGACY_KERAS is set, so tf.keras is Keras 2 (tf-keras 2.15): models built "
         "with tf.keras do not work with kmix; use `import keras` (Keras 3) or unset "
         "TF_USE_LEGACY_KERAS",
-        "the Keras backend is 'jax': kmix.LossScaleOptimizer and the callbacks need "
-        "'tensorflow' (set KERAS_BACKEND=tensorflow)",
+        "the Keras backend is 'jax': kmix.LossScaleOptimizer runs its core there (the "
+        "bounded scale, skipped steps, counters, events, save/load); gradient health, the "
+        "activation tap, MixedPrecisionMonitor and PrecisionAutopilot need 'tensorflow' "
+        "(set KERAS_BACKEND=tensorflow)",
         "TensorBoard is not installed: MixedPrecisionMonitor and kmix report need it "
         "(pip install tensorboard)",
     ]

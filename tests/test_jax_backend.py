@@ -201,6 +201,7 @@ def test_the_monitor_says_it_is_not_yet_on_jax(fit_run):
     monitor = fit_run["not_yet"]["monitor"]
     assert monitor.startswith("kmix: MixedPrecisionMonitor is not yet supported on the JAX")
     assert "KERAS_BACKEND=tensorflow" in monitor
+    assert fit_run["not_yet"]["end_of_run_warnings"] == []  # refused before its run opened
 
 
 @pytest.mark.slow

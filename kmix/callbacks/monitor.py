@@ -165,10 +165,12 @@ class MixedPrecisionMonitor(StepCallback):
                 f"{_OWNER} cannot create its log directory {train_dir!r} "
                 f"(log_dir={self.log_dir!r}): {error}. Pass a directory you can write to."
             ) from error
+        source = self._source
+        # First: a source that cannot measure (kmix on JAX, for now) refuses here, before
+        # this fit's event file exists.
+        source.request_statistics(self, self.update_freq, self.histogram_freq)
         prior = begins_in(train_dir, self._heads)  # before this fit's file exists
         self._writer = tf.summary.create_file_writer(train_dir)
-        source = self._source
-        source.request_statistics(self, self.update_freq, self.histogram_freq)
         notes = absence_notes(self.model, self._source)
         for note in notes:
             if note not in self._warned:

@@ -247,10 +247,13 @@ def not_yet(directory: str) -> dict:
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     model.compile(optimizer=kmix.LossScaleOptimizer("sgd"), loss="mse")
     monitor = kmix.callbacks.MixedPrecisionMonitor(os.path.join(directory, "logs"))
-    try:
-        model.fit(*batch("ok"), verbose=0, callbacks=[monitor])
-    except ValueError as error:
-        return {"monitor": str(error)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            model.fit(*batch("ok"), verbose=0, callbacks=[monitor])
+        except ValueError as error:
+            said = [str(w.message) for w in caught if "could not write" in str(w.message)]
+            return {"monitor": str(error), "end_of_run_warnings": said}
     return {"monitor": None}
 
 
