@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -29,9 +30,11 @@ __all__ = [
     "PrecisionPlan",
     "apply_plan",
     "base_path",
+    "computes_float16",
     "float16_share",
     "layer_costs",
     "layers_by_path",
+    "move_layer",
 ]
 
 MULTIPLY_ADDS = "multiply-adds"
@@ -183,6 +186,26 @@ def layers_by_path(model: Any) -> dict[str, Any]:
     return found
 
 
+def computes_float16(layer: Any) -> bool:
+    """Whether ``layer``, or a layer nested in it, computes in float16."""
+    nested = (inner for _, inner in _layers.walk_layers(layer))
+    return any(getattr(x, "compute_dtype", None) == "float16" for x in (layer, *nested))
+
+
+def move_layer(layer: Any, policy: Any) -> None:
+    """Sets ``layer``'s dtype policy, and that of each layer nested in it that computes in
+    float16 (``MultiHeadAttention``'s projections and softmax): moving a layer moves what
+    it computes with; nested layers already in another dtype keep theirs."""
+    nested = [inner for _, inner in _layers.walk_layers(layer) if inner.compute_dtype == "float16"]
+    for target in (layer, *nested):
+        target.dtype_policy = policy
+
+
+def _unnumbered(name: str) -> str:
+    """A model name without the ``_N`` Keras appends to repeated names."""
+    return re.sub(r"_\d+$", "", name)
+
+
 def _without_root(path: str) -> str:
     return path.split("/", 1)[1] if "/" in path else path
 
@@ -193,8 +216,9 @@ def find_layer(model: Any, path: str) -> Any | None:
     A path matches a layer's own ``path`` or its path in the model; then, so that a
     plan made on one instance applies to another built by the same code (Keras numbers
     the second ``sequential_1`` and puts that name first in its layers' paths), the
-    path without its first part matches such a path without the model's name; then a
-    unique layer name matches.
+    path without its first part matches such a path without the model's name, or, when
+    the first part is the model's name but for Keras's number, the path of a layer not
+    built yet (which has no model name in it); then a unique layer name matches.
 
     Args:
         model: the model.
@@ -207,12 +231,20 @@ def find_layer(model: Any, path: str) -> Any | None:
     if path in by_path:
         return by_path[path]
     layers = {id(layer): layer for layer in by_path.values()}
-    root = f"{getattr(model, 'name', '')}/"
+    name = getattr(model, "name", "")
+    root = f"{name}/"
+    key_root = path.split("/", 1)[0] if "/" in path else None
+    same_model = key_root is not None and _unnumbered(key_root) == _unnumbered(name)
     for matches in (
         {
             id(layer)
             for own, layer in by_path.items()
             if own.startswith(root) and own[len(root) :] == _without_root(path)
+        },
+        {  # an unbuilt model's layers have no path yet: their walk path lacks the root
+            id(layer)
+            for own, layer in by_path.items()
+            if same_model and not own.startswith(root) and own == _without_root(path)
         },
         {key for key, layer in layers.items() if layer.name == path},
     ):
@@ -224,8 +256,9 @@ def find_layer(model: Any, path: str) -> Any | None:
 def apply_plan(model: Any, plan: PrecisionPlan) -> list[str]:
     """Sets each planned layer's dtype policy, so the run starts where the plan says.
 
-    Call it before ``compile`` (after it, the train function is rebuilt). The policies
-    are kept by a ``.keras`` save.
+    Call it before ``compile`` (after it, the train function is rebuilt). Each planned
+    layer moves with the float16 layers nested in it, as the autopilot moved it
+    (:func:`move_layer`). The policies are kept by a ``.keras`` save.
 
     Args:
         model: the model (built or not).
@@ -275,8 +308,8 @@ def apply_plan(model: Any, plan: PrecisionPlan) -> list[str]:
     changed = []
     for path, policy in policies.items():
         layer = layers[path]
-        if layer.dtype_policy.name != policy.name:
-            layer.dtype_policy = policy
+        if layer.dtype_policy.name != policy.name or computes_float16(layer):
+            move_layer(layer, policy)
             changed.append(path)
     if changed and getattr(model, "train_function", None) is not None:
         model.make_train_function(force=True)

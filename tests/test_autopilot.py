@@ -118,7 +118,7 @@ def test_reactive_moves_at_the_exact_steps_and_training_goes_on(shape, jit):
         assert share.by_parameters == (big, after, "net/norm", "net/head")
         assert share.share == pytest.approx(32 / (144 + 272 + 32 + 17))
     else:  # multiply-adds; norm (32 parameters) is what stays in float16
-        assert share.by_parameters == ("norm",) if shape == "functional" else share.by_parameters
+        assert share.by_parameters == (("norm",) if shape == "functional" else ("sequential/norm",))
         assert share.share == pytest.approx(32 / (128 + 256 + 32 + 16))
 
 
@@ -134,9 +134,13 @@ def scalars_and_texts(log_dir: str):
 
 def test_moves_are_written_kept_by_keras_files_and_the_plan_heals_the_next_run(tmp_path):
     model = make("functional")
+    assert not np.isfinite(model.evaluate(X, Y, verbose=0))  # float16: "big" overflows
     autopilot = kmix.callbacks.PrecisionAutopilot(proactive=False)
     monitor = kmix.callbacks.MixedPrecisionMonitor(str(tmp_path / "logs"), update_freq=3, verbose=0)
-    fit(model, [autopilot, monitor])
+    fit(model, [autopilot, monitor], validation_data=(X, Y))
+    assert np.isfinite(model.history.history["val_loss"][-1])  # evaluation moved too
+    assert np.isfinite(model.evaluate(X, Y, verbose=0))
+    assert np.isfinite(model.predict(X, verbose=0)).all()
     data = scalars_and_texts(str(tmp_path / "logs"))
     records = [
         tags.parse_precision_move_record(proto.string_val[0].decode())
@@ -207,9 +211,14 @@ def test_the_guard_lets_the_autopilot_act_first_and_stops_when_moving_cannot_hel
     fit(model, [guard, autopilot])  # the guard is called first at each step
     assert guard.diagnosis is None and len(autopilot.moves) == 2
     model = make("functional")
+    guard = kmix.callbacks.LossScaleGuard(patience=1, verbose=0)
+    autopilot = kmix.callbacks.PrecisionAutopilot(proactive=False)
+    fit(model, [autopilot, guard])  # the autopilot first: the guard sees it moved
+    assert guard.diagnosis is None and len(autopilot.moves) == 2
+    model = make("functional")
     guard = kmix.callbacks.LossScaleGuard(patience=2, verbose=0)
     autopilot = kmix.callbacks.PrecisionAutopilot(proactive=False, max_layers=1)
-    with pytest.warns(UserWarning, match="max_layers=1 layers moved already"):
+    with pytest.warns(UserWarning, match="max_layers=1 layers moved in this fit, so it stops"):
         fit(model, [autopilot, guard])
     big, _ = paths(model)
     assert guard.reason == "nonfinite_loss" and guard.step == 2  # steps 1 and 2 overflowed

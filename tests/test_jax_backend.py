@@ -202,6 +202,10 @@ def test_the_monitor_says_it_is_not_yet_on_jax(fit_run):
     assert monitor.startswith("kmix: MixedPrecisionMonitor is not yet supported on the JAX")
     assert "KERAS_BACKEND=tensorflow" in monitor
     assert fit_run["not_yet"]["end_of_run_warnings"] == []  # refused before its run opened
+    autopilot = fit_run["not_yet"]["autopilot"]
+    assert autopilot.startswith(
+        "kmix.callbacks.PrecisionAutopilot is not yet supported on the JAX backend"
+    )
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import pytest
 
 import kmix
 from kmix import tags
+from kmix._layers import walk_layers
 from kmix.callbacks import _autopilot_rules as rules
 from kmix.callbacks._diagnosis import moves_text
 from kmix.precision_plan import (
@@ -133,11 +134,12 @@ def test_overflow_candidates_take_each_origin_once_with_its_reason():
         ]
     )
     assert found == [
-        rules.Candidate("block/ffn", 5, "forward overflow at step 5"),
+        rules.Candidate("block/ffn", 5, "forward overflow at step 5", overflow=True),
         rules.Candidate(
             "head_in",
             8,
             "forward overflow at step 8: the cast of its input (max |input| 70000) overflowed",
+            overflow=True,
         ),
     ]
     assert [e.step for e in rules.unhealable_overflows([event(7, None), event(5, own)])] == [7]
@@ -220,7 +222,8 @@ def test_report_lists_the_moves_the_share_and_the_plan():
         "precision moves 1 (PrecisionAutopilot)\n"
         "  moved block/ffn (Dense) mixed_float16 → float32 at step 12: "
         "forward overflow at step 12\n"
-        "  float16 share of the estimated multiply-adds: 90% at train begin, 60% at the end\n"
+        "  float16 share (estimated multiply-adds; parameters where unknown, see the notes): "
+        "90% at train begin, 60% at the end\n"
         "  to start the next run healed, before compile:\n"
         "    kmix.apply_plan(model, kmix.PrecisionPlan({'block/ffn': 'float32'}))"
     ) in printed
@@ -250,3 +253,25 @@ def test_skip_rate_diagnosis_names_forward_overflows_instead_of_the_gradients():
     gradients = skip_rate_text(trip, 0.5, [backoff])
     assert "were skipped for non-finite gradients" in gradients and "energy" not in gradients
     assert skip_rate_text(trip, 0.5) == gradients
+
+
+def test_apply_plan_reaches_an_unbuilt_instance_and_the_layers_nested_in_a_move(float16_policy):
+    def build():
+        return keras.Sequential([keras.layers.Dense(4, name="big"), keras.layers.Dense(2)])
+
+    first, fresh = build(), build()  # "sequential", then "sequential_1"; neither built
+    assert fresh.name != first.name
+    plan = kmix.PrecisionPlan({f"{first.name}/big": "float32"})
+    assert kmix.apply_plan(fresh, plan) == [f"{first.name}/big"]
+    assert [layer.dtype_policy.name for layer in fresh.layers] == ["float32", "mixed_float16"]
+    with pytest.raises(ValueError, match="not layers of model"):  # another model's name
+        kmix.apply_plan(fresh, kmix.PrecisionPlan({"functional/big": "float32"}))
+
+    inputs = keras.Input((3, 4))  # a composite layer moves with the layers nested in it
+    mha = keras.layers.MultiHeadAttention(2, 2, name="mha")
+    model = keras.Model(inputs, mha(inputs, inputs))
+    nested = [layer for _, layer in walk_layers(mha)]
+    assert nested and {layer.compute_dtype for layer in nested} == {"float16"}
+    assert kmix.apply_plan(model, kmix.PrecisionPlan({"mha": "float32"})) == ["mha"]
+    assert {layer.compute_dtype for layer in [mha, *nested]} == {"float32"}
+    assert model(np.ones((1, 3, 4), "float32")).dtype == "float32"

@@ -36,11 +36,14 @@ class Candidate:
         layer: the layer's path (without a ``#k`` call suffix).
         step: the step the evidence is from.
         reason: why, in words (becomes :attr:`kmix.PrecisionMove.reason`).
+        overflow: the evidence is an overflow in the layer itself (not a headroom
+            reading, which, for a layer out of float16, concerns its receivers).
     """
 
     layer: str
     step: int
     reason: str
+    overflow: bool = False
 
 
 def overflow_candidates(events: Iterable[ScaleEvent]) -> list[Candidate]:
@@ -65,7 +68,7 @@ def overflow_candidates(events: Iterable[ScaleEvent]) -> list[Candidate]:
         reason = f"forward overflow at step {event.step}"
         if origin.inputs_finite and (origin.max_abs_input or 0.0) > FLOAT16_MAX:
             reason += f": the cast of its input (max |input| {origin.max_abs_input:.6g}) overflowed"
-        found[layer] = Candidate(layer, event.step, reason)
+        found[layer] = Candidate(layer, event.step, reason, overflow=True)
     return list(found.values())
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kmix import _layers
+from kmix import _backend, _layers
 from kmix._checks import check_choice, check_int, check_real, invalid
 from kmix._runs import OPEN
 from kmix.callbacks._autopilot_rules import (
@@ -29,9 +29,11 @@ from kmix.precision_plan import (
     Float16Share,
     PrecisionMove,
     PrecisionPlan,
+    computes_float16,
     float16_share,
     layer_costs,
     layers_by_path,
+    move_layer,
 )
 
 _OWNER = "kmix.callbacks.PrecisionAutopilot"
@@ -130,8 +132,25 @@ class PrecisionAutopilot(StepCallback):
         self.float16_share: Float16Share | None = None
         self._model_id: int | None = None
         self._active = False
-        self._told: set[str] = set()  # messages said
+        self._told: set[str] = set()  # messages said (this fit)
         self._unreceived: set[str] = set()  # moved layers with no known float16 receiver
+        self._moves_at_begin = 0  # max_layers counts the moves of this fit
+
+    @property
+    def moves_in_fit(self) -> list[PrecisionMove]:
+        """The moves made in the current (or latest) ``fit``."""
+        return self.moves[self._moves_at_begin :]
+
+    @property
+    def watching_headroom(self) -> bool:
+        """True while it acts on falling activation headroom itself (proactive, in a run,
+        under ``max_layers``): the guard then leaves such forecasts to it."""
+        return (
+            self._active
+            and self.proactive
+            and self in OPEN
+            and len(self.moves_in_fit) < self.max_layers
+        )
 
     @property
     def plan(self) -> PrecisionPlan:
@@ -147,6 +166,15 @@ class PrecisionAutopilot(StepCallback):
         """
         super().on_train_begin(logs)
         model, source = self.model, self._source
+        self._told, self._unreceived, self._moves_at_begin = set(), set(), len(self.moves)
+        if _backend.on_jax():
+            OPEN.discard(self)
+            raise ValueError(
+                f"{_OWNER} is not yet supported on the JAX backend: it needs the layer where "
+                "a forward overflow starts, which kmix.LossScaleOptimizer does not measure on "
+                "JAX yet (issue 24). Train with KERAS_BACKEND=tensorflow, or keep the "
+                "layer in float32 yourself with kmix.policy_scope('float32')."
+            )
         float16 = [p for p, layer in _layers.walk_layers(model) if layer.compute_dtype == "float16"]
         self._active = bool(float16) or model.compute_dtype == "float16"
         if not self._active:
@@ -164,8 +192,8 @@ class PrecisionAutopilot(StepCallback):
                 f"{source.describe()}. Compile with "
                 "`optimizer=kmix.LossScaleOptimizer(keras.optimizers.Adam())`."
             )
-        if self._model_id != id(model):
-            self._model_id, self.moves = id(model), []
+        if self._model_id != id(model):  # moves accumulate over the fits of one model
+            self._model_id, self.moves, self._moves_at_begin = id(model), [], 0
         self.float16_share = float16_share(layer_costs(model))
         if self.proactive:
             source.request_statistics(self, self.update_freq, 0)
@@ -202,7 +230,7 @@ class PrecisionAutopilot(StepCallback):
         Returns:
             The moves made now (empty: nothing new to act on, or nothing movable).
         """
-        if not self._active or self.model is None:
+        if not self._active or self.model is None or self not in OPEN:
             return []
         state = self._read_state(counters_only=True)
         candidates: list[Candidate] = []
@@ -227,21 +255,20 @@ class PrecisionAutopilot(StepCallback):
 
     def _move(self, candidates: list[Candidate], step: int) -> list[PrecisionMove]:
         """Moves the candidates' layers (or, for a layer moved already, its float16
-        consumers), rebuilds the train function and tells the monitors."""
+        receivers), rebuilds the model's functions and tells the monitors."""
         model = self.model
         by_path = layers_by_path(model)
         made = []
         for candidate in candidates:
             for path, layer, reason in self._targets(candidate, by_path):
-                if len(self.moves) >= self.max_layers:
+                if len(self.moves_in_fit) >= self.max_layers:
                     self._say(
-                        f"{_OWNER}: max_layers={self.max_layers} layers moved already, so "
-                        f"it stops moving; `{path}` stays in float16 ({reason}). "
-                        "LossScaleGuard decides what happens next."
+                        f"{_OWNER}: max_layers={self.max_layers} layers moved in this fit, so "
+                        "it stops moving; LossScaleGuard decides what happens next."
                     )
                     break
                 from_policy = layer.dtype_policy.name
-                layer.dtype_policy = self.to_policy
+                move_layer(layer, self.to_policy)
                 move = PrecisionMove(
                     step, path, type(layer).__name__, reason, from_policy, self.to_policy
                 )
@@ -250,6 +277,7 @@ class PrecisionAutopilot(StepCallback):
         if not made:
             return []
         model.make_train_function(force=True)
+        model.test_function = model.predict_function = None  # validation, evaluate, predict
         model.optimizer.watch(model)  # float16 statistics cover the float16 layers only
         self.float16_share = float16_share(layer_costs(model))
         self._tell_about(made)
@@ -260,16 +288,24 @@ class PrecisionAutopilot(StepCallback):
         return made
 
     def _targets(self, candidate: Candidate, by_path: dict[str, Any]) -> list[tuple[str, Any, str]]:
-        """``(path, layer, reason)`` to move for a candidate: the layer while it computes in
-        float16; for a layer out of float16 already, the float16 layers receiving its output."""
+        """``(path, layer, reason)`` to move for a candidate: the layer while it (or a layer
+        nested in it) computes in float16; for a layer out of float16 already, after a
+        headroom reading, the float16 layers receiving its output."""
         layer = by_path.get(candidate.layer)
         if layer is None:
             return []
-        if layer.compute_dtype == "float16":
+        if computes_float16(layer):
             reason = candidate.reason
             if _layers.call_count(layer) > 1:
                 reason += " (a shared layer: every call of it moves)"
             return [(candidate.layer, layer, reason)]
+        if candidate.overflow:  # it overflowed out of float16: no move can help
+            self._say(
+                f"{_OWNER}: `{candidate.layer}` overflowed at step {candidate.step} although "
+                f"it no longer computes in float16 ({layer.compute_dtype}): moving cannot help "
+                "there; LossScaleGuard decides what happens next."
+            )
+            return []
         if candidate.layer in self._unreceived:
             return []
         paths = {id(v): p for p, v in by_path.items()}
@@ -280,7 +316,7 @@ class PrecisionAutopilot(StepCallback):
                 f"its input from `{candidate.layer}` (out of float16): {candidate.reason}",
             )
             for c in _layers.consumers(layer)
-            if id(c) in paths and c.compute_dtype == "float16"
+            if id(c) in paths and computes_float16(c)
         ]
         if not receivers:
             self._unreceived.add(candidate.layer)  # none known (a subclassed model's call)

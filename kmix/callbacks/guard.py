@@ -174,6 +174,7 @@ class LossScaleGuard(StepCallback):
         self._streaks = Streaks()  # inferred where the source does not count them
         self._health_step = state.health_step
         self._forecast = HeadroomForecast()
+        self._moves_seen = 0  # PrecisionAutopilot moves in this fit at the previous read
         # Read after the first step, once every callback has begun (a monitor may ask
         # for health more often than the optimizer's default); each read then
         # schedules the next (kmix).
@@ -227,6 +228,7 @@ class LossScaleGuard(StepCallback):
         if trip is not None and not self._autopilot_moved():
             self._trip(trip)
             return
+        self._moves_seen = self._moves_made(self._autopilots())
         for _ in range(kept_from(self._history, step, self.window)):
             self._history.popleft()
         if source.records_events:
@@ -239,9 +241,17 @@ class LossScaleGuard(StepCallback):
         ]
 
     def _autopilot_moved(self) -> bool:
-        """Lets the model's PrecisionAutopilot act first: True when it moved a layer now
-        (the rule is judged again once the move has taken effect)."""
-        return any([autopilot.act() for autopilot in self._autopilots()])
+        """Lets the model's PrecisionAutopilot act first: True when it moved a layer now or
+        since the guard's previous read, whichever callback came first (the rule is judged
+        again once the moves have taken effect)."""
+        autopilots = self._autopilots()
+        moved_now = any([autopilot.act() for autopilot in autopilots])
+        seen, self._moves_seen = self._moves_seen, self._moves_made(autopilots)
+        return moved_now or self._moves_seen > seen
+
+    @staticmethod
+    def _moves_made(autopilots: list[PrecisionAutopilot]) -> int:
+        return sum(len(autopilot.moves_in_fit) for autopilot in autopilots)
 
     def _note_skips(self, state: Snapshot) -> None:
         """Adds a history point at each skipped step recorded since the last read."""
@@ -284,7 +294,7 @@ class LossScaleGuard(StepCallback):
             return
         self._health_step = state.health_step
         # A proactive PrecisionAutopilot acts on falling activation headroom itself.
-        healing = any(autopilot.proactive for autopilot in self._autopilots())
+        healing = any(autopilot.watching_headroom for autopilot in self._autopilots())
         series = headroom_series(state.health, {} if healing else self._source.per_layer())
         for message in self._forecast.add(state.health_step, series):
             warn_user(f"{_OWNER}: {message}")

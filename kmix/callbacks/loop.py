@@ -111,6 +111,7 @@ class LoopDriver:
 
         traced: dict[str, Any] = {}
         self._retraces = True
+        fn = getattr(fn, "python_function", fn)  # a tf.function already: its Python function
 
         def call(*args: Any, **call_kwargs: Any) -> Any:
             moves = self._move_count()
@@ -124,6 +125,7 @@ class LoopDriver:
         return sum(len(autopilot.moves) for autopilot in self._autopilots)
 
     def __enter__(self) -> LoopDriver:
+        self._moves_seen = self._move_count()  # moves of an earlier loop were told then
         self.model.stop_training = False
         self.callbacks.on_train_begin()
         return self

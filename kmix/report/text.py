@@ -102,8 +102,8 @@ def _moves_lines(summary: Summary) -> list[str]:
     ]
     if share is not None and share.first is not None and share.last is not None:
         lines.append(
-            f"  float16 share of the estimated multiply-adds: {percent(share.first)} at train "
-            f"begin, {percent(share.last)} at the end"
+            f"  float16 share (estimated multiply-adds; parameters where unknown, see the "
+            f"notes): {percent(share.first)} at train begin, {percent(share.last)} at the end"
         )
     if summary.precision_moves:
         lines.append("  to start the next run healed, before compile:")

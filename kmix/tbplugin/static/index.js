@@ -304,7 +304,7 @@ function precisionTable(run) {
   wrap.append(table);
   const share = run.summary.float16_share;
   if (share && share.first !== null && share.last !== null) {
-    wrap.append(el('p', {class: 'float16-share', text: `Still computed in float16: ${fmtPercent(share.first, 1)} of the estimated multiply-adds at train begin, ${fmtPercent(share.last, 1)} at the end (kmix/float16_share).`}));
+    wrap.append(el('p', {class: 'float16-share', text: `Still computed in float16: ${fmtPercent(share.first, 1)} at train begin, ${fmtPercent(share.last, 1)} at the end, of the estimated multiply-adds (parameters where those are unknown: kmix/notes says which; kmix/float16_share).`}));
   }
   if (run.precision_code) wrap.append(el('pre', {class: 'plan-code', text: run.precision_code}));
   return wrap;
