@@ -228,22 +228,38 @@ def test_the_guard_lets_the_autopilot_act_first_and_stops_when_moving_cannot_hel
     )
 
 
-def test_a_shared_layer_moves_every_call_and_says_so():
+class Twice(keras.Model):
+    """A subclassed model calling one layer twice: no Keras graph says it is shared."""
+
+    def __init__(self, shared, norm, head):
+        super().__init__(name="twice")
+        self.shared, self.norm, self.head = shared, norm, head
+
+    def call(self, x):
+        return self.head(self.norm(self.shared(x) + self.shared(x)))
+
+
+@pytest.mark.parametrize("shape", ["functional", "subclassed"])
+def test_a_shared_layer_moves_every_call_and_says_so(shape):
     keras.utils.clear_session()
     keras.config.set_dtype_policy("mixed_float16")
-    inputs = keras.Input((8,))
     shared = keras.layers.Dense(
         8, kernel_initializer=keras.initializers.Constant(9000.0), name="shared"
     )
-    x = keras.layers.LayerNormalization(name="norm")(shared(inputs) + shared(inputs))
-    model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32", name="head")(x))
+    norm = keras.layers.LayerNormalization(name="norm")
+    head = keras.layers.Dense(1, dtype="float32", name="head")
+    if shape == "functional":
+        inputs = keras.Input((8,))
+        model = keras.Model(inputs, head(norm(shared(inputs) + shared(inputs))))
+    else:
+        model = Twice(shared, norm, head)
     model.compile(kmix.LossScaleOptimizer(keras.optimizers.SGD(1e-4)), "mse")
     autopilot = kmix.callbacks.PrecisionAutopilot(proactive=False)
-    fit(model, [autopilot])
-    assert autopilot.moves[0].layer == "shared"
-    assert autopilot.moves[0].reason == (
-        "forward overflow at step 1 (a shared layer: every call of it moves)"
-    )
+    state = fit(model, [autopilot])
+    assert [(m.step, m.layer, m.reason) for m in autopilot.moves] == [
+        (1, shared.path, "forward overflow at step 1 (a shared layer: every call of it moves)")
+    ]
+    assert state.skipped_steps == 1 and np.isfinite(model.evaluate(X, Y, verbose=0))
 
 
 def test_nothing_to_do_in_float32_and_kmix_optimizer_required():

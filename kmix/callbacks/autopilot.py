@@ -296,7 +296,7 @@ class PrecisionAutopilot(StepCallback):
             return []
         if computes_float16(layer):
             reason = candidate.reason
-            if _layers.call_count(layer) > 1:
+            if _layers.call_count(layer) > 1 or f"{candidate.layer}#2" in self._recorded_calls():
                 reason += " (a shared layer: every call of it moves)"
             return [(candidate.layer, layer, reason)]
         if candidate.overflow:  # it overflowed out of float16: no move can help
@@ -321,6 +321,12 @@ class PrecisionAutopilot(StepCallback):
         if not receivers:
             self._unreceived.add(candidate.layer)  # none known (a subclassed model's call)
         return receivers
+
+    def _recorded_calls(self) -> set[str]:
+        """The layer calls the optimizer's tap recorded in the traced step (``path#2`` for a
+        second call of one layer: how a subclassed model's shared layer shows)."""
+        hooks = getattr(self.model.optimizer, "hooks", None)
+        return {path for path, _ in getattr(hooks, "layers", ())}
 
     def _tell_about(self, made: list[PrecisionMove]) -> None:
         """Says once what a move means for ``steps_per_execution`` and for custom loops."""
