@@ -78,13 +78,13 @@ def add_compare_parser(commands: Any) -> argparse.ArgumentParser:
         help="a function returning (x, y) arrays or a batched tf.data.Dataset of (x, y)",
     )
     compare.add_argument(
-        "--steps", type=_positive_int, default=200, help="steps per policy (%(default)s)"
+        "--steps", type=positive_int, default=200, help="steps per policy (%(default)s)"
     )
     compare.add_argument(
-        "--rounds", type=_positive_int, default=4, help="turns per policy (%(default)s)"
+        "--rounds", type=positive_int, default=4, help="turns per policy (%(default)s)"
     )
     compare.add_argument(
-        "--batch-size", type=_positive_int, default=32, help="batch size of (x, y) data (32)"
+        "--batch-size", type=positive_int, default=32, help="batch size of (x, y) data (32)"
     )
     compare.add_argument(
         "--policies",
@@ -105,7 +105,19 @@ def add_compare_parser(commands: Any) -> argparse.ArgumentParser:
     return compare
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """Parses an option that takes an integer >= 1 (``--steps``, ``--epochs``, ...).
+
+    Args:
+        text: the argument as given.
+
+    Returns:
+        The integer.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is not an integer >= 1; argparse names the
+            option and exits with status 2.
+    """
     try:
         value = int(text)
     except ValueError:

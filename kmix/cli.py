@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kmix import __version__
-from kmix._cli_compare import add_compare_parser, report_comparison
+from kmix._cli_compare import add_compare_parser, positive_int, report_comparison
 from kmix._cli_doctor import (
     PACKAGES,
     VERSION_RULES,
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--logdir", default=os.path.join("runs", "demo"), help="TensorBoard log dir (%(default)s)"
     )
     demo.add_argument(
-        "--epochs", type=_positive_int, default=10, help="epochs to train, >= 1 (%(default)s)"
+        "--epochs", type=positive_int, default=10, help="epochs to train, >= 1 (%(default)s)"
     )
     demo.add_argument(
         "--policy",
@@ -210,28 +210,6 @@ class _KmixParser(argparse.ArgumentParser):
             owner = self.commands.get(getattr(parsed, "command", None) or "", self)
             owner.error(f"unrecognized arguments: {' '.join(unknown)}")
         return parsed
-
-
-def _positive_int(text: str) -> int:
-    """Parses ``--epochs``: an integer >= 1.
-
-    Args:
-        text: the argument as given.
-
-    Returns:
-        The integer.
-
-    Raises:
-        argparse.ArgumentTypeError: ``text`` is not an integer >= 1; argparse names the
-            argument and exits with status 2.
-    """
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
 
 
 def _error(command: str, message: str) -> int:
