@@ -10,7 +10,10 @@ Both tiers (``-m "not slow"`` and everything) need what is here:
   TensorFlow loaded that walks some 300,000 objects (0.3-0.7 s a test, more than most
   tests take). What exists once the tests are collected (modules, TensorFlow's
   registries) is never garbage, so it is moved out of the collector's sight with
-  ``gc.freeze()``; each test's own garbage is still collected after it.
+  ``gc.freeze()``; each test's own garbage is still collected after it. What survives a
+  test (modules it imported: JAX, Playwright, TensorBoard; TensorFlow's graphs and caches)
+  is frozen too, right after that collection, or every later test's collection walks it
+  again (late in the suite pure tests took ~2 s in teardown).
 """
 
 from __future__ import annotations
@@ -40,4 +43,5 @@ def _restore_keras_state():
     policy = keras.config.dtype_policy()
     yield
     keras.config.set_dtype_policy(policy)
-    keras.utils.clear_session()
+    keras.utils.clear_session()  # collects this test's garbage
+    gc.freeze()  # what survived it is not garbage for the tests after
