@@ -179,18 +179,15 @@ def write_comparison(logdir: str, comparison: PolicyComparison) -> None:
         logdir: the comparison's log dir.
         comparison: the comparison.
     """
-    import tensorflow as tf
-
     from kmix import tags
+    from kmix._event_writer import EventWriter
 
     text = tags.format_comparison(comparison.to_dict())
     os.makedirs(logdir, exist_ok=True)
     with open(os.path.join(logdir, tags.COMPARISON_FILE), "w", encoding="utf-8") as file:
         file.write(text + "\n")
-    writer = tf.summary.create_file_writer(os.path.join(logdir, tags.COMPARISON_RUN))
-    with writer.as_default():
-        tf.summary.text(tags.COMPARISON, text, step=0, description="kmix compare's table (JSON)")
-    writer.close()
+    with EventWriter(os.path.join(logdir, tags.COMPARISON_RUN)) as writer:
+        writer.text(tags.COMPARISON, text, step=0, description="kmix compare's table (JSON)")
 
 
 def logdir_problem(logdir: str, name: str) -> str | None:

@@ -340,6 +340,17 @@ def test_unwritable_log_dir_fails_at_construction(tmp_path):
         MixedPrecisionMonitor(locked / "run")
 
 
+def test_a_train_dir_that_cannot_be_created_fails_at_train_begin_naming_log_dir(tmp_path):
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    monitor = MixedPrecisionMonitor(tmp_path, verbose=0)
+    (tmp_path / tags.TRAIN_DIR).write_text("a file where the train dir goes")
+    monitor.set_model(model)
+    with pytest.raises(ValueError, match=r"cannot create its log directory.*log_dir=") as info:
+        monitor.on_train_begin()
+    assert str(tmp_path) in str(info.value) and isinstance(info.value.__cause__, OSError)
+
+
 def test_uncompiled_model_fails_at_train_begin(tmp_path):
     model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
     monitor = MixedPrecisionMonitor(tmp_path, verbose=0)

@@ -1,9 +1,11 @@
-"""Summaries written in batches: one file-writer op per step, not one per value.
+"""Summaries written in batches: one event per step, not one per value.
 
-``tf.summary.scalar`` is an eager op per call; a monitor read that writes hundreds of
-per-variable and per-layer values would pay hundreds of them. :class:`SummaryBatch`
-collects the values as TensorBoard summary protos (the same protos the TF ops write:
-plugin metadata plus a tensor) and writes each step's values with one raw write.
+A monitor read writes hundreds of per-variable and per-layer values; one event each
+would repeat the wall time, step and record framing hundreds of times.
+:class:`SummaryBatch` collects the values as TensorBoard summary protos (the same protos
+``tf.summary.scalar`` and ``tf.summary.histogram`` write: plugin metadata plus a tensor)
+and writes each step's values as one raw summary through
+:class:`kmix._event_writer.EventWriter`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from kmix._event_writer import EventWriter
 
 
 class SummaryBatch:
@@ -66,11 +70,12 @@ class SummaryBatch:
         for size in values.shape:
             tensor.tensor_shape.dim.add(size=size)
 
-    def write(self) -> None:
-        """Writes what was added, one raw summary per step, to the default writer."""
-        import tensorflow as tf
+    def write(self, writer: EventWriter) -> None:
+        """Writes what was added, one raw summary per step, and empties the batch.
 
+        Args:
+            writer: the event file to write to.
+        """
         for step in sorted(self._summaries):
-            summary = self._summaries[step].SerializeToString()
-            tf.summary.experimental.write_raw_pb(summary, step=step)
+            writer.raw(self._summaries[step], step)
         self._summaries.clear()

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from kmix import tags
+from kmix import _event_writer, tags
 from kmix._words import plural
 
 HEAD_EVENTS = 16
@@ -57,12 +57,10 @@ def begins_in(train_dir: str, known: dict[str, Begin] | None = None) -> list[Beg
     Returns:
         One :class:`Begin` per event file whose head holds kmix data, by wall time.
     """
-    import tensorflow as tf
-
     known = {} if known is None else known
     try:
-        paths = tf.io.gfile.glob(os.path.join(train_dir, "*tfevents*"))
-    except (OSError, tf.errors.OpError):
+        paths = _event_writer.glob(os.path.join(train_dir, "*tfevents*"))
+    except OSError:
         return []
     for path in paths:
         if path not in known and (begin := _head_begin(path)) is not None:
@@ -73,14 +71,11 @@ def begins_in(train_dir: str, known: dict[str, Begin] | None = None) -> list[Beg
 
 def _head_begin(path: str) -> Begin | None:
     """The policy record among the first events of a file; else its first kmix point."""
-    from tensorboard.backend.event_processing import event_file_loader
     from tensorboard.util import tensor_util
 
     first = None
     try:
-        for count, event in enumerate(event_file_loader.EventFileLoader(path).Load()):
-            if count >= HEAD_EVENTS:
-                break
+        for event in _event_writer.read_events(path, limit=HEAD_EVENTS):
             for value in event.summary.value:
                 if not value.tag.startswith(tags.PREFIX):
                     continue

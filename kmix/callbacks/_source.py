@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import keras
 import numpy as np
 
-from kmix._graph import host_value
+from kmix._backend import host_value
 from kmix.precision_plan import base_path, layers_by_path
 from kmix.record import RecordedEvent
 from kmix.snapshot import Snapshot

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
 
 import numpy as np
 
-from kmix import tags
+from kmix import _event_writer, tags
 from kmix._checks import check_choice, check_int
 from kmix.callbacks._base import StepCallback, warn_user
 from kmix.callbacks._batch import SummaryBatch
@@ -136,7 +135,7 @@ class MixedPrecisionMonitor(StepCallback):
         self.update_freq = update_freq
         self.histogram_freq = histogram_freq
         self.verbose = int(check_choice(_OWNER, "verbose", verbose, {0: "quiet", 1: "print"}))
-        self._writer: Any = None
+        self._writer: _event_writer.EventWriter | None = None
         self._warned: set[str] = set()
         self._forecast = HeadroomForecast()
         self._batch = SummaryBatch(tags.description)  # one write per step per read
@@ -152,14 +151,12 @@ class MixedPrecisionMonitor(StepCallback):
         Raises:
             ValueError: the model is not compiled or ``log_dir`` cannot be created.
         """
-        import tensorflow as tf
-
         self.finish(tags.INTERRUPTED, "a new fit began before the previous one ended")
         super().on_train_begin(logs)
         train_dir = os.path.join(self.log_dir, tags.TRAIN_DIR)
         try:
-            tf.io.gfile.makedirs(train_dir)
-        except (OSError, tf.errors.OpError) as error:
+            _event_writer.makedirs(train_dir)
+        except OSError as error:
             self.finish(tags.EXCEPTION, str(error))
             raise ValueError(
                 f"{_OWNER} cannot create its log directory {train_dir!r} "
@@ -170,7 +167,7 @@ class MixedPrecisionMonitor(StepCallback):
         # this fit's event file exists.
         source.request_statistics(self, self.update_freq, self.histogram_freq)
         prior = begins_in(train_dir, self._heads)  # before this fit's file exists
-        self._writer = tf.summary.create_file_writer(train_dir)
+        self._writer = _event_writer.EventWriter(train_dir)
         notes = absence_notes(self.model, self._source)
         for note in notes:
             if note not in self._warned:
@@ -189,8 +186,7 @@ class MixedPrecisionMonitor(StepCallback):
         self._health_step = state.health_step
         self._histogram_step = state.histogram_step
         self._scale_step = state.attempted_steps
-        with self._writer.as_default():
-            self._write_begin(state, notes)
+        self._write_begin(state, notes)
         self._writer.flush()
         if self.verbose:
             print(
@@ -211,21 +207,15 @@ class MixedPrecisionMonitor(StepCallback):
             message: what happened, in words.
             logs: the latest logs, if any.
         """
-        import tensorflow as tf
-
         if self._writer is not None:
             try:
                 self._read(logs)
-                with self._writer.as_default():
-                    tf.summary.text(
-                        tags.RUN_END,
-                        tags.format_run_end(
-                            tags.RunEnd(
-                                self._last_state.attempted_steps, reason, message, self.run_id
-                            )
-                        ),
-                        step=self._last_state.attempted_steps,
-                    )
+                step = self._last_state.attempted_steps
+                self._writer.text(
+                    tags.RUN_END,
+                    tags.format_run_end(tags.RunEnd(step, reason, message, self.run_id)),
+                    step=step,
+                )
             finally:
                 self._source.release_statistics(self)
                 self._writer.close()
@@ -234,35 +224,27 @@ class MixedPrecisionMonitor(StepCallback):
 
     # --------------------------------------------------------------- writing
     def _write_begin(self, state: Snapshot, notes: list[str]) -> None:
-        import tensorflow as tf
-        from tensorboard.plugins.custom_scalar import summary as custom_scalar
-
         step = state.attempted_steps
+        writer = self._writer
         model, source = self.model, self._source
         record = policy_record(  # first: a run's points are those written after it
             model, source, self.update_freq, self.histogram_freq, state.loss_scale, self.run_id
         )
-        tf.summary.text(tags.POLICY_RECORD, tags.format_policy_record(record), step=step)
-        tf.summary.text(
-            tags.POLICY, policy_text(model, source, record, state.loss_scale), step=step
-        )
+        writer.text(tags.POLICY_RECORD, tags.format_policy_record(record), step=step)
+        writer.text(tags.POLICY, policy_text(model, source, record, state.loss_scale), step=step)
         for note in notes:
-            tf.summary.text(tags.NOTES, note, step=step)
-        tf.summary.experimental.write_raw_pb(
-            custom_scalar.pb(layout()).SerializeToString(), step=step
-        )
+            writer.text(tags.NOTES, note, step=step)
+        writer.layout(layout(), step=step)
         self._share_written = False  # a lazily built model has no weights to weigh yet
         self._write_share(float16_share(layer_costs(model)), step)
 
     def _write_share(self, share: Float16Share, step: int) -> None:
         """``kmix/float16_share`` at ``step``; where some layers are weighed by parameters,
         a note says which, once."""
-        import tensorflow as tf
-
         if share.share is None:
             return
         self._share_written = True
-        tf.summary.scalar(
+        self._writer.scalar(
             tags.FLOAT16_SHARE,
             share.share,
             step=step,
@@ -270,7 +252,7 @@ class MixedPrecisionMonitor(StepCallback):
         )
         if share.by_parameters and "share" not in self._warned:
             self._warned.add("share")
-            tf.summary.text(tags.NOTES, f"kmix/float16_share: {share.words()}.", step=step)
+            self._writer.text(tags.NOTES, f"kmix/float16_share: {share.words()}.", step=step)
 
     def write_precision_moves(self, moves: list[PrecisionMove], share: Float16Share) -> None:
         """Writes layers moved out of float16 at their steps (PrecisionAutopilot calls this):
@@ -280,21 +262,17 @@ class MixedPrecisionMonitor(StepCallback):
             moves: the moves just made.
             share: the model's float16 share after them.
         """
-        import tensorflow as tf
-
-        if self._writer is None or not moves:
+        writer = self._writer
+        if writer is None or not moves:
             return
-        with self._writer.as_default():
-            for move in moves:
-                tf.summary.text(
-                    tags.PRECISION_MOVES, tags.format_precision_move(move), step=move.step
-                )
-                record = tags.format_precision_move_record(move, self.run_id, share.share)
-                tf.summary.text(tags.PRECISION_MOVE_RECORD, record, step=move.step)
-                if self.verbose:
-                    print(f"kmix: {tags.format_precision_move(move)}")
-            self._write_share(share, moves[-1].step)
-        self._writer.flush()
+        for move in moves:
+            writer.text(tags.PRECISION_MOVES, tags.format_precision_move(move), step=move.step)
+            record = tags.format_precision_move_record(move, self.run_id, share.share)
+            writer.text(tags.PRECISION_MOVE_RECORD, record, step=move.step)
+            if self.verbose:
+                print(f"kmix: {tags.format_precision_move(move)}")
+        self._write_share(share, moves[-1].step)
+        writer.flush()
 
     def _on_read(self, logs: dict) -> None:
         source = self._source
@@ -304,34 +282,31 @@ class MixedPrecisionMonitor(StepCallback):
         step = state.attempted_steps
         scale_points: dict[int, float] = {}
         skipped_points: dict[int, int] = {}
-        with self._writer.as_default():
-            if source.records_events:
-                self._drain_events(state, scale_points, skipped_points)
-            if not self._share_written:  # built by the first step
-                self._write_share(float16_share(layer_costs(self.model)), step)
-            if source.measures_health:
-                self._write_health(state)
-                self._write_histograms(state.histogram_step)
-            if source.knows_loss and state.loss_finite is not None:
-                self._scalar(tags.LOSS_FINITE, float(state.loss_finite), step)
-            if step > self._scale_step:
-                scale_points[step] = state.loss_scale
-                skipped_points[step] = state.skipped_steps
-                attempted = step - self._last_state.attempted_steps
-                skipped = state.skipped_steps - self._last_state.skipped_steps
-                self._scalar(tags.SKIP_RATE, skipped / max(attempted, 1), step)
-            for tag, points in (
-                (tags.LOSS_SCALE, scale_points),
-                (tags.SKIPPED_STEPS, skipped_points),
-            ):
-                for point_step in sorted(points):
-                    self._scalar(tag, points[point_step], point_step)
-            for point_step in sorted(scale_points):
-                if scale_points[point_step] > 0:
-                    self._scalar(
-                        tags.LOSS_SCALE_LOG2, math.log2(scale_points[point_step]), point_step
-                    )
-            self._batch.write()
+        if source.records_events:
+            self._drain_events(state, scale_points, skipped_points)
+        if not self._share_written:  # built by the first step
+            self._write_share(float16_share(layer_costs(self.model)), step)
+        if source.measures_health:
+            self._write_health(state)
+            self._write_histograms(state.histogram_step)
+        if source.knows_loss and state.loss_finite is not None:
+            self._scalar(tags.LOSS_FINITE, float(state.loss_finite), step)
+        if step > self._scale_step:
+            scale_points[step] = state.loss_scale
+            skipped_points[step] = state.skipped_steps
+            attempted = step - self._last_state.attempted_steps
+            skipped = state.skipped_steps - self._last_state.skipped_steps
+            self._scalar(tags.SKIP_RATE, skipped / max(attempted, 1), step)
+        for tag, points in (
+            (tags.LOSS_SCALE, scale_points),
+            (tags.SKIPPED_STEPS, skipped_points),
+        ):
+            for point_step in sorted(points):
+                self._scalar(tag, points[point_step], point_step)
+        for point_step in sorted(scale_points):
+            if scale_points[point_step] > 0:
+                self._scalar(tags.LOSS_SCALE_LOG2, math.log2(scale_points[point_step]), point_step)
+        self._batch.write(self._writer)
         self._scale_step = max(self._scale_step, step)
         self._last_state = state
         self._writer.flush()
@@ -340,8 +315,6 @@ class MixedPrecisionMonitor(StepCallback):
         self, state: Snapshot, scale_points: dict[int, float], skipped_points: dict[int, int]
     ) -> None:
         """Writes every event since the last read, the scale around each, and skip health."""
-        import tensorflow as tf
-
         since = self._event_index
         if state.event_count == since:  # nothing new: spare the ring's transfers
             return
@@ -355,9 +328,9 @@ class MixedPrecisionMonitor(StepCallback):
                 capacity=self._source.event_capacity,
             )
             first_step = recorded[0].event.step if recorded else state.attempted_steps
-            tf.summary.text(tags.EVENTS, tags.format_events_lost(note), step=first_step)
+            self._writer.text(tags.EVENTS, tags.format_events_lost(note), step=first_step)
             record = tags.format_event_record(note, self.run_id)
-            tf.summary.text(tags.EVENT_RECORD, record, step=first_step)
+            self._writer.text(tags.EVENT_RECORD, record, step=first_step)
         skipped = self._last_state.skipped_steps
         for event, measured in recorded:
             if event.step - 1 > self._scale_step:
@@ -368,9 +341,9 @@ class MixedPrecisionMonitor(StepCallback):
                     skipped += 1
                     skipped_points[event.step] = skipped
                 self._write_health_values(measured, event.step)
-            tf.summary.text(tags.EVENTS, tags.format_event(event), step=event.step)
+            self._writer.text(tags.EVENTS, tags.format_event(event), step=event.step)
             record = tags.format_event_record(event, self.run_id)
-            tf.summary.text(tags.EVENT_RECORD, record, step=event.step)
+            self._writer.text(tags.EVENT_RECORD, record, step=event.step)
             origin = event.origin
             if self.verbose and origin is not None and origin.layer not in self._told_origins:
                 self._told_origins.add(origin.layer)
@@ -388,8 +361,6 @@ class MixedPrecisionMonitor(StepCallback):
                 self._scalar(tag, health[key], step)
 
     def _write_health(self, state: Snapshot) -> None:
-        import tensorflow as tf
-
         step = state.health_step
         if step <= self._health_step or not state.health:
             return
@@ -407,7 +378,7 @@ class MixedPrecisionMonitor(StepCallback):
             tightest = min(layers, key=lambda path: layers[path]["headroom_bits"])
             self._scalar(tags.MIN_ACTIVATION_HEADROOM_BITS, layers[tightest]["headroom_bits"], step)
         for message in self._forecast.add(step, headroom_series(state.health, layers)):
-            tf.summary.text(tags.NOTES, message, step=step)
+            self._writer.text(tags.NOTES, message, step=step)
             if self.verbose:
                 print(f"kmix: {message}")
 
