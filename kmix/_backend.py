@@ -70,6 +70,25 @@ def reachable(value: Any) -> bool:
     return trace is None or is_valid is None or bool(is_valid())
 
 
+def rare_cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
+    """A conditional whose true branch seldom runs (TensorFlow: :func:`kmix._graph.rare_cond`).
+
+    On JAX, ``lax.cond`` under ``jit`` already runs only the branch taken; the branches
+    must return values (they cannot assign variables there).
+
+    Args:
+        pred: boolean scalar.
+        true_fn: the branch for True.
+        false_fn: the branch for False, with outputs of the same structure.
+
+    Returns:
+        The taken branch's outputs.
+    """
+    if name() == "tensorflow":
+        return _graph.rare_cond(pred, true_fn, false_fn)
+    return keras.ops.cond(pred, true_fn, false_fn)
+
+
 def host_value(variable: Any) -> np.ndarray:
     """A Keras variable's value on the host (TensorFlow: one raw read, :mod:`kmix._graph`).
 

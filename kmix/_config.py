@@ -178,6 +178,7 @@ class RunSettings:
         self.base = dict(base)
         self.requests: dict[int, dict[str, int]] = {}
         self.variables: dict[str, Any] = {}
+        self.on_change: Any = None  # called after a value changed (JAX: retrace the step)
 
     def value(self, name: str) -> Any:
         if name == "float16_mask":
@@ -197,8 +198,14 @@ class RunSettings:
             )
 
     def _sync(self) -> None:
+        changed = False
         for name, variable in self.variables.items():
-            variable.assign(self.value(name))
+            value = np.asarray(self.value(name))
+            old = np.asarray(keras.ops.convert_to_numpy(variable))
+            changed = changed or old.shape != value.shape or not np.array_equal(old, value)
+            variable.assign(value)
+        if changed and self.on_change is not None:
+            self.on_change()
 
     def set_base(self, name: str, value: Any) -> None:
         self.base[name] = value

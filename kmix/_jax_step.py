@@ -2,49 +2,38 @@
 
 On JAX, ``model.fit`` runs one ``jax.jit`` step that calls ``optimizer.stateless_apply(
 optimizer_variables, grads, trainable_variables)`` and never ``apply``; the branches of a
-``lax.cond`` cannot assign variables, so the step returns every new value. Here the
-same pure rules as on TensorFlow (:func:`kmix.record.advance` over
-:func:`kmix.scaling.update_scale`, :func:`kmix.record.encode_event` and
-:func:`kmix.record.write_event`) run as one value update::
+``lax.cond`` cannot assign variables, so the step returns every new value, by the same
+pure rules as on TensorFlow (:func:`kmix.step_values.advance_record`)::
 
     flags = per-gradient non-finite, then [loss non-finite, loss unknown] (from scale_loss)
     applies = no flag among the gradients and the loss
     trainable, inner = cond(applies, inner.stateless_apply(unscaled grads), unchanged)
-    scale, counters = record.advance(...)           # health and histograms: not yet on JAX
-    ring = event ? write_event(ring, ...) : ring
+    record = advance_record(record, grads, flags, statistics, forward)
 
-A skipped step returns the trainable values and the inner optimizer's values it was
-given, bit for bit, and the model's wrapped train step returns the float state its forward
-pass assigned as it was (:func:`give_back_forward_state`). During ``fit`` JAX keeps the
-state outside the variables (purged until ``model.jax_state_sync()``), so host reads
-first sync the model the optimizer trains (:func:`remember`). Not yet on JAX (each says so
-once, at run time): gradient health and histograms, the activation tap and forward origin,
-and kmix's callbacks that request statistics.
+The forward pass runs inside ``jax.value_and_grad``, and its tapped records are usable
+only there: the model's ``compute_loss_and_updates`` is wrapped to measure them
+(:func:`kmix.activations.measure_forward`) and hand the measurement out with its auxiliary
+values; the model's wrapped ``train_step`` takes it back out and finishes the record with
+it (:class:`JaxStep`). A skipped step returns the trainable values, the inner optimizer's
+values and the float state its forward pass assigned, bit for bit. During ``fit`` JAX
+keeps the state outside the variables (purged until ``model.jax_state_sync()``), so host
+reads first sync the model the optimizer trains (:func:`remember`).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import keras
-import numpy as np
 from keras import ops
 
-from kmix import _backend, health, record, scaling
+from kmix import _backend, health, record, step_values
 from kmix._checks import warn_user
 from kmix._layers import forward_state_variables, unrestored_state_variables
 
-__all__ = [
-    "apply_now",
-    "give_back_forward_state",
-    "record_step",
-    "refuse_statistics",
-    "remember",
-    "stateless_apply",
-    "warn_no_tap",
-    "warn_what_is_missing",
-]
+__all__ = ["JaxStep", "apply_now", "remember", "stateless_apply", "statistics_of"]
 
 _told: set[str] = set()
 
@@ -55,66 +44,38 @@ def _warn_once(key: str, message: str) -> None:
         warn_user(message)
 
 
-def warn_what_is_missing(health_every: int, histogram_every: int) -> None:
-    """Says once per process what kmix does not measure on the JAX backend yet."""
-    _warn_once(
-        "missing",
-        "kmix.LossScaleOptimizer on the JAX backend: the bounded scale, skipped steps, "
-        "counters and events run as on TensorFlow; gradient health "
-        f"(health_every={health_every}), exponent histograms "
-        f"(histogram_every={histogram_every}), the activation tap and the forward origin "
-        "of a non-finite loss are not computed on JAX yet (issue 24).",
-    )
+class JaxStep(NamedTuple):
+    """What :func:`stateless_apply` leaves for the wrapped train step, in the same trace.
+
+    Attributes:
+        applies: boolean scalar: the inner optimizer applied (False: a skipped step).
+        finish: the forward measurement (or None) -> the optimizer's values after the
+            step. The forward pass is measured inside ``jax.value_and_grad`` and comes
+            out with its auxiliary values, which ``stateless_apply`` does not see.
+    """
+
+    applies: Any
+    finish: Callable[[tuple[Any, Any] | None], list]
 
 
-def record_step(
-    scale: Any,
-    packed: Any,
-    ring: record.EventRing,
-    var_bad: Any,
-    loss_state: Any,
-    rule: scaling.ScaleConfig,
-) -> tuple[Any, Any, record.EventRing]:
-    """One attempted step applied to the record's values (pure; no statistics).
+def statistics_of(recorder: Any) -> step_values.Statistics:
+    """The statistics settings in force, as constants of the step being traced.
+
+    Settings are not training state: ``fit`` does not pass them into its ``jit`` step,
+    so their values are baked into it, and a change retraces (:func:`remember`).
 
     Args:
-        scale: the float32 scale before the step.
-        packed: the counters before the step, as :func:`kmix.record.pack` lays them out
-            (their dtype is kept: int32 on JAX without ``jax_enable_x64``).
-        ring: the event ring before the step.
-        var_bad: boolean vector, True for each variable with a non-finite gradient.
-        loss_state: ``record.LOSS_FINITE``, ``LOSS_NONFINITE`` or ``LOSS_UNKNOWN``.
-        rule: the scale rule's constants.
+        recorder: the optimizer's :class:`kmix.step_recorder.StepRecorder`.
 
     Returns:
-        ``(scale, packed, ring)`` after the step; the ring holds the step's event, if any,
-        with its health unmeasured (NaN).
+        The health and histogram steps and the float16 mask.
     """
-    new, outcome = record.advance(
-        record.StepRecord(scale, record.unpack(packed)),
-        ops.logical_not(ops.any(var_bad)),
-        loss_state,
-        rule,
-        0,  # health statistics and histograms are not computed on JAX yet
-        0,
+    settings = recorder.settings.variables
+    return step_values.Statistics(
+        settings["health_every"].value,
+        settings["histogram_every"].value,
+        settings["float16_mask"].value,
     )
-    int_dtype = record.int_dtype_of(ring.ints)
-    ints, floats = record.encode_event(
-        outcome.step,
-        outcome.event,
-        (scale, new.scale),
-        var_bad,
-        loss_state,
-        np.full(len(record.HEALTH_FIELDS), np.nan, "float32"),
-        int_dtype=int_dtype,
-    )
-    written = record.write_event(ring, new.counters.event_count, ints, floats)
-    happened = ops.not_equal(outcome.event, scaling.NONE)
-    ring = record.EventRing(
-        ops.where(happened, written.ints, ring.ints),
-        ops.where(happened, written.floats, ring.floats),
-    )
-    return new.scale, record.pack(new.counters, record.int_dtype_of(packed)), ring
 
 
 def stateless_apply(
@@ -134,7 +95,8 @@ def stateless_apply(
         loss_flags: float32 ``[loss non-finite, loss unknown]`` as 1.0/0.0.
 
     Returns:
-        ``(trainable_values, optimizer_values)`` after the step.
+        ``(trainable_values, optimizer_values)`` after the step, recorded without the
+        forward pass (the wrapped train step records it with: :class:`JaxStep`).
 
     Raises:
         ValueError: the optimizer is not built, or the values do not match its variables.
@@ -157,15 +119,15 @@ def stateless_apply(
     where = {id(v): i for i, v in enumerate(variables)}
     own = len(optimizer._variables)
     recorder = optimizer.recorder
-    scale = values[where[id(recorder.scale)]]
+    slots = [where[id(getattr(recorder, field))] for field in step_values.FIELDS]
+    old = step_values.RecordValues(*(values[i] for i in slots))
     flags = ops.concatenate([health.nonfinite_flags(grads), loss_flags])
-    n = len(grads)
-    applies = ops.logical_not(ops.any(flags[: n + 1] > 0))
+    applies = ops.logical_not(ops.any(flags[: len(grads) + 1] > 0))
     inner_values = values[own:]
 
     def apply_inner() -> tuple[list, list]:
         unscaled = [
-            g if g is None or optimizer._overwrite_variable_with_gradient(v) else g / scale
+            g if g is None or optimizer._overwrite_variable_with_gradient(v) else g / old.scale
             for g, v in zip(grads, tracked, strict=True)
         ]
         new_trainable, new_inner = optimizer.inner_optimizer.stateless_apply(
@@ -177,31 +139,19 @@ def stateless_apply(
         return list(trainable_variables), list(inner_values)
 
     new_trainable, new_inner = ops.cond(applies, apply_inner, skip)
-    optimizer._trace.jax_applied = applies  # for the train step's forward state
-    loss_state = ops.where(
-        flags[n] > 0,
-        record.LOSS_NONFINITE,
-        ops.where(flags[n + 1] > 0, record.LOSS_UNKNOWN, record.LOSS_FINITE),
-    )
-    ring = record.EventRing(
-        values[where[id(recorder.event_ints)]], values[where[id(recorder.event_floats)]]
-    )
-    new_scale, packed, ring = record_step(
-        scale,
-        values[where[id(recorder.counters)]],
-        ring,
-        flags[:n] > 0,
-        loss_state,
-        optimizer.config.rule,
-    )
-    for variable, value in (
-        (recorder.scale, new_scale),
-        (recorder.counters, packed),
-        (recorder.event_ints, ring.ints),
-        (recorder.event_floats, ring.floats),
-    ):
-        values[where[id(variable)]] = value
-    return new_trainable, values[:own] + new_inner
+    statistics = statistics_of(recorder)
+
+    def finish(forward: tuple[Any, Any] | None) -> list:
+        new = step_values.advance_record(
+            old, grads, flags, statistics, forward, optimizer.config.rule
+        )
+        out = list(values[:own])
+        for slot, value in zip(slots, new, strict=True):
+            out[slot] = value
+        return out + list(new_inner)
+
+    optimizer._trace.jax_step = JaxStep(applies, finish)
+    return new_trainable, finish(None)
 
 
 def apply_now(
@@ -235,7 +185,7 @@ def apply_now(
         [v.value for v in variables],
         loss_flags,
     )
-    optimizer._trace.jax_applied = None  # no train step here to take the decision
+    optimizer._trace.jax_step = None  # no train step here to take the decision
     for variable, value in zip(variables, new_trainable, strict=True):
         variable.assign(value)
     for variable, value in zip(optimizer.variables, new_values, strict=True):
@@ -243,18 +193,18 @@ def apply_now(
 
 
 def remember(optimizer: Any, model: Any) -> None:
-    """Host reads of ``optimizer`` sync ``model`` first; a skip gives its forward state back.
+    """Host reads of ``optimizer`` sync ``model`` first; the model's step is wrapped.
 
     JAX's trainer keeps the state outside the variables during ``fit`` until
     ``model.jax_state_sync()`` (Keras 3.15 purges the variables' values meanwhile: reading
     one raises): the optimizer's reads (``read_state``, ``scale_events``...) call it, so
-    they are true during and after fit. The model's train step is wrapped
-    (:func:`give_back_forward_state`) so that a skipped step returns the float variables
-    its forward pass assigned (BatchNormalization's statistics) as they were.
+    they are true during and after fit. A change of the statistics settings retraces the
+    train step (they are constants in it). The model's ``train_step`` and
+    ``compute_loss_and_updates`` are wrapped (:func:`wrap_train_step`).
 
     Args:
         optimizer: a ``kmix.LossScaleOptimizer``.
-        model: the model it trains (held weakly by the reads).
+        model: the model it trains (held weakly).
     """
     ref = weakref.ref(model)
 
@@ -263,19 +213,41 @@ def remember(optimizer: Any, model: Any) -> None:
         if held is not None and hasattr(held, "jax_state_sync"):
             held.jax_state_sync()
 
+    def retrace() -> None:
+        held = ref()
+        if held is not None and getattr(held, "train_function", None) is not None:
+            held.make_train_function(force=True)
+
     optimizer.recorder.sync = sync
-    give_back_forward_state(optimizer, model)
+    optimizer.recorder.settings.on_change = retrace
+    optimizer.hooks.attach(model)
+    wrap_train_step(optimizer, model)
 
 
-def give_back_forward_state(optimizer: Any, model: Any) -> None:
-    """Wraps ``model.train_step(state, data)`` so a skipped step keeps the forward state.
+def _measure_forward(optimizer: Any, unscaled_loss: Any, optimizer_values: list) -> Any:
+    """The tapped forward pass measured, inside ``value_and_grad``; None without records."""
+    hooks, recorder = optimizer.hooks, optimizer.recorder
+    if not hooks.tapping:
+        return None
+    counters = optimizer_values[[id(v) for v in optimizer.variables].index(id(recorder.counters))]
+    statistics = statistics_of(recorder)
+    due = record.due_now(counters, ops.stack(statistics[:2]))
+    nonfinite = ops.logical_not(ops.all(ops.isfinite(unscaled_loss)))
+    forward = hooks.forward_statistics(nonfinite, due[0])
+    recorder.layers = hooks.layers
+    return forward
 
-    Keras's JAX train step returns the non-trainable values its forward pass computed
-    whatever the optimizer decided; :func:`stateless_apply` leaves its decision for this
-    wrapper (in the same trace), which returns the old values of the float variables the
-    layers declare non-trainable on a skipped step, as kmix does on TensorFlow. Integer
-    ones keep the update and are named once. Idempotent for the same optimizer; remakes a
-    train function made before the wrapper.
+
+def wrap_train_step(optimizer: Any, model: Any) -> None:
+    """Wraps the model's JAX ``train_step`` and ``compute_loss_and_updates`` for kmix.
+
+    ``compute_loss_and_updates`` (inside ``value_and_grad``) measures the tapped forward
+    pass and appends the measurement to its non-trainable values; ``train_step`` takes
+    it back out, finishes the optimizer's record with it (:class:`JaxStep`), and on a
+    skipped step returns the float variables the layers declare non-trainable (what the
+    forward pass assigned: BatchNormalization's statistics) as they were, as kmix does on
+    TensorFlow. Integer ones keep the update and are named once. Idempotent for the same
+    optimizer; remakes a train function made before the wrapper.
 
     Args:
         optimizer: a ``kmix.LossScaleOptimizer``.
@@ -299,48 +271,40 @@ def give_back_forward_state(optimizer: Any, model: Any) -> None:
     wrapped_for = getattr(model, "_kmix_jax_train_step_of", None)
     if wrapped_for is not None and wrapped_for() is optimizer:
         return
-    original = type(model).train_step.__get__(model)
+    original_step = type(model).train_step.__get__(model)
+    original_loss = type(model).compute_loss_and_updates.__get__(model)
     owner = weakref.ref(optimizer)
 
+    def compute_loss_and_updates(*args: Any, **kwargs: Any) -> tuple:
+        loss, aux = original_loss(*args, **kwargs)
+        held, values = owner(), kwargs.get("optimizer_variables")
+        if held is None or not kwargs.get("training") or values is None:
+            return loss, aux
+        forward = _measure_forward(held, aux[0], values)
+        if forward is None:
+            return loss, aux
+        return loss, (aux[0], aux[1], [*aux[2], *forward], *aux[3:])
+
     def train_step(state: tuple, data: Any) -> tuple:
-        logs, new_state = original(state, data)
+        logs, new_state = original_step(state, data)
+        n = len(state[1])
+        non_trainable, forward = list(new_state[1][:n]), tuple(new_state[1][n:]) or None
         held = owner()
-        applied = None if held is None else getattr(held._trace, "jax_applied", None)
+        step = None if held is None else getattr(held._trace, "jax_step", None)
         if held is not None:
-            held._trace.jax_applied = None
-        if applied is None or not _backend.reachable(applied):
-            return logs, new_state
+            held._trace.jax_step = None
+        if step is None or not _backend.reachable(step.applies):
+            return logs, (new_state[0], non_trainable, *new_state[2:])
         given = {id(v) for v in forward_state_variables(model)}
-        pairs = zip(model.non_trainable_variables, state[1], new_state[1], strict=True)
-        kept = [ops.where(applied, new, old) if id(v) in given else new for v, old, new in pairs]
-        return logs, (new_state[0], kept, *new_state[2:])
+        pairs = zip(model.non_trainable_variables, state[1], non_trainable, strict=True)
+        kept = [
+            ops.where(step.applies, new, old) if id(v) in given else new for v, old, new in pairs
+        ]
+        optimizer_values = new_state[2] if forward is None else step.finish(forward)
+        return logs, (new_state[0], kept, optimizer_values, *new_state[3:])
 
     model.train_step = train_step
+    model.compute_loss_and_updates = compute_loss_and_updates
     model._kmix_jax_train_step_of = owner  # weak: the model is not saved with it
     if getattr(model, "train_function", None) is not None:
         model.make_train_function(force=True)
-
-
-def warn_no_tap() -> None:
-    """Says once that the activation tap and forward origin are not on JAX yet."""
-    _warn_once(
-        "tap",
-        "kmix on the JAX backend: the activation tap (activation statistics and the layer "
-        "where a non-finite loss starts) is not supported yet (issue 24); the forward "
-        "overflow is still detected, skipped and recorded, without its origin.",
-    )
-
-
-def refuse_statistics(owner: Any) -> None:
-    """Raises for a callback that needs gradient statistics on the JAX backend.
-
-    Raises:
-        ValueError: always, naming the backend, the callback and what works instead.
-    """
-    raise ValueError(
-        f"kmix: {type(owner).__name__} is not yet supported on the JAX backend: it needs "
-        "gradient statistics, which kmix.LossScaleOptimizer does not compute on JAX yet "
-        "(issue 24). On JAX, train without it and read optimizer.read_state() and "
-        "optimizer.scale_events() (true during and after fit), or train with "
-        "KERAS_BACKEND=tensorflow."
-    )

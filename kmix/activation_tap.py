@@ -39,8 +39,8 @@ from typing import Any, NamedTuple
 import keras
 from keras import ops
 
-from kmix import _layers
-from kmix._graph import reachable
+from kmix import _backend, _layers
+from kmix._backend import reachable
 
 __all__ = ["ActivationTap", "LayerCall", "Record", "tapped_layers"]
 
@@ -106,6 +106,23 @@ def _in_symbolic_scope() -> bool:
     return bool(in_symbolic_scope())
 
 
+def _jax_root(outputs: Any) -> Any:
+    """The outermost JAX trace ``outputs`` belong to (the ``jit``'s), or None if concrete.
+
+    A forward pass traced under ``jax.value_and_grad`` inside ``jax.jit`` makes tracers of
+    the gradient's trace, whose ``parent_trace`` chain ends at the ``jit``'s trace and
+    then at JAX's evaluation trace; the last trace before that one names the step.
+    """
+    for x in keras.tree.flatten(outputs):
+        trace = getattr(x, "_trace", None)
+        if trace is None:
+            continue
+        while getattr(getattr(trace, "parent_trace", None), "parent_trace", None) is not None:
+            trace = trace.parent_trace
+        return trace
+    return None
+
+
 def _root_graph(tf: Any) -> Any:
     """The outermost function graph being built now; ``None`` when executing eagerly."""
     if tf.executing_eagerly():
@@ -116,9 +133,9 @@ def _root_graph(tf: Any) -> Any:
     return graph
 
 
-def _record_reachable(record: Record, tf: Any) -> bool:
-    tensors = tf.nest.flatten((record.inputs, record.outputs), expand_composites=True)
-    return all(reachable(t) for t in tensors if tf.is_tensor(t))
+def _record_reachable(record: Record) -> bool:
+    tensors = keras.tree.flatten((record.inputs, record.outputs))
+    return all(reachable(t) for t in tensors if ops.is_tensor(t))
 
 
 _WIDER_FLOATS = frozenset({"float32", "float64"})
@@ -147,6 +164,17 @@ def as_arrived(tensor: Any) -> Any:
         return tensor
     source = op.inputs[0]
     return source if source.dtype.name in _WIDER_FLOATS else tensor
+
+
+def _widened(given: Any, cast: Any) -> bool:
+    """True when ``cast`` is ``given`` cast from float32/float64 down to float16."""
+    try:
+        return (
+            keras.backend.standardize_dtype(cast.dtype) == "float16"
+            and keras.backend.standardize_dtype(given.dtype) in _WIDER_FLOATS
+        )
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 class ActivationTap:
@@ -182,6 +210,7 @@ class ActivationTap:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._installed: dict[int, tuple[Any, bool, Any, str, Any]] = {}
+        self._casts: dict[int, tuple[Any, Any]] = {}  # JAX: policies whose casts are noted
 
     # -- installing
     @property
@@ -218,7 +247,31 @@ class ActivationTap:
             wrapper = self._wrap(layer, path, original)
             object.__setattr__(layer, "call", wrapper)
             self._installed[id(layer)] = (layer, had_own, original, path, wrapper)
+            if _backend.on_jax():
+                self._watch_casts(layer.dtype_policy)
         return self
+
+    def _watch_casts(self, policy: Any) -> None:
+        """On JAX, notes each float input a float16 layer's policy casts, as it arrived.
+
+        JAX has no graph to read a cast's input back from (TensorFlow: :func:`as_arrived`):
+        the policy's ``convert_input`` (what ``Layer.__call__`` autocasts with, before
+        ``call``) is wrapped on the policy instance so that, while traced, the cast value
+        maps to the value given; the call wrapper records the latter.
+        """
+        if id(policy) in self._casts:
+            return
+        original = policy.convert_input
+        tap = self
+
+        def convert_input(x: Any, autocast: bool, dtype: Any) -> Any:
+            y = original(x, autocast, dtype)
+            if y is not x and _jax_root(y) is not None and _widened(x, y):
+                tap._state().arrived[id(y)] = (y, x)  # y kept: its id stays unique
+            return y
+
+        object.__setattr__(policy, "convert_input", convert_input)
+        self._casts[id(policy)] = (policy, convert_input)
 
     def remove(self) -> None:
         """Restores every wrapped layer's original ``call`` exactly (idempotent)."""
@@ -230,6 +283,10 @@ class ActivationTap:
             else:
                 object.__delattr__(layer, "call")
         self._installed.clear()
+        for policy, wrapper in self._casts.values():
+            if vars(policy).get("convert_input") is wrapper:
+                object.__delattr__(policy, "convert_input")
+        self._casts.clear()
 
     def _wrap(self, layer: Any, path: str, original: Any) -> Any:
         tap = self
@@ -237,7 +294,7 @@ class ActivationTap:
         @functools.wraps(original)
         def call(*args: Any, **kwargs: Any) -> Any:
             outputs = original(*args, **kwargs)
-            if id(layer) in tap._installed and tap._should_record():
+            if id(layer) in tap._installed and tap._should_record(outputs):
                 tap._append(layer, path, args, kwargs, outputs)
             return outputs
 
@@ -255,33 +312,48 @@ class ActivationTap:
             with self._lock:
                 self._forced -= 1
 
-    def _should_record(self) -> bool:
+    def _should_record(self, outputs: Any) -> bool:
         if _in_symbolic_scope():
             return False
         if self._forced > 0:
             return True
+        if not self.auto_record:
+            return False
+        if _backend.on_jax():  # traced: the outputs are tracers of a live trace
+            return _jax_root(outputs) is not None
         import tensorflow as tf
 
-        return self.auto_record and not tf.executing_eagerly()
+        return not tf.executing_eagerly()
 
     def _state(self) -> threading.local:
         local = self._local
         if not hasattr(local, "records"):
-            local.records, local.counts, local.root = [], {}, None
+            self._reset(local, None)
         return local
 
-    def _append(self, layer: Any, path: str, args: tuple, kwargs: dict, outputs: Any) -> None:
-        import tensorflow as tf
+    @staticmethod
+    def _reset(local: threading.local, root: Any, arrived: dict | None = None) -> None:
+        local.records, local.counts, local.root = [], {}, root
+        local.arrived = {} if arrived is None else arrived
 
+    def _append(self, layer: Any, path: str, args: tuple, kwargs: dict, outputs: Any) -> None:
         state = self._state()
-        root = _root_graph(tf)
+        if _backend.on_jax():
+            root = _jax_root(outputs)
+        else:
+            import tensorflow as tf
+
+            root = _root_graph(tf)
         if root is not state.root:  # another trace: its records are not this one's
-            state.records, state.counts, state.root = [], {}, root
+            self._reset(state, root, state.arrived)  # its casts were noted just now
         base = getattr(layer, "path", None) or path
         calls = state.counts.get(base, 0) + 1
         state.counts[base] = calls
+        arrived = state.arrived
         inputs = tuple(
-            as_arrived(x) for x in keras.tree.flatten((args, kwargs)) if ops.is_tensor(x)
+            arrived[id(x)][1] if id(x) in arrived else as_arrived(x)
+            for x in keras.tree.flatten((args, kwargs))
+            if ops.is_tensor(x)
         )
         name = base if calls == 1 else f"{base}#{calls}"
         state.records.append(Record(name, inputs, outputs, type(layer).__name__))
@@ -298,12 +370,10 @@ class ActivationTap:
             The :class:`Record` list in the order the calls returned; ``[]`` when
             nothing usable was recorded.
         """
-        import tensorflow as tf
-
         state = self._state()
         records = state.records
-        state.records, state.counts, state.root = [], {}, None
-        usable = [r for r in records if _record_reachable(r, tf)]
+        self._reset(state, None)
+        usable = [r for r in records if _record_reachable(r)]
         if usable:
             self.last_taken = tuple(LayerCall(r.path, r.class_name) for r in usable)
         return usable

@@ -317,7 +317,7 @@ def measure_forward(records: list[Record], loss_nonfinite: Any, health_due: Any)
         :func:`forward_origin`); ``stats`` is ``[len(records), len(ACTIVATION_FIELDS)]``
         (NaN unless due). On other steps a called conditional skips all of it.
     """
-    from kmix._graph import rare_cond
+    from kmix._backend import rare_cond
 
     no_origin = ops.convert_to_tensor([-1.0, 1.0, np.nan], "float32")
     unmeasured = ops.full((len(records), len(ACTIVATION_FIELDS)), np.nan, "float32")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
+import keras
+import numpy as np
 from keras import ops
 
 from kmix import tags
@@ -202,6 +204,11 @@ def exact_exponent(x: Any) -> Any:
     Read from the float's exponent bits (no logarithm, so no rounding): float32 normal
     numbers give their exact exponent; subnormals (below ``2**-126``) give -127.
     """
+    if keras.backend.backend() == "jax":
+        from jax import lax
+
+        bits = lax.bitcast_convert_type(ops.cast(x, "float32"), "int32")
+        return lax.shift_right_arithmetic(bits, np.int32(23)) - np.int32(127)
     import tensorflow as tf  # a bit cast: keras.ops.view cannot run inside a graph
 
     bits = tf.bitcast(tf.cast(x, tf.float32), tf.int32)

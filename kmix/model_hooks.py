@@ -28,8 +28,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from kmix._backend import reachable
 from kmix._checks import warn_user
-from kmix._graph import reachable
 from kmix._layers import (
     forward_state_variables,
     unrestored_state_variables,
@@ -76,7 +76,7 @@ class ModelHooks:
         Args:
             model: the model the optimizer trains.
         """
-        self._model_ref = weakref.ref(model)
+        self.attach(model)
         self._wrap_train_step(model)
         unrestored = [v.path for v in unrestored_state_variables(model)]
         if unrestored and id(model) not in self._told:
@@ -86,6 +86,15 @@ class ModelHooks:
                 "assigned (BatchNormalization's statistics); these integer variables keep "
                 f"the skipped step's update: {', '.join(unrestored)}."
             )
+
+    def attach(self, model: keras.Model) -> None:
+        """Holds ``model`` (weakly) as the model the hooks serve: its float16 mask."""
+        self._model_ref = weakref.ref(model)
+
+    @property
+    def tapping(self) -> bool:
+        """Whether a tap is installed (the forward pass is recorded when traced)."""
+        return self._tap is not None and self._tap.installed
 
     def tap(self, model: keras.Model) -> None:
         """Taps the float16 layers' calls (forward statistics); retraces a traced step.

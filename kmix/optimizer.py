@@ -123,7 +123,7 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
     Raises:
         ValueError: an argument is outside its valid range, the inner optimizer
             is unknown or already scales the loss, or the backend is neither
-            TensorFlow nor JAX (on JAX: the core only, see :mod:`kmix._jax_step`).
+            TensorFlow nor JAX (on JAX: see :mod:`kmix._jax_step`).
     """
 
     def __init__(
@@ -339,10 +339,7 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
             (empty while a lazily built model has no variables yet).
         """
         self.protect_forward_state(model)
-        if _backend.on_jax():
-            _jax_step.warn_no_tap()
-        else:
-            self.hooks.tap(model)
+        self.hooks.tap(model)
         mask = self.hooks.float16_mask(model.trainable_weights)
         return [v.path for v, m in zip(model.trainable_weights, mask, strict=True) if m]
 
@@ -386,8 +383,6 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
             health_every: health statistics every this many steps, >= 1.
             histogram_every: histograms every this many steps; 0 asks for none.
         """
-        if _backend.on_jax():
-            _jax_step.refuse_statistics(owner)
         self.recorder.settings.request(
             owner,
             health_every=check_int(OWNER, "health_every", health_every, 1),
@@ -462,10 +457,8 @@ FIT_UNDER_MULTI_WORKER = (
 
 
 def _warn_at_creation(config: OptimizerConfig) -> None:
-    """Says at creation what would otherwise surprise later: on JAX, what is not computed
-    yet; under MultiWorkerMirroredStrategy, what Keras would say with a deep traceback."""
-    if _backend.on_jax():
-        _jax_step.warn_what_is_missing(config.health_every, config.histogram_every)
+    """Says at creation what would otherwise surprise later: under
+    MultiWorkerMirroredStrategy, what Keras would say with a deep traceback."""
     if _backend.name() != "tensorflow":
         return
     import tensorflow as tf

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from keras import ops
 
-from kmix import _backend, _jax_step, record, scaling
+from kmix import _backend, health, record, scaling, step_values
+from kmix.activations import ACTIVATION_CAPACITY, ACTIVATION_FIELDS
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "jax_fit.py")
 TIMEOUT = 120
@@ -197,11 +198,7 @@ def test_a_skipped_step_gives_back_batch_normalizations_statistics(fit_run):
 
 @pytest.mark.slow
 @needs_jax
-def test_the_monitor_says_it_is_not_yet_on_jax(fit_run):
-    monitor = fit_run["not_yet"]["monitor"]
-    assert monitor.startswith("kmix: MixedPrecisionMonitor is not yet supported on the JAX")
-    assert "KERAS_BACKEND=tensorflow" in monitor
-    assert fit_run["not_yet"]["end_of_run_warnings"] == []  # refused before its run opened
+def test_the_autopilot_says_it_is_not_yet_on_jax(fit_run):
     autopilot = fit_run["not_yet"]["autopilot"]
     assert autopilot.startswith(
         "kmix.callbacks.PrecisionAutopilot is not yet supported on the JAX backend"
@@ -258,27 +255,77 @@ def int32_record(attempted: int) -> tuple:
     return packed, ring
 
 
-def test_the_jax_record_step_keeps_int32_and_writes_an_event_only_when_one_happens():
+def int32_values(attempted: int, n: int = 2) -> step_values.RecordValues:
+    packed, ring = int32_record(attempted)
+    return step_values.RecordValues(
+        scale=ops.convert_to_tensor(4.0),
+        counters=packed,
+        health=ops.convert_to_tensor(np.full(len(record.HEALTH_FIELDS), np.nan, "float32")),
+        underflow_per_variable=ops.zeros((n,)),
+        subnormal_per_variable=ops.zeros((n,)),
+        exponent_histograms=ops.zeros((n, health.NUM_EXPONENT_BINS), "int32"),
+        activation_stats=ops.convert_to_tensor(
+            np.full((ACTIVATION_CAPACITY, len(ACTIVATION_FIELDS)), np.nan, "float32")
+        ),
+        event_ints=ring.ints,
+        event_floats=ring.floats,
+    )
+
+
+def test_the_record_as_values_keeps_int32_and_writes_an_event_only_when_one_happens():
     rule = scaling.ScaleConfig(growth_steps=10, min_scale=1.0, max_scale=8.0)
-    packed, ring = int32_record(attempted=2**31 - 2)
-    scale, packed, ring = _jax_step.record_step(
-        ops.convert_to_tensor(4.0), packed, ring, np.array([False, False]), 1, rule
-    )
-    counters = record.Counters(*ops.convert_to_numpy(packed).tolist())
-    assert ops.convert_to_numpy(packed).dtype == np.int32
+    never = step_values.Statistics(10**6, 0, np.ones(2, "float32"))
+    grads = [np.ones(3, "float32"), np.ones(2, "float32")]
+    finite = np.float32([0, 0, 0, 0])
+    new = step_values.advance_record(int32_values(2**31 - 2), grads, finite, never, None, rule)
+    counters = record.Counters(*ops.convert_to_numpy(new.counters).tolist())
+    assert ops.convert_to_numpy(new.counters).dtype == np.int32
     assert counters.attempted_steps == 2**31 - 1 and counters.event_count == 0
-    assert float(scale) == 4.0 and not ops.convert_to_numpy(ring.ints).any()
-    scale, packed, ring = _jax_step.record_step(  # a gradient overflow at the saturated end
-        scale, packed, ring, np.array([False, True]), 1, rule
-    )
-    counters = record.Counters(*ops.convert_to_numpy(packed).tolist())
+    assert float(new.scale) == 4.0 and not ops.convert_to_numpy(new.event_ints).any()
+    overflow = np.float32([0, 1, 0, 0])  # the second gradient, at the saturated end
+    spoilt = [grads[0], grads[1] * np.inf]
+    new = step_values.advance_record(new, spoilt, overflow, never, None, rule)
+    counters = record.Counters(*ops.convert_to_numpy(new.counters).tolist())
     assert counters.attempted_steps == 2**31 - 1 and counters.skipped_steps == 1
-    assert counters.event_count == 1 and float(scale) == 2.0
+    assert counters.event_count == 1 and float(new.scale) == 2.0
     (event,) = record.decode_events(
-        ops.convert_to_numpy(ring.ints), ops.convert_to_numpy(ring.floats), 1, 0, ["a", "b"]
+        ops.convert_to_numpy(new.event_ints),
+        ops.convert_to_numpy(new.event_floats),
+        1,
+        0,
+        ["a", "b"],
     )
     assert (event.event.step, event.event.kind, event.event.variable) == (2**31 - 1, "backoff", "b")
-    assert (event.event.old_scale, event.event.new_scale, event.health) == (4.0, 2.0, {})
+    assert (event.event.old_scale, event.event.new_scale) == (4.0, 2.0)
+    # A skip is measured at its step: the two inf elements, the finite norm sqrt(3) / 4.
+    assert event.health["nonfinite_elements"] == 2.0 and event.health["float16_elements"] == 5.0
+    assert event.health["grad_norm"] == pytest.approx(3**0.5 / 4)
+
+
+def test_the_record_as_values_measures_health_when_due_and_keeps_it_otherwise():
+    rule = scaling.ScaleConfig(growth_steps=10, min_scale=1.0, max_scale=8.0)
+    every_2 = step_values.Statistics(2, 2, np.float32([1, 0]))
+    grads = [np.float32([0.0, 2.0**-20, 3.0]), np.float32([5.0, 6.0])]
+    finite = np.float32([0, 0, 0, 0])
+    old = int32_values(0)
+    first = step_values.advance_record(old, grads, finite, every_2, None, rule)  # step 1
+    assert np.isnan(ops.convert_to_numpy(first.health)).all()
+    assert not ops.convert_to_numpy(first.exponent_histograms).any()
+    second = step_values.advance_record(first, grads, finite, every_2, None, rule)  # step 2
+    values = ops.convert_to_numpy(second.health).tolist()
+    measured = dict(zip(record.HEALTH_FIELDS, values, strict=True))
+    # Only the first variable is float16: 3 scaled elements, one exact zero, one below
+    # float16's smallest normal (2**-20 < 2**-14), the largest 3; the norm is unscaled
+    # by 4 over both (reference: plain Python).
+    assert measured["float16_elements"] == 3.0
+    assert measured["max_abs_scaled"] == 3.0
+    assert measured["grad_norm"] == pytest.approx((2.0**-40 + 9 + 25 + 36) ** 0.5 / 4)
+    assert measured["zero_fraction"] == pytest.approx(1 / 3)
+    assert measured["subnormal_fraction"] == pytest.approx(1 / 3)
+    assert ops.convert_to_numpy(second.underflow_per_variable).tolist() == pytest.approx([2 / 3, 0])
+    histograms = ops.convert_to_numpy(second.exponent_histograms)
+    assert histograms.sum(axis=1).tolist() == [3, 2]
+    assert histograms[0, 0] == 1  # the zero has its own bin
 
 
 def test_the_torch_backend_is_refused_in_one_line(monkeypatch):
