@@ -37,6 +37,8 @@ import time
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
+import numpy as np
+
 from kmix._crc32c import masked_crc32c
 
 FILE_VERSION = "brain.Event:2"
@@ -165,7 +167,6 @@ class EventWriter:
             step: the step it belongs to.
             description: the tag's description, if any.
         """
-        import numpy as np
         from tensorboard.compat.proto import summary_pb2, types_pb2
         from tensorboard.plugins.scalar import metadata
 
