@@ -89,6 +89,25 @@ def rare_cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
     return keras.ops.cond(pred, true_fn, false_fn)
 
 
+def retrace_all(model: Any) -> None:
+    """Makes ``model``'s train, evaluate and predict functions trace again at their next
+    call (a layer's dtype policy changed, which no traced function sees).
+
+    On JAX, ``jax.jit`` caches traces by function identity, and Keras's functions jit the
+    same methods again: JAX's caches are cleared (every jit in the process compiles again
+    at its next call; kmix does this only when it moves a layer).
+
+    Args:
+        model: a compiled Keras model.
+    """
+    if on_jax():
+        import jax
+
+        jax.clear_caches()
+    model.make_train_function(force=True)
+    model.test_function = model.predict_function = None
+
+
 def host_value(variable: Any) -> np.ndarray:
     """A Keras variable's value on the host (TensorFlow: one raw read, :mod:`kmix._graph`).
 

@@ -213,15 +213,38 @@ def remember(optimizer: Any, model: Any) -> None:
         if held is not None and hasattr(held, "jax_state_sync"):
             held.jax_state_sync()
 
-    def retrace() -> None:
+    def settings_changed() -> None:
         held = ref()
-        if held is not None and getattr(held, "train_function", None) is not None:
-            held.make_train_function(force=True)
+        if held is not None:
+            retrace(held)
 
     optimizer.recorder.sync = sync
-    optimizer.recorder.settings.on_change = retrace
+    optimizer.recorder.settings.on_change = settings_changed
     optimizer.hooks.attach(model)
     wrap_train_step(optimizer, model)
+
+
+def retrace(model: Any) -> None:
+    """Makes ``fit`` trace the model's train step again at its next call.
+
+    ``make_train_function(force=True)`` alone is not enough on JAX: ``jax.jit`` caches
+    its trace by the step function's identity, so the new ``jit`` of the same
+    ``model.train_step`` reuses the old trace and its constants. A new function object
+    delegating to the step does not.
+
+    Args:
+        model: a model whose ``train_step`` kmix wrapped (:func:`wrap_train_step`).
+    """
+    if getattr(model, "train_function", None) is None:
+        return
+    step = getattr(model.train_step, "__wrapped__", model.train_step)  # no chain of them
+
+    def train_step(state: tuple, data: Any) -> tuple:
+        return step(state, data)
+
+    train_step.__wrapped__ = step
+    model.train_step = train_step
+    model.make_train_function(force=True)
 
 
 def _measure_forward(optimizer: Any, unscaled_loss: Any, optimizer_values: list) -> Any:

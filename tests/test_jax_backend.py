@@ -198,11 +198,35 @@ def test_a_skipped_step_gives_back_batch_normalizations_statistics(fit_run):
 
 @pytest.mark.slow
 @needs_jax
-def test_the_autopilot_says_it_is_not_yet_on_jax(fit_run):
-    autopilot = fit_run["not_yet"]["autopilot"]
-    assert autopilot.startswith(
-        "kmix.callbacks.PrecisionAutopilot is not yet supported on the JAX backend"
-    )
+def test_the_callbacks_on_jax_name_each_cast_overflow_and_the_autopilot_moves_it(fit_run):
+    run = fit_run["watched"]
+    # Epoch 1, step 3: wide's input cast overflows; epoch 2 (step 11): norm's, at 4 * 90000.
+    assert run["moves"] == [
+        [3, "wide", "mixed_float16", "float32"],
+        [11, "norm", "mixed_float16", "float32"],
+    ]
+    origins = [(e["step"], e["kind"], e["origin"]) for e in run["events"]]
+    assert origins == [
+        (3, "forward_overflow", {**ORIGIN, "layer": "wide", "layer_class": "Dense"}),
+        (11, "forward_overflow", {**ORIGIN, "layer": "norm", "max_abs_input": 360000.0}),
+    ]
+    assert run["layers"] == ["norm", "wide"]  # the tap's activation statistics
+    assert run["health_step"] == 16 and run["histogram_step"] == 16
+    assert not run["tensorflow_imported"]
+    assert [name.startswith("events.out.tfevents.") for name in run["files"]] == [True]
+    summary = run["summary"]
+    assert [m["layer"] for m in summary["precision_moves"]] == ["wide", "norm"]
+    assert summary["precision_plan"] == {"wide": "float32", "norm": "float32"}
+    assert [e["step"] for e in summary["events"]] == [3, 11]
+    assert summary["skipped_steps"] == 2 and summary["run_end"]["reason"] == "completed"
+
+
+ORIGIN = {
+    "layer": "norm",
+    "layer_class": "BatchNormalization",
+    "inputs_finite": True,
+    "max_abs_input": 90000.0,
+}
 
 
 @pytest.mark.slow

@@ -167,14 +167,6 @@ class PrecisionAutopilot(StepCallback):
         super().on_train_begin(logs)
         model, source = self.model, self._source
         self._told, self._unreceived, self._moves_at_begin = set(), set(), len(self.moves)
-        if _backend.on_jax():
-            OPEN.discard(self)
-            raise ValueError(
-                f"{_OWNER} is not yet supported on the JAX backend: it needs the layer where "
-                "a forward overflow starts, which kmix.LossScaleOptimizer does not measure on "
-                "JAX yet (issue 24). Train with KERAS_BACKEND=tensorflow, or keep the "
-                "layer in float32 yourself with kmix.policy_scope('float32')."
-            )
         float16 = [p for p, layer in _layers.walk_layers(model) if layer.compute_dtype == "float16"]
         self._active = bool(float16) or model.compute_dtype == "float16"
         if not self._active:
@@ -276,8 +268,7 @@ class PrecisionAutopilot(StepCallback):
                 made.append(move)
         if not made:
             return []
-        model.make_train_function(force=True)
-        model.test_function = model.predict_function = None  # validation, evaluate, predict
+        _backend.retrace_all(model)  # train, and validation, evaluate, predict
         model.optimizer.watch(model)  # float16 statistics cover the float16 layers only
         self.float16_share = float16_share(layer_costs(model))
         self._tell_about(made)

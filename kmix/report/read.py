@@ -77,6 +77,15 @@ def avoid_tensorflow() -> None:
         sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("notf"))
 
 
+def _avoid_tensorflow_off_its_backend() -> None:
+    """:func:`avoid_tensorflow` in a process whose Keras runs on another backend (JAX):
+    kmix writes no summary with TensorFlow there."""
+    keras = sys.modules.get("keras")
+    backend = getattr(getattr(keras, "backend", None), "backend", None)
+    if callable(backend) and backend() != "tensorflow":
+        avoid_tensorflow()
+
+
 def read_log(logdir: str, run: int | str | None = None) -> KmixLog:
     """Reads the kmix data of a log dir, also one that is still being written.
 
@@ -121,6 +130,7 @@ def read_runs(logdir: str) -> tuple[KmixLog, ...]:
     Raises:
         ReportError: as :func:`read_log`.
     """
+    _avoid_tensorflow_off_its_backend()
     train = os.path.join(logdir, tags.TRAIN_DIR)
     expected = EXPECTED.format(train=train)
     if not os.path.exists(logdir):
