@@ -142,7 +142,7 @@ def stateless_apply(
     statistics = statistics_of(recorder)
 
     def finish(forward: tuple[Any, Any] | None) -> list:
-        new = step_values.advance_record(
+        new, _ = step_values.advance_record(
             old, grads, flags, statistics, forward, optimizer.config.rule
         )
         out = list(values[:own])

@@ -13,8 +13,10 @@ In the step::
     ... apply the inner optimizer when every flag is 0 ...
     recorder.record(aligned, flags, before, forward, on_skip)
         quiet step: counters += QUIET_DELTA          (one constant, nothing else moves)
-        otherwise (a called branch): the rule, statistics when due, the forward pass's
-        statistics and origin, ``on_skip()`` on a skipped step, the event into the ring
+        otherwise (a called branch): every field's new value from the pure step that
+        every backend runs (:func:`kmix.step_values.advance_record`: the rule,
+        statistics when due, the forward pass's statistics and origin, the event into
+        the ring), assigned; ``on_skip()`` on a skipped step
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from kmix import health, record, scaling
+from kmix import health, record, step_values
 from kmix._backend import host_value
 from kmix._config import OptimizerConfig, RunSettings, invalid_argument
 from kmix._graph import rare_cond
@@ -156,125 +158,30 @@ class StepRecorder:
             on_skip: called in-graph on a skipped step (undoes what the forward pass
                 assigned), or None.
         """
-        n = len(aligned)
 
         def quiet() -> None:  # the common step: one constant added, nothing else moves
             self.counters.assign_add(np.asarray(record.QUIET_DELTA, "int64"))
 
-        def full() -> None:
-            scale = ops.copy(self.scale)
-            settings = self.settings.variables
-            var_bad = flags[:n] > 0
-            loss_state = ops.where(
-                flags[n] > 0,
-                record.LOSS_NONFINITE,
-                ops.where(flags[n + 1] > 0, record.LOSS_UNKNOWN, record.LOSS_FINITE),
+        def full() -> None:  # the pure step over the record's values, then assigned
+            fields = [getattr(self, field) for field in step_values.FIELDS]
+            old = step_values.RecordValues(*(ops.copy(v) for v in fields))
+            old = old._replace(counters=before.packed)
+            new, outcome = step_values.advance_record(
+                old, aligned, flags, self._statistics(), forward, self.config.rule
             )
-            new, outcome = record.advance(
-                record.StepRecord(scale, record.unpack(before.packed)),
-                ops.logical_not(ops.any(var_bad)),
-                loss_state,
-                self.config.rule,
-                settings["health_every"],
-                settings["histogram_every"],
-            )
-            measured = self._record_statistics(aligned, scale, outcome)
-            self.scale.assign(new.scale)
-            self.counters.assign(record.pack(new.counters))
+            for variable, value in zip(fields, new, strict=True):
+                variable.assign(ops.cast(value, variable.dtype))
             if on_skip is not None:  # the batch never happened
                 ops.cond(outcome.skipped, on_skip, _noop)
-            origin = self._keep_forward_statistics(forward, outcome)
-            ops.cond(
-                ops.not_equal(outcome.event, scaling.NONE),
-                lambda: self._write_event(
-                    outcome, (scale, new), var_bad, loss_state, measured, origin
-                ),
-                _noop,
-            )
 
         quiet_step = record.is_quiet(before.packed, flags, before.due, self.config.rule)
         rare_cond(quiet_step, quiet, full)
 
-    def _record_statistics(self, aligned: list, scale: Any, outcome: record.StepOutcome) -> Any:
-        """Gradient health (and histograms) when due; returns the health vector (NaN if not)."""
-        unmeasured = ops.full((len(HEALTH_FIELDS),), np.nan, "float32")
-
-        def statistics() -> Any:
-            measured = ops.cond(
-                outcome.statistics_due,
-                lambda: self._record_health(outcome.health_due, aligned, scale),
-                lambda: unmeasured,
-            )
-            ops.cond(outcome.histogram_due, lambda: self._record_histograms(aligned), _noop)
-            return measured
-
-        # Called: between statistics steps the gradients pass by reference.
-        return rare_cond(
-            ops.logical_or(outcome.statistics_due, outcome.histogram_due),
-            statistics,
-            lambda: unmeasured,
+    def _statistics(self) -> step_values.Statistics:
+        settings = self.settings.variables
+        return step_values.Statistics(
+            settings["health_every"], settings["histogram_every"], settings["float16_mask"]
         )
-
-    def _record_health(self, health_due: Any, aligned: list, scale: Any) -> Any:
-        stats = health.gradient_health(aligned, scale, self.settings.variables["float16_mask"])
-        vector = ops.stack([ops.cast(getattr(stats, f), "float32") for f in HEALTH_FIELDS])
-
-        def periodic() -> None:
-            self.health.assign(vector)
-            self.underflow_per_variable.assign(stats.underflow_per_variable)
-            self.subnormal_per_variable.assign(stats.subnormal_per_variable)
-
-        ops.cond(health_due, periodic, _noop)
-        return vector
-
-    def _record_histograms(self, aligned: list) -> None:
-        self.exponent_histograms.assign(health.exponent_histograms(aligned))
-
-    def _keep_forward_statistics(
-        self, forward: tuple[Any, Any] | None, outcome: record.StepOutcome
-    ) -> record.EventOrigin:
-        """Keeps the activation statistics when due; returns the forward origin, if any."""
-        if forward is None:
-            return record.NO_ORIGIN
-        rows = ops.shape(forward[1])[0]
-        padded = ops.concatenate(
-            [forward[1], ops.full((ACTIVATION_CAPACITY - rows, len(ACTIVATION_FIELDS)), np.nan)]
-        )
-
-        def keep_statistics() -> None:
-            self.activation_stats.assign(padded)
-
-        ops.cond(outcome.health_due, keep_statistics, _noop)
-        return record.EventOrigin(*ops.unstack(forward[0]))
-
-    def _write_event(
-        self,
-        outcome: record.StepOutcome,
-        scales: tuple[Any, Any],
-        var_bad: Any,
-        loss_state: Any,
-        measured: Any,
-        origin: record.EventOrigin,
-    ) -> None:
-        """Writes this step's event into the ring (the rare branch)."""
-        old_scale, new = scales
-        ints, floats = record.encode_event(
-            outcome.step,
-            outcome.event,
-            (old_scale, new.scale),
-            var_bad,
-            loss_state,
-            measured,
-            origin,
-        )
-        ring = record.write_event(
-            record.EventRing(self.event_ints, self.event_floats),
-            new.counters.event_count,
-            ints,
-            floats,
-        )
-        self.event_ints.assign(ring.ints)
-        self.event_floats.assign(ring.floats)
 
     # ------------------------------------------------------------- on the host
     def read_state(self, counters_only: bool = False) -> Snapshot:

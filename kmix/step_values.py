@@ -24,6 +24,7 @@ import numpy as np
 from keras import ops
 
 from kmix import health, record, scaling
+from kmix._backend import rare_cond
 from kmix.activations import ACTIVATION_CAPACITY, ACTIVATION_FIELDS
 from kmix.record import HEALTH_FIELDS
 
@@ -93,7 +94,7 @@ def advance_record(
     statistics: Statistics,
     forward: tuple[Any, Any] | None,
     rule: scaling.ScaleConfig,
-) -> RecordValues:
+) -> tuple[RecordValues, record.StepOutcome]:
     """The record after one attempted step (pure; statistics only where due).
 
     Args:
@@ -108,7 +109,8 @@ def advance_record(
         rule: the scale rule's constants.
 
     Returns:
-        The record's values after the step; those not due are returned as given.
+        ``(values, outcome)``: the record's values after the step (those not due as
+        given) and what the step was (:class:`kmix.record.StepOutcome`).
     """
     n = len(grads)
     var_bad = flags[:n] > 0
@@ -123,13 +125,14 @@ def advance_record(
         statistics.histogram_every,
     )
     unmeasured = ops.full((len(HEALTH_FIELDS),), np.nan, "float32")
-    measured, underflow, subnormal = ops.cond(
+    # Called conditionals (TensorFlow: kept out of the steps that do not take them).
+    measured, underflow, subnormal = rare_cond(
         outcome.statistics_due,
         lambda: _health(grads, old.scale, statistics.float16_mask),
         lambda: (unmeasured, old.underflow_per_variable, old.subnormal_per_variable),
     )
     due = outcome.health_due
-    histograms = ops.cond(
+    histograms = rare_cond(
         outcome.histogram_due,
         lambda: ops.cast(health.exponent_histograms(grads), old.exponent_histograms.dtype),
         lambda: old.exponent_histograms,
@@ -155,7 +158,7 @@ def advance_record(
     ring = record.EventRing(old.event_ints, old.event_floats)
     written = record.write_event(ring, new.counters.event_count, ints, floats)
     happened = ops.not_equal(outcome.event, scaling.NONE)
-    return RecordValues(
+    values = RecordValues(
         scale=new.scale,
         counters=record.pack(new.counters, int_dtype),
         health=ops.where(due, measured, old.health),
@@ -166,3 +169,4 @@ def advance_record(
         event_ints=ops.where(happened, written.ints, ring.ints),
         event_floats=ops.where(happened, written.floats, ring.floats),
     )
+    return values, outcome

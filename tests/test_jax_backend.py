@@ -296,19 +296,23 @@ def int32_values(attempted: int, n: int = 2) -> step_values.RecordValues:
     )
 
 
+def _advance(*args: object) -> step_values.RecordValues:
+    return step_values.advance_record(*args)[0]
+
+
 def test_the_record_as_values_keeps_int32_and_writes_an_event_only_when_one_happens():
     rule = scaling.ScaleConfig(growth_steps=10, min_scale=1.0, max_scale=8.0)
     never = step_values.Statistics(10**6, 0, np.ones(2, "float32"))
     grads = [np.ones(3, "float32"), np.ones(2, "float32")]
     finite = np.float32([0, 0, 0, 0])
-    new = step_values.advance_record(int32_values(2**31 - 2), grads, finite, never, None, rule)
+    new = _advance(int32_values(2**31 - 2), grads, finite, never, None, rule)
     counters = record.Counters(*ops.convert_to_numpy(new.counters).tolist())
     assert ops.convert_to_numpy(new.counters).dtype == np.int32
     assert counters.attempted_steps == 2**31 - 1 and counters.event_count == 0
     assert float(new.scale) == 4.0 and not ops.convert_to_numpy(new.event_ints).any()
     overflow = np.float32([0, 1, 0, 0])  # the second gradient, at the saturated end
     spoilt = [grads[0], grads[1] * np.inf]
-    new = step_values.advance_record(new, spoilt, overflow, never, None, rule)
+    new = _advance(new, spoilt, overflow, never, None, rule)
     counters = record.Counters(*ops.convert_to_numpy(new.counters).tolist())
     assert counters.attempted_steps == 2**31 - 1 and counters.skipped_steps == 1
     assert counters.event_count == 1 and float(new.scale) == 2.0
@@ -332,10 +336,10 @@ def test_the_record_as_values_measures_health_when_due_and_keeps_it_otherwise():
     grads = [np.float32([0.0, 2.0**-20, 3.0]), np.float32([5.0, 6.0])]
     finite = np.float32([0, 0, 0, 0])
     old = int32_values(0)
-    first = step_values.advance_record(old, grads, finite, every_2, None, rule)  # step 1
+    first = _advance(old, grads, finite, every_2, None, rule)  # step 1
     assert np.isnan(ops.convert_to_numpy(first.health)).all()
     assert not ops.convert_to_numpy(first.exponent_histograms).any()
-    second = step_values.advance_record(first, grads, finite, every_2, None, rule)  # step 2
+    second = _advance(first, grads, finite, every_2, None, rule)  # step 2
     values = ops.convert_to_numpy(second.health).tolist()
     measured = dict(zip(record.HEALTH_FIELDS, values, strict=True))
     # Only the first variable is float16: 3 scaled elements, one exact zero, one below
