@@ -48,6 +48,20 @@ def check_supported(owner: str) -> None:
         )
 
 
+def is_first_process() -> bool:
+    """False only in a JAX process other than process 0 of a multi-process run.
+
+    Under ``keras.distribution`` the step is one program over every process: each
+    decides the same, and only process 0 writes files. TensorFlow's workers are told
+    apart by :class:`kmix.callbacks.LoopDriver`.
+    """
+    if not on_jax():
+        return True
+    import jax
+
+    return jax.process_index() == 0
+
+
 def reachable(value: Any) -> bool:
     """True if ``value`` can be used where the step is being built now.
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import keras
+import numpy as np
 from keras import ops
 
 from kmix import _backend, health, record, step_values
@@ -214,9 +215,9 @@ def remember(optimizer: Any, model: Any) -> None:
             held.jax_state_sync()
 
     def settings_changed() -> None:
-        held = ref()
+        held, settings = ref(), optimizer.recorder.settings
         if held is not None:
-            retrace(held)
+            retrace(held, tuple(np.asarray(settings.value(n)).tobytes() for n in settings.base))
 
     optimizer.recorder.sync = sync
     optimizer.recorder.settings.on_change = settings_changed
@@ -224,27 +225,32 @@ def remember(optimizer: Any, model: Any) -> None:
     wrap_train_step(optimizer, model)
 
 
-def retrace(model: Any) -> None:
-    """Makes ``fit`` trace the model's train step again at its next call.
+def retrace(model: Any, key: tuple) -> None:
+    """Makes ``fit`` run the train step traced with the settings ``key`` names.
 
     ``make_train_function(force=True)`` alone is not enough on JAX: ``jax.jit`` caches
-    its trace by the step function's identity, so the new ``jit`` of the same
-    ``model.train_step`` reuses the old trace and its constants. A new function object
-    delegating to the step does not.
+    its trace by the step function's identity, so a new ``jit`` of the same
+    ``model.train_step`` reuses the old trace and its constants. A function object
+    delegating to the step, one per settings seen, is traced once per settings: a
+    ``fit`` that requests what an earlier one did (a monitor's every fit) reuses its trace.
 
     Args:
         model: a model whose ``train_step`` kmix wrapped (:func:`wrap_train_step`).
+        key: the settings' values, hashable.
     """
-    if getattr(model, "train_function", None) is None:
-        return
     step = getattr(model.train_step, "__wrapped__", model.train_step)  # no chain of them
+    delegates = step.__dict__.setdefault("kmix_delegates", {})  # they live with the step
+    delegate = delegates.get(key)
+    if delegate is None:
 
-    def train_step(state: tuple, data: Any) -> tuple:
-        return step(state, data)
+        def delegate(state: tuple, data: Any) -> tuple:
+            return step(state, data)
 
-    train_step.__wrapped__ = step
-    model.train_step = train_step
-    model.make_train_function(force=True)
+        delegate.__wrapped__ = step
+        delegates[key] = delegate
+    model.train_step = delegate
+    if getattr(model, "train_function", None) is not None:
+        model.make_train_function(force=True)
 
 
 def _measure_forward(optimizer: Any, unscaled_loss: Any, optimizer_values: list) -> Any:

@@ -221,6 +221,19 @@ def test_the_callbacks_on_jax_name_each_cast_overflow_and_the_autopilot_moves_it
     assert summary["skipped_steps"] == 2 and summary["run_end"]["reason"] == "completed"
 
 
+@pytest.mark.slow
+@needs_jax
+def test_a_changed_statistics_setting_reaches_the_jit_step_and_a_repeated_one_reuses_it(
+    fit_run,
+):
+    run = fit_run["retraces"]
+    # Every 3 steps: 6 in steps 1-8, 15 in 9-16; then every 1000 until step 19, every 5
+    # from there: 20 is the last health step (the settings are constants of the step).
+    assert run["health_steps"] == [6, 15, 20]
+    # One trace per settings: the second fit asks for what the first did.
+    assert run["traces"][0] == run["traces"][1] and run["traces"][2] > run["traces"][1]
+
+
 ORIGIN = {
     "layer": "norm",
     "layer_class": "BatchNormalization",
@@ -366,3 +379,31 @@ def test_the_torch_backend_is_refused_in_one_line(monkeypatch):
     assert "\n" not in message
     assert "kmix.LossScaleOptimizer does not support the Keras backend 'torch'" in message
     assert "KERAS_BACKEND=jax" in message
+
+
+@pytest.mark.slow
+def test_a_process_other_than_the_first_requests_the_statistics_but_writes_nothing(
+    tmp_path, monkeypatch
+):
+    import keras
+
+    import kmix
+
+    monkeypatch.setattr(_backend, "is_first_process", lambda: False)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    optimizer = kmix.LossScaleOptimizer("sgd", health_every=1000)
+    model.compile(optimizer=optimizer, loss="mse")
+    seen = []
+
+    class During(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+            seen.append(optimizer.health_every)
+
+    monitor = kmix.callbacks.MixedPrecisionMonitor(str(tmp_path / "logs"), update_freq=3)
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 1), "float32")
+    model.fit(x, y, batch_size=2, verbose=0, callbacks=[monitor, During()])
+    # The same program on every process: the monitor's steps are in force here too.
+    assert seen == [3] * 4 and optimizer.read_state().health_step == 3
+    assert optimizer.health_every == 1000  # released at the end
+    assert not (tmp_path / "logs").exists()  # process 0 writes

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from kmix import _event_writer, tags
+from kmix import _backend, _event_writer, tags
 from kmix._checks import check_choice, check_int
 from kmix.callbacks._base import StepCallback, warn_user
 from kmix.callbacks._batch import SummaryBatch
@@ -153,6 +153,9 @@ class MixedPrecisionMonitor(StepCallback):
         """
         self.finish(tags.INTERRUPTED, "a new fit began before the previous one ended")
         super().on_train_begin(logs)
+        if not _backend.is_first_process():  # JAX, several processes: one program, one writer
+            self._source.request_statistics(self, self.update_freq, self.histogram_freq)
+            return
         train_dir = os.path.join(self.log_dir, tags.TRAIN_DIR)
         try:
             _event_writer.makedirs(train_dir)
@@ -163,8 +166,7 @@ class MixedPrecisionMonitor(StepCallback):
                 f"(log_dir={self.log_dir!r}): {error}. Pass a directory you can write to."
             ) from error
         source = self._source
-        # First: a source that cannot measure (kmix on JAX, for now) refuses here, before
-        # this fit's event file exists.
+        # First: a source that cannot measure refuses here, before this fit's file exists.
         source.request_statistics(self, self.update_freq, self.histogram_freq)
         prior = begins_in(train_dir, self._heads)  # before this fit's file exists
         self._writer = _event_writer.EventWriter(train_dir)
@@ -217,9 +219,9 @@ class MixedPrecisionMonitor(StepCallback):
                     step=step,
                 )
             finally:
-                self._source.release_statistics(self)
                 self._writer.close()
                 self._writer = None
+        self._source.release_statistics(self)
         super().finish(reason, message, logs)
 
     # --------------------------------------------------------------- writing

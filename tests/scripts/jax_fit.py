@@ -168,6 +168,7 @@ def fit_scenario(directory: str) -> dict:
         "events": events(loaded.optimizer),
     }
     result["watched"] = watched_run
+    result["retraces"] = retraces(directory)
     result["custom_loop"] = custom_loop()
     result["forward_state"] = forward_state()
     return result
@@ -286,6 +287,55 @@ def watched(directory: str) -> dict:
         "files": sorted(os.listdir(os.path.join(logdir, "train"))),
         "tensorflow_imported": tensorflow_imported,
     }
+
+
+class CountedTraces(keras.Sequential):
+    """A Sequential whose train step counts how often JAX traced it."""
+
+    traces = 0
+
+    def train_step(self, state: tuple, data: Any) -> tuple:
+        CountedTraces.traces += 1
+        return super().train_step(state, data)
+
+
+class AskAt(keras.callbacks.Callback):
+    """Requests health statistics every ``every`` steps from batch ``batch`` on."""
+
+    def __init__(self, batch: int, every: int) -> None:
+        super().__init__()
+        self.batch, self.every = batch, every
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if batch == self.batch:
+            self.model.optimizer.request_statistics(self, self.every, 0)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self.model.optimizer.release_statistics(self)
+
+
+def retraces(directory: str) -> dict:
+    """Statistics settings are constants of the jit step: each change must reach it, and
+    a fit asking for what an earlier fit asked for must not trace again."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = CountedTraces([keras.Input((4,)), keras.layers.Dense(2), keras.layers.Dense(1)])
+    optimizer = kmix.LossScaleOptimizer("sgd", health_every=1000)
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = np.ones((16, 4), "float32"), np.ones((16, 1), "float32")
+    found: dict = {"health_steps": [], "traces": []}
+
+    def fit(*callbacks: keras.callbacks.Callback) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=list(callbacks))
+        found["health_steps"].append(optimizer.read_state().health_step)
+        found["traces"].append(CountedTraces.traces)
+
+    logdir = os.path.join(directory, "retraces")
+    fit(kmix.callbacks.MixedPrecisionMonitor(logdir, update_freq=3))  # steps 1-8
+    fit(kmix.callbacks.MixedPrecisionMonitor(logdir, update_freq=3))  # 9-16: the same trace
+    fit(AskAt(batch=2, every=5))  # 17-24: every 1000 until batch 2 (step 19), then every 5
+    return found
 
 
 def data_parallel_scenario(directory: str) -> dict:
