@@ -142,10 +142,19 @@ def stateless_apply(
     new_trainable, new_inner = ops.cond(applies, apply_inner, skip)
     statistics = statistics_of(recorder)
 
+    rule = optimizer.config.rule
+    due = record.due_now(old.counters, ops.stack(statistics[:2]))
+    quiet = record.is_quiet(old.counters, flags, due, rule)
+
     def finish(forward: tuple[Any, Any] | None) -> list:
-        new, _ = step_values.advance_record(
-            old, grads, flags, statistics, forward, optimizer.config.rule
-        )
+        def quiet_step() -> step_values.RecordValues:  # the common step: one constant added
+            delta = ops.cast(record.QUIET_DELTA, old.counters.dtype)
+            return old._replace(counters=old.counters + delta)
+
+        def full_step() -> step_values.RecordValues:
+            return step_values.advance_record(old, grads, flags, statistics, forward, rule)[0]
+
+        new = ops.cond(quiet, quiet_step, full_step)
         out = list(values[:own])
         for slot, value in zip(slots, new, strict=True):
             out[slot] = value

@@ -252,7 +252,9 @@ def due_now(packed: Any, every: Any) -> Any:
     return due(step, every)
 
 
-def quiet_bounds(config: scaling.ScaleConfig) -> tuple[np.ndarray, np.ndarray]:
+def quiet_bounds(
+    config: scaling.ScaleConfig, dtype: str = "int64"
+) -> tuple[np.ndarray, np.ndarray]:
     """Per counter, the ``[low, high]`` inside which a clean step is quiet.
 
     A quiet step follows a quiet step (the last loss known finite, no skip or
@@ -260,19 +262,18 @@ def quiet_bounds(config: scaling.ScaleConfig) -> tuple[np.ndarray, np.ndarray]:
 
     Args:
         config: the scale rule's constants (its ``growth_steps``).
+        dtype: the counters' dtype (int32 on JAX without ``jax_enable_x64``).
 
     Returns:
-        ``(low, high)``: int64 vectors in :func:`pack`'s layout.
+        ``(low, high)``: vectors of ``dtype`` in :func:`pack`'s layout.
     """
-    low = dict.fromkeys(Counters._fields, -INT64_MAX - 1)
-    high = dict.fromkeys(Counters._fields, INT64_MAX)
+    top = int_max(dtype)
+    low = dict.fromkeys(Counters._fields, -top - 1)
+    high = dict.fromkeys(Counters._fields, top)
     exact = {"loss_state": LOSS_FINITE, "consecutive_skips": 0, "consecutive_nonfinite_loss": 0}
     low |= exact
-    high |= exact | {"good_steps": config.growth_steps - 2, "attempted_steps": INT64_MAX - 2}
-    return (
-        np.asarray(list(Counters(**low)), "int64"),
-        np.asarray(list(Counters(**high)), "int64"),
-    )
+    high |= exact | {"good_steps": min(config.growth_steps - 2, top), "attempted_steps": top - 2}
+    return np.asarray(list(Counters(**low)), dtype), np.asarray(list(Counters(**high)), dtype)
 
 
 def is_quiet(packed: Any, flags: Any, due_vector: Any, config: scaling.ScaleConfig) -> Any:
@@ -293,7 +294,7 @@ def is_quiet(packed: Any, flags: Any, due_vector: Any, config: scaling.ScaleConf
     Returns:
         A boolean scalar.
     """
-    low, high = quiet_bounds(config)
+    low, high = quiet_bounds(config, int_dtype_of(packed))
     inside = ops.all(ops.logical_and(packed >= low, packed <= high))
     clean = ops.logical_not(ops.any(flags > 0))
     return ops.logical_and(ops.logical_and(clean, inside), ops.logical_not(ops.any(due_vector)))

@@ -407,3 +407,18 @@ def test_a_process_other_than_the_first_requests_the_statistics_but_writes_nothi
     assert seen == [3] * 4 and optimizer.read_state().health_step == 3
     assert optimizer.health_every == 1000  # released at the end
     assert not (tmp_path / "logs").exists()  # process 0 writes
+
+
+def test_int32_counters_are_quiet_up_to_their_own_end():
+    """JAX without x64 keeps the counters in int32: the quiet step stops before int32's end."""
+    top = 2**31 - 1
+    rule = scaling.ScaleConfig(growth_steps=10)
+
+    def quiet(attempted: int) -> bool:
+        packed, _ = int32_record(attempted)
+        clean = np.float32([0, 0, 0])
+        return bool(record.is_quiet(packed, clean, np.asarray([False, False]), rule))
+
+    low, high = record.quiet_bounds(rule, "int32")
+    assert low.dtype == high.dtype == np.int32
+    assert quiet(top - 2) and not quiet(top - 1)  # one more step would reach the end
