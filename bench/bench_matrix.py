@@ -80,7 +80,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 from bench_optimizer import deep, mlp  # noqa: E402
 
 import kmix  # noqa: E402
@@ -123,13 +122,28 @@ def rescnn(blocks: int = 3, width: int = 32) -> tuple[keras.Model, np.ndarray]:
 
 
 def transformer(
-    blocks: int = 4, vocab: int = 1000, seq: int = 32, width: int = 64, heads: int = 4
+    blocks: int = 4,
+    vocab: int = 1000,
+    seq: int = 32,
+    width: int = 64,
+    heads: int = 4,
+    scores: bool = False,
 ) -> tuple[keras.Model, np.ndarray]:
-    """Small Transformer encoder on integer tokens; 16 variables per block (69 at 4)."""
+    """Small Transformer encoder on integer tokens; 16 variables per block (69 at 4).
+
+    ``scores=True`` has MultiHeadAttention return its attention scores too (dropped): the
+    layer then takes its explicit einsum path instead of ``ops.dot_product_attention``,
+    which Keras 3.15's JAX backend cannot compile on a CPU in float16 ("The precision
+    'F16_F16_F32' is not supported by dot_general on CPU"); same variables, same math.
+    """
     tokens = keras.Input((seq,), dtype="int32")
     x = keras.layers.Embedding(vocab, width)(tokens)
     for _ in range(blocks):
-        attention = keras.layers.MultiHeadAttention(heads, width // heads)(x, x)
+        attention_layer = keras.layers.MultiHeadAttention(heads, width // heads)
+        if scores:
+            attention, _ = attention_layer(x, x, return_attention_scores=True)
+        else:
+            attention = attention_layer(x, x)
         x = keras.layers.LayerNormalization()(keras.layers.Add()([x, attention]))
         ffn = keras.layers.Dense(2 * width, activation="relu")(x)
         ffn = keras.layers.Dense(width)(ffn)
@@ -273,6 +287,8 @@ class Run:
     def __init__(self, make_model: Callable, config: str, log_dir: str, jit: bool) -> None:
         _, make_optimizer, self.make_callbacks = CONFIGS[config]
         self.log_dir = log_dir
+        import tensorflow as tf  # here, not at the top: bench_jax.py imports the builders
+
         keras.utils.set_random_seed(0)
         self.model, x = make_model()
         y = np.random.randint(0, CLASSES, (len(x),))
@@ -411,6 +427,8 @@ def main() -> None:
     if args.copies < 1:
         parser.error(f"argument --copies: expected an integer >= 1, got {args.copies}")
     configs = ["stock"] + [c for c in CONFIGS if c in args.config and c != "stock"]
+
+    import tensorflow as tf
 
     keras.mixed_precision.set_global_policy("mixed_float16")
     print(
