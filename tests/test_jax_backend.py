@@ -258,6 +258,13 @@ def test_data_parallel_over_two_devices_skips_a_step_one_shard_spoils(tmp_path):
         [3, "backoff", scale, scale / 2, "hidden/kernel", True],
     ]
     assert run["state"]["skipped_steps"] == 2 and run["state"]["attempted_steps"] == 4
+    # The NaN row came with the data: hidden (the float16 layer) is named, its inputs not
+    # finite; the monitor on the global program wrote both events; statistics every step.
+    origin = {"layer": "hidden", "layer_class": "Dense", "inputs_finite": False}
+    assert {k: run["events"][0]["origin"][k] for k in origin} == origin
+    assert run["events"][1]["origin"] is None
+    assert run["layers"] == ["hidden"] and run["state"]["health_step"] == 4
+    assert run["report_events"] == [2, 3]
 
 
 # ------------------------------------------------------------------ fast: the pure pieces

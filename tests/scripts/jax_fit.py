@@ -346,9 +346,19 @@ def data_parallel_scenario(directory: str) -> dict:
     model, optimizer = build()
     model.fit(*batch("ok", rows=4), batch_size=4, epochs=1, verbose=0)  # builds, one step
     result = {"devices": len(devices), "steps": {}}
+    logdir = os.path.join(directory, "data_parallel")
     for kind in ("forward", "gradient", "ok"):
         before = state_of(model, optimizer)
-        model.fit(*batch(kind, rows=4, bad_row=3), batch_size=4, epochs=1, verbose=0)
+        monitor = kmix.callbacks.MixedPrecisionMonitor(logdir, update_freq=1, verbose=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.fit(
+                *batch(kind, rows=4, bad_row=3),
+                batch_size=4,
+                epochs=1,
+                verbose=0,
+                callbacks=[monitor],
+            )
         per_device = [
             [np.asarray(shard.data) for shard in v.value.addressable_shards]
             for v in model.trainable_variables
@@ -364,6 +374,12 @@ def data_parallel_scenario(directory: str) -> dict:
     result["state"] = dataclasses.asdict(optimizer.read_state())
     result["events"] = events(optimizer)
     result["variables"] = optimizer.variable_paths()
+    result["layers"] = sorted(optimizer.activations_by_layer())
+    from kmix import report
+
+    result["report_events"] = [
+        e["step"] for e in report.summarize(report.read_log(logdir)).to_dict()["events"]
+    ]
     return result
 
 
