@@ -3,10 +3,12 @@
 ``kmix doctor`` times a matmul and a convolution in float32, float16 and bfloat16 on the
 CPU (about a second) and ``kmix.use("mixed_float16")`` times the float32 and float16
 matmul once per process (a fraction of a second) on machines without a GPU or TPU;
-``kmix/_speed_measure.py`` takes the times (the only part that touches TensorFlow) and
-this module judges them, pure functions over typed values (:class:`Timing`,
-:class:`SpeedMeasurement`, :class:`Ratio`). A cell that could not be timed is absent
-from ``timings`` and explained in ``missing``; no number stands in for it.
+``kmix/_speed_measure.py`` takes the times with the Keras backend's own library (the only
+part that touches TensorFlow or JAX: TensorFlow's eager CPU kernels, or on Keras's JAX
+backend XLA's, jit-compiled) and this module judges them, pure functions over typed
+values (:class:`Timing`, :class:`SpeedMeasurement`, :class:`Ratio`). A cell that could
+not be timed is absent from ``timings`` and explained in ``missing``; no number stands in
+for it.
 
 A cell's time is the median of its rounds' times, a round's time being its fastest call
 (the one other jobs on a shared machine disturbed least; the cells take turns in
@@ -23,6 +25,9 @@ from typing import Any
 
 OPS = ("matmul", "conv2d")
 """The ops timed, in the order shown."""
+
+BACKENDS = ("tensorflow", "jax")
+"""Whose kernels are timed: TensorFlow's, or (on Keras's JAX backend) XLA's through JAX."""
 
 DTYPES = ("float32", "float16", "bfloat16")
 """The dtypes timed; float32 is the reference of every ratio."""
@@ -89,9 +94,12 @@ class SpeedMeasurement:
     Attributes:
         timings: one :class:`Timing` per cell that was timed.
         missing: one :class:`Missing` per cell that could not be.
-        onednn: whether TensorFlow's oneDNN CPU kernels were on; None when unknown.
-        onednn_setting: ``TF_ENABLE_ONEDNN_OPTS`` as it was set, None when unset.
+        onednn: whether TensorFlow's oneDNN CPU kernels were on; None when unknown, and
+            always None when ``backend`` is ``"jax"`` (oneDNN is TensorFlow's).
+        onednn_setting: ``TF_ENABLE_ONEDNN_OPTS`` as it was set, None when unset; always
+            None when ``backend`` is ``"jax"``.
         seconds: the wall time the measurement took, in seconds.
+        backend: whose kernels were timed, one of :data:`BACKENDS`.
     """
 
     timings: tuple[Timing, ...] = ()
@@ -99,6 +107,7 @@ class SpeedMeasurement:
     onednn: bool | None = None
     onednn_setting: str | None = None
     seconds: float = 0.0
+    backend: str = "tensorflow"
 
     def timing(self, op: str, dtype: str) -> Timing | None:
         """The timing of one cell, or None when it was not timed."""
@@ -130,6 +139,7 @@ class SpeedMeasurement:
             onednn=value["onednn"],
             onednn_setting=value["onednn_setting"],
             seconds=float(value["seconds"]),
+            backend=str(value["backend"]),
         )
 
 
@@ -262,11 +272,15 @@ def onednn_fix_applies(measured: SpeedMeasurement) -> bool:
         measured: the measurement.
 
     Returns:
-        True when oneDNN was on and a float16 op took :data:`PATHOLOGICAL` times
-        float32's time or more.
+        True when TensorFlow's kernels were timed with oneDNN on and a float16 op took
+        :data:`PATHOLOGICAL` times float32's time or more (never for JAX's).
     """
-    return measured.onednn is True and any(
-        r.dtype == "float16" and r.verdict == "pathological" for r in speed_ratios(measured)
+    return (
+        measured.backend == "tensorflow"
+        and measured.onednn is True
+        and any(
+            r.dtype == "float16" and r.verdict == "pathological" for r in speed_ratios(measured)
+        )
     )
 
 
@@ -307,15 +321,10 @@ def doctor_lines(
         recheck_error: why the recheck could not be made, when it failed.
 
     Returns:
-        The lines: the oneDNN state, the measurement, and the known fix with its measured
-        effect where one applies.
+        The lines: whose kernels were timed (TensorFlow's: with the oneDNN state), the
+        measurement, and the known fix with its measured effect where one applies.
     """
-    onednn = {True: "on", False: "off", None: "unknown"}[measured.onednn]
-    setting = "unset" if measured.onednn_setting is None else repr(measured.onednn_setting)
-    lines = [
-        f"oneDNN CPU kernels: {onednn} (TF_ENABLE_ONEDNN_OPTS {setting}); "
-        f"measured in {measured.seconds:.1f} s"
-    ]
+    lines = [f"{kernels_timed(measured)}; measured in {measured.seconds:.1f} s"]
     lines += measurement_lines(measured)
     ratios = speed_ratios(measured)
     if onednn_fix_applies(measured):
@@ -337,6 +346,23 @@ def doctor_lines(
     return lines
 
 
+def kernels_timed(measured: SpeedMeasurement) -> str:
+    """Whose kernels were timed, in words (TensorFlow's: with oneDNN's state).
+
+    Args:
+        measured: the measurement.
+
+    Returns:
+        E.g. ``"oneDNN CPU kernels: off (TF_ENABLE_ONEDNN_OPTS '0')"`` for TensorFlow, or
+        ``"XLA's CPU kernels (JAX, jit-compiled), as Keras's jax backend runs them"``.
+    """
+    if measured.backend == "jax":
+        return "XLA's CPU kernels (JAX, jit-compiled), as Keras's jax backend runs them"
+    onednn = {True: "on", False: "off", None: "unknown"}[measured.onednn]
+    setting = "unset" if measured.onednn_setting is None else repr(measured.onednn_setting)
+    return f"oneDNN CPU kernels: {onednn} (TF_ENABLE_ONEDNN_OPTS {setting})"
+
+
 ONEDNN_FLOAT16_FLAGS = ("amx_fp16", "avx512_fp16")
 """CPU flags on which oneDNN takes its own float16 path (elsewhere TensorFlow 2.21 falls
 back to Eigen's kernels: "oneDNN supports DT_HALF only on platforms with AVX-512 ...")."""
@@ -348,21 +374,23 @@ def demo_should_check_onednn(
     """Whether ``kmix demo`` times float16 with oneDNN on before TensorFlow is imported.
 
     The check costs a fresh process (a few seconds), so it runs only where it can change
-    something: the demo computes in float16, the CPU has a flag of
+    something: the demo trains on TensorFlow (``KERAS_BACKEND`` unset, empty or
+    ``"tensorflow"``: oneDNN is TensorFlow's), computes in float16, the CPU has a flag of
     :data:`ONEDNN_FLOAT16_FLAGS`, the user left ``TF_ENABLE_ONEDNN_OPTS`` unset, and
     TensorFlow is not imported yet (it reads the variable once, when imported).
 
     Args:
         policy: the ``--policy`` given to ``kmix demo``.
         cpu_flags: the CPU's flags, e.g. ``kmix.hardware.read_cpuinfo()[1]``.
-        environ: the environment variables.
+        environ: the environment variables (``kmix demo`` sets ``KERAS_BACKEND`` first).
         tensorflow_imported: whether TensorFlow is imported in this process.
 
     Returns:
         True when the check should run.
     """
     return (
-        policy in ("mixed_float16", "float16")
+        (environ.get("KERAS_BACKEND") or "tensorflow") == "tensorflow"
+        and policy in ("mixed_float16", "float16")
         and any(flag in cpu_flags for flag in ONEDNN_FLOAT16_FLAGS)
         and "TF_ENABLE_ONEDNN_OPTS" not in environ
         and not tensorflow_imported
@@ -426,7 +454,7 @@ def float16_cpu_finding(measured: SpeedMeasurement) -> tuple[str, bool]:
         f"no GPU or TPU was found, and on this CPU a float16 {ratio.op} ({SHAPES[ratio.op]}) "
         f"measured {_times(ratio.ratio)} float32's time (median of {ratio.rounds} rounds{noise})"
     )
-    if ratio.verdict == "pathological" and measured.onednn:
+    if ratio.verdict == "pathological" and onednn_fix_applies(measured):
         sentence += f"; oneDNN's float16 path is slow here: {ONEDNN_FIX}"
     slow = ratio.verdict == "pathological" or (
         ratio.verdict == "slower" and ratio.ratio >= WORTH_A_WARNING

@@ -1,8 +1,10 @@
 """What kmix detects about this machine: accelerators and the CPU flags that matter.
 
 ``kmix.hardware()`` returns a small, printable, JSON-serialisable :class:`Hardware`
-value. Detection asks TensorFlow for its physical devices and reads the CPU flags
-from ``/proc/cpuinfo`` on Linux; it uses no network and starts no subprocess.
+value. Detection asks the Keras backend's own library for its devices (JAX:
+``jax.local_devices()``, and TensorFlow is never imported; otherwise TensorFlow's physical
+devices) and reads the CPU flags from ``/proc/cpuinfo`` on Linux; it uses no network and
+starts no subprocess.
 
 Example:
     >>> import json, kmix
@@ -14,6 +16,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Sequence
 from typing import Any
 
 # Where the CPU flags are read from; tests pass another file to ``hardware()``.
@@ -25,10 +29,11 @@ CPU_FLAGS = ("amx_bf16", "amx_fp16", "amx_tile", "avx512_bf16", "avx512_fp16", "
 
 @dataclasses.dataclass(frozen=True)
 class GPU:
-    """One GPU as TensorFlow reports it.
+    """One GPU as the Keras backend's library reports it.
 
     Attributes:
-        device: TensorFlow's device name, e.g. ``"/physical_device:GPU:0"``.
+        device: the device's name: TensorFlow's, e.g. ``"/physical_device:GPU:0"``, or
+            JAX's platform and id, e.g. ``"gpu:0"``.
         name: the product name, e.g. ``"NVIDIA A100-SXM4-40GB"``; ``""`` if unknown.
         compute_capability: CUDA compute capability as ``(major, minor)``, or
             ``None`` when the device reports none (e.g. a non-CUDA GPU).
@@ -50,7 +55,8 @@ class Hardware:
 
     Attributes:
         devices: every physical device TensorFlow sees, e.g.
-            ``("/physical_device:CPU:0",)``.
+            ``("/physical_device:CPU:0",)``; on Keras's JAX backend every local device
+            JAX sees, its CPU included, e.g. ``("cpu:0", "gpu:0")``.
         gpus: one :class:`GPU` per GPU.
         tpus: the TPU device names.
         cpu_model: the CPU's model name from ``/proc/cpuinfo``; ``""`` if unknown.
@@ -96,6 +102,12 @@ def hardware(cpuinfo_path: str = CPUINFO_PATH) -> Hardware:
         (GPU(device='/physical_device:GPU:0', name='NVIDIA A100-SXM4-40GB',
              compute_capability=(8, 0)),)
     """
+    cpu_model, cpu_flags = read_cpuinfo(cpuinfo_path)
+    if keras_backend() == "jax":
+        import jax
+
+        devices = jax_devices(_local_jax_devices(jax))
+        return dataclasses.replace(devices, cpu_model=cpu_model, cpu_flags=cpu_flags)
     try:
         import tensorflow as tf
     except ImportError:  # another Keras backend: only the CPU is known
@@ -103,7 +115,6 @@ def hardware(cpuinfo_path: str = CPUINFO_PATH) -> Hardware:
     else:
         devices = tf.config.list_physical_devices()
     gpus = tuple(_describe_gpu(tf, device) for device in devices if device.device_type == "GPU")
-    cpu_model, cpu_flags = read_cpuinfo(cpuinfo_path)
     return Hardware(
         devices=tuple(device.name for device in devices),
         gpus=gpus,
@@ -111,6 +122,86 @@ def hardware(cpuinfo_path: str = CPUINFO_PATH) -> Hardware:
         cpu_model=cpu_model,
         cpu_flags=cpu_flags,
     )
+
+
+def keras_backend() -> str | None:
+    """The active Keras backend's name, e.g. ``"jax"``; None when Keras does not import.
+
+    Importing Keras imports its backend's library (TensorFlow by default), so this is
+    asked only where that library is needed anyway.
+    """
+    try:
+        import keras
+
+        return keras.backend.backend()
+    except Exception:  # no Keras, or a broken install: the caller falls back to TensorFlow
+        return None
+
+
+def jax_devices(devices: Sequence[Any]) -> Hardware:
+    """The devices, GPUs and TPUs of a :class:`Hardware` from JAX's device objects.
+
+    Rule: a device's name is ``"{platform}:{id}"``; platform ``"gpu"`` is a :class:`GPU`
+    named by ``device_kind``, its capability from ``compute_capability`` when present
+    (:func:`parse_compute_capability`); platform ``"tpu"`` is a TPU; ``"cpu"`` neither.
+
+    Args:
+        devices: objects with JAX's device attributes ``platform``, ``id`` and
+            ``device_kind`` (and, on CUDA GPUs, ``compute_capability``), e.g.
+            ``jax.local_devices()``.
+
+    Returns:
+        A :class:`Hardware` with ``devices``, ``gpus`` and ``tpus`` set, the CPU fields
+        empty.
+
+    Example:
+        >>> from types import SimpleNamespace as Device
+        >>> gpu = Device(platform="gpu", id=0, device_kind="NVIDIA H200", compute_capability="9.0")
+        >>> jax_devices([gpu]).gpus
+        (GPU(device='gpu:0', name='NVIDIA H200', compute_capability=(9, 0)),)
+    """
+    names = tuple(f"{device.platform}:{device.id}" for device in devices)
+    gpus = tuple(
+        GPU(
+            device=name,
+            name=str(getattr(device, "device_kind", "") or ""),
+            compute_capability=parse_compute_capability(
+                getattr(device, "compute_capability", None)
+            ),
+        )
+        for name, device in zip(names, devices, strict=True)
+        if device.platform == "gpu"
+    )
+    tpus = tuple(
+        name for name, device in zip(names, devices, strict=True) if device.platform == "tpu"
+    )
+    return Hardware(devices=names, gpus=gpus, tpus=tpus)
+
+
+_CAPABILITY = re.compile(r"\s*(\d+)\.(\d+)\s*")
+
+
+def parse_compute_capability(value: Any) -> tuple[int, int] | None:
+    """A CUDA compute capability as ``(major, minor)``, from JAX's string or a pair.
+
+    Args:
+        value: e.g. ``"9.0"`` (JAX's ``device.compute_capability``), ``(8, 6)``, or None.
+
+    Returns:
+        ``(major, minor)``, or None when ``value`` is None or names no CUDA capability
+        (e.g. a ROCm GPU's ``"gfx90a"``).
+
+    Example:
+        >>> parse_compute_capability("8.6"), parse_compute_capability("gfx90a")
+        ((8, 6), None)
+    """
+    if isinstance(value, tuple | list) and len(value) == 2:
+        try:
+            return int(value[0]), int(value[1])
+        except (TypeError, ValueError):
+            return None
+    match = _CAPABILITY.fullmatch(value) if isinstance(value, str) else None
+    return None if match is None else (int(match[1]), int(match[2]))
 
 
 def read_cpuinfo(path: str = CPUINFO_PATH) -> tuple[str, tuple[str, ...]]:
@@ -143,6 +234,15 @@ def json_ready(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [json_ready(item) for item in value]
     return value
+
+
+def _local_jax_devices(jax: Any) -> list[Any]:
+    """This process's JAX devices: the CPU first, then the default backend's if not the CPU."""
+    try:
+        cpus = jax.local_devices(backend="cpu")
+    except RuntimeError:  # JAX_PLATFORMS leaves the CPU out
+        cpus = []
+    return cpus + [device for device in jax.local_devices() if device.platform != "cpu"]
 
 
 def _describe_gpu(tf: Any, device: Any) -> GPU:

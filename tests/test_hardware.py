@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 
 import pytest
 import tensorflow as tf
 
 import kmix
 from kmix import hardware as hardware_module
-from kmix.hardware import GPU, Hardware, hardware, read_cpuinfo
+from kmix.hardware import (
+    GPU,
+    Hardware,
+    hardware,
+    jax_devices,
+    parse_compute_capability,
+    read_cpuinfo,
+)
 
 CPUINFO = """\
 processor\t: 0
@@ -155,3 +164,78 @@ def test_read_cpuinfo_keeps_the_float16_flags_that_decide_onednn_s_path(tmp_path
         "Xeon",
         ("amx_bf16", "amx_fp16", "avx512_fp16", "avx512f"),
     )
+
+
+# ------------------------------------------------------------- Keras's JAX backend (issue 24)
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("9.0", (9, 0)),  # JAX's device.compute_capability on CUDA
+        ("8.6", (8, 6)),
+        (" 7.5 ", (7, 5)),
+        ("10.0", (10, 0)),
+        ((8, 0), (8, 0)),  # TensorFlow's pair
+        ([8, 6], (8, 6)),
+        (None, None),
+        ("gfx90a", None),  # a ROCm GPU names no CUDA capability
+        ("9", None),
+        ("", None),
+        (("a", "b"), None),
+        ((9, 0, 1), None),
+        (9.0, None),
+    ],
+)
+def test_parse_compute_capability(value, expected):
+    assert parse_compute_capability(value) == expected
+
+
+def test_jax_devices_map_platforms_to_the_same_fields():
+    from types import SimpleNamespace as Device
+
+    devices = [
+        Device(platform="cpu", id=0, device_kind="cpu"),
+        Device(platform="gpu", id=0, device_kind="NVIDIA H200", compute_capability="9.0"),
+        Device(platform="gpu", id=1, device_kind="AMD Instinct MI250X"),  # no capability
+        Device(platform="gpu", id=2, device_kind="", compute_capability="7.0"),
+        Device(platform="tpu", id=3, device_kind="TPU v4"),
+    ]
+    assert jax_devices(devices) == Hardware(
+        devices=("cpu:0", "gpu:0", "gpu:1", "gpu:2", "tpu:3"),
+        gpus=(
+            GPU("gpu:0", "NVIDIA H200", (9, 0)),
+            GPU("gpu:1", "AMD Instinct MI250X", None),
+            GPU("gpu:2", "", (7, 0)),
+        ),
+        tpus=("tpu:3",),
+    )
+    assert jax_devices([]) == Hardware()
+
+
+def test_hardware_on_jax_lists_jax_s_devices_and_reads_the_cpuinfo(monkeypatch, cpuinfo):
+    jax = pytest.importorskip("jax")
+    monkeypatch.setattr(sys.modules["kmix.hardware"], "keras_backend", lambda: "jax")
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # importing it would raise
+    hw = hardware(cpuinfo)
+    assert hw.devices[0] == "cpu:0"
+    assert hw.devices[1:] == tuple(
+        f"{d.platform}:{d.id}" for d in jax.local_devices() if d.platform != "cpu"
+    )
+    assert hw.cpu_model == "Intel(R) Xeon(R) Platinum 8480+"
+    assert hw.cpu_flags == ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "f16c")
+
+
+@pytest.mark.slow
+def test_hardware_on_jax_imports_no_tensorflow():
+    pytest.importorskip("jax")
+    code = (
+        "import json, sys, kmix\n"
+        "hw = kmix.hardware()\n"
+        "print(json.dumps({'tensorflow': 'tensorflow' in sys.modules, 'devices': hw.devices}))"
+    )
+    env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert facts == {"tensorflow": False, "devices": ["cpu:0"]}

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
 
 import keras
@@ -295,3 +300,50 @@ def test_public_names():
     assert kmix.use is use
     assert kmix.policy_scope is policy_scope
     assert kmix.PolicyChoice is PolicyChoice
+
+
+# ------------------------------------------------------------- Keras's JAX backend (issue 24)
+def test_float16_pathologically_slow_on_jax_warns_without_onednn_advice():
+    on_jax = dataclasses.replace(ONEDNN_XEON, onednn=None, backend="jax")
+    with pytest.warns(UserWarning) as record:
+        choice = use("mixed_float16", detected=CPU, measured=on_jax)
+    message = str(record[0].message)
+    assert "measured 405x float32's time (median of 2 rounds; float32's own noise 0%). " in message
+    assert "oneDNN" not in message and "ONEDNN" not in message
+    assert "oneDNN" not in choice.reason
+
+
+@pytest.mark.slow
+def test_use_mixed_float16_on_jax_measures_xla_and_imports_no_tensorflow():
+    pytest.importorskip("jax")
+    code = """
+        import json, sys, warnings
+        import kmix
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            choice = kmix.use("mixed_float16")
+        print(json.dumps({"name": choice.name, "reason": choice.reason,
+                          "devices": choice.hardware.devices,
+                          "warnings": [str(w.message) for w in record],
+                          "tensorflow": "tensorflow" in sys.modules}))
+    """
+    env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (facts["name"], facts["devices"], facts["tensorflow"]) == (
+        "mixed_float16",
+        ["cpu:0"],
+        False,
+    )
+    assert "a float16 matmul (128x512 @ 512x512) measured " in facts["reason"]
+    for message in facts["warnings"]:
+        assert "measured " in message and "oneDNN" not in message
+    assert "oneDNN" not in facts["reason"]

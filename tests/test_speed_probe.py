@@ -3,9 +3,12 @@ and kmix._speed_measure (a real measurement, in this process and in a fresh one)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import subprocess
 import sys
+import types
 
 import pytest
 
@@ -368,3 +371,146 @@ def test_doctor_speed_section_says_an_accelerator_is_not_timed():
     assert with_gpu == cpu_only + [
         "  the GPU or TPU is not timed here: kmix compare times each policy on your model"
     ]
+
+
+# ------------------------------------------------------------- Keras's JAX backend (issue 24)
+# XLA's kernels on a CPU where float16 matmul is pathologically slow (hand-made).
+ON_JAX = SpeedMeasurement(
+    timings=cells("matmul", float32=(1.0, 1.0, 1.0), float16=(20.0, 20.0), bfloat16=(0.5,) * 3),
+    missing=(Missing("conv2d", "float16", "XlaRuntimeError: UNIMPLEMENTED"),),
+    seconds=1.5,
+    backend="jax",
+)
+
+
+def test_kernels_timed_names_the_backend_and_onednn_only_for_tensorflow():
+    assert (
+        probe_rules.kernels_timed(XEON_OFF) == "oneDNN CPU kernels: off (TF_ENABLE_ONEDNN_OPTS '0')"
+    )
+    assert probe_rules.kernels_timed(XEON) == "oneDNN CPU kernels: on (TF_ENABLE_ONEDNN_OPTS unset)"
+    assert probe_rules.kernels_timed(ON_JAX) == (
+        "XLA's CPU kernels (JAX, jit-compiled), as Keras's jax backend runs them"
+    )
+
+
+def test_on_jax_no_onednn_words_and_no_onednn_fix():
+    # Even a measurement claiming oneDNN was on: oneDNN's fix is TensorFlow's.
+    assert not onednn_fix_applies(dataclasses.replace(XEON, backend="jax"))
+    assert not onednn_fix_applies(ON_JAX)
+    assert doctor_lines(ON_JAX, recheck_error="not run") == [
+        "XLA's CPU kernels (JAX, jit-compiled), as Keras's jax backend runs them; "
+        "measured in 1.5 s",
+        "matmul 128x512 @ 512x512: float32 1.00 ms, float16 20.0 ms, bfloat16 0.500 ms a call "
+        "(median of 2/3 rounds)",
+        "float16 matmul: 20x float32's time, pathologically slow",
+        "bfloat16 matmul: 0.50x float32's time (faster; float32's own noise 0%)",
+        "float16 conv2d: not measured: XlaRuntimeError: UNIMPLEMENTED",
+        "no fix kmix knows for the pathologically slow dtype: use a policy that avoids it "
+        "(kmix compare measures each policy on your model)",
+    ]
+    assert float16_cpu_finding(ON_JAX) == (
+        "no GPU or TPU was found, and on this CPU a float16 matmul (128x512 @ 512x512) "
+        "measured 20x float32's time (median of 2 rounds; float32's own noise 0%)",
+        True,
+    )
+    assert probe_rules.demo_onednn_note(dataclasses.replace(XEON, backend="jax")) is None
+
+
+def test_a_jax_measurement_round_trips_through_json():
+    assert SpeedMeasurement.from_dict(json.loads(json.dumps(ON_JAX.to_dict()))) == ON_JAX
+    assert ON_JAX.to_dict()["backend"] == "jax"
+
+
+@pytest.mark.parametrize(
+    ("keras_backend", "expected"),
+    [(None, True), ("", True), ("tensorflow", True), ("jax", False), ("torch", False)],
+)
+def test_demo_checks_onednn_only_on_tensorflow(keras_backend, expected):
+    environ = {} if keras_backend is None else {"KERAS_BACKEND": keras_backend}
+    assert probe_rules.demo_should_check_onednn(
+        "mixed_float16", ("avx512_fp16",), environ, False
+    ) is (expected)
+
+
+def keras_on(backend):
+    """A stand-in for an imported ``keras`` module on ``backend``."""
+    return types.SimpleNamespace(backend=types.SimpleNamespace(backend=lambda: backend))
+
+
+@pytest.mark.parametrize(
+    ("modules", "environ", "expected"),
+    [
+        ({"keras": keras_on("jax")}, {}, "jax"),
+        ({"keras": keras_on("tensorflow")}, {"KERAS_BACKEND": "jax"}, "tensorflow"),  # fixed
+        ({"keras": keras_on("torch")}, {}, "tensorflow"),
+        ({}, {"KERAS_BACKEND": "jax"}, "jax"),
+        ({}, {"KERAS_BACKEND": "tensorflow"}, "tensorflow"),
+        ({}, {"KERAS_BACKEND": "torch"}, "tensorflow"),
+        ({}, {"KERAS_BACKEND": ""}, None),  # empty is unset, as for Keras
+        ({}, {}, None),  # Keras's config file decides, in the fresh process
+    ],
+)
+def test_backend_without_importing(modules, environ, expected):
+    assert probe.backend_without_importing(modules, environ) == expected
+
+
+def test_measure_in_subprocess_runs_the_child_on_the_same_backend(monkeypatch):
+    runs = []
+
+    def run(command, env, **kwargs):
+        runs.append((command, env))
+        return subprocess.CompletedProcess(command, 0, json.dumps(ON_JAX.to_dict()), "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    assert probe.measure_in_subprocess({}, ("matmul",), backend="jax").timings == ON_JAX.timings
+    command, env = runs[-1]
+    assert command[1:] == [
+        "-m", "kmix._speed_measure", "--ops", "matmul", "--dtypes", "float32,float16",
+        "--backend", "jax",
+    ]  # fmt: skip
+    assert env["KERAS_BACKEND"] == "jax"
+    probe.measure_in_subprocess({"TF_ENABLE_ONEDNN_OPTS": "0"})  # this process's backend
+    command, env = runs[-1]
+    assert command[-2:] == ["--backend", "tensorflow"]  # conftest's Keras
+    assert (env["KERAS_BACKEND"], env["TF_ENABLE_ONEDNN_OPTS"]) == ("tensorflow", "0")
+
+
+def test_measure_refuses_an_unknown_backend():
+    with pytest.raises(ValueError, match=r"^Invalid backend for kmix's speed probe: 'torch'\. "):
+        probe.measure(backend="torch")
+
+
+def test_measure_on_jax_times_xla_s_float32_and_float16_matmul():
+    pytest.importorskip("jax")
+    measured = probe.measure(("matmul",), ("float32", "float16"), rounds=2, backend="jax")
+    assert [(t.op, t.dtype, len(t.seconds)) for t in measured.timings] == [
+        ("matmul", "float32", 2),
+        ("matmul", "float16", 2),
+    ]
+    assert all(0 < s < 10 for t in measured.timings for s in t.seconds)
+    assert (measured.backend, measured.onednn, measured.onednn_setting) == ("jax", None, None)
+    assert "oneDNN" not in "\n".join(doctor_lines(measured))
+
+
+@pytest.mark.slow  # compiles six functions: about 2 s on the 2-core test machine
+def test_measure_on_jax_times_every_cell_or_says_why_not():
+    pytest.importorskip("jax")
+    measured = probe.measure(rounds=2, round_seconds=0.002, backend="jax")
+    timed = {(t.op, t.dtype) for t in measured.timings}
+    missing = {(m.op, m.dtype) for m in measured.missing}
+    assert timed | missing == {(op, dtype) for op in OPS for dtype in DTYPES}
+    assert not timed & missing
+    assert ("matmul", "float32") in timed and ("conv2d", "float32") in timed
+    assert (measured.backend, measured.onednn, measured.onednn_setting) == ("jax", None, None)
+
+
+@pytest.mark.slow
+def test_measure_in_subprocess_on_jax():
+    pytest.importorskip("jax")
+    measured = probe.measure_in_subprocess({"JAX_PLATFORMS": "cpu"}, ("matmul",), backend="jax")
+    assert [(t.op, t.dtype) for t in measured.timings] == [
+        ("matmul", "float32"),
+        ("matmul", "float16"),
+    ]
+    assert (measured.backend, measured.onednn, measured.onednn_setting) == ("jax", None, None)
