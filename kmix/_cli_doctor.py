@@ -1,4 +1,4 @@
-"""``kmix doctor``: package versions, hardware, measured speed, and what is known not to work.
+"""``kmix doctor``: versions, hardware, speed, the Keras backend, and what is known not to work.
 
 The rules are pure (:func:`version_warnings` over :class:`VersionFacts`; the speed
 ratios and their judgement in ``kmix/_speed_probe.py``, the timing in
@@ -20,8 +20,26 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-PACKAGES = ("tensorflow", "keras", "tensorboard", "tf-keras", "numpy", "matplotlib", "kmix")
+PACKAGES = (
+    "tensorflow",
+    "keras",
+    "tensorboard",
+    "tf-keras",
+    "jax",
+    "jaxlib",
+    "numpy",
+    "matplotlib",
+    "kmix",
+)
 """The packages ``kmix doctor`` reports the versions of."""
+
+ON_JAX = (
+    "kmix.LossScaleOptimizer in model.fit (the bounded scale, skipped steps, events, "
+    "gradient health, exponent histograms, activation statistics, the forward origin), "
+    "MixedPrecisionMonitor, LossScaleGuard, PrecisionAutopilot and kmix report; not "
+    "LoopDriver (it drives tf.distribute: TensorFlow only)"
+)
+"""What kmix runs on Keras's JAX backend (issue 24), as ``kmix doctor`` says it."""
 
 
 def package_versions(names: Sequence[str] = PACKAGES) -> dict[str, str | None]:
@@ -77,8 +95,8 @@ VERSION_RULES: tuple[tuple[Callable[[VersionFacts], bool], Callable[[VersionFact
     (
         lambda f: f.missing("tensorflow"),
         lambda f: (
-            "TensorFlow is not installed: kmix.LossScaleOptimizer needs the TensorFlow "
-            "backend (pip install 'tensorflow>=2.16')"
+            "TensorFlow is not installed: kmix requires it, for the TensorFlow backend "
+            "and LoopDriver (pip install 'tensorflow>=2.16')"
         ),
     ),
     (
@@ -121,15 +139,18 @@ VERSION_RULES: tuple[tuple[Callable[[VersionFacts], bool], Callable[[VersionFact
         ),
     ),
     (
-        lambda f: f.backend not in (None, "", "tensorflow"),
+        lambda f: f.backend not in (None, "", "tensorflow", "jax"),
         lambda f: (
-            "the Keras backend is 'jax': kmix.LossScaleOptimizer runs its core there (the "
-            "bounded scale, skipped steps, counters, events, save/load); gradient health, "
-            "the activation tap, MixedPrecisionMonitor and PrecisionAutopilot need "
-            "'tensorflow' (set KERAS_BACKEND=tensorflow)"
-            if f.backend == "jax"
-            else f"the Keras backend is {f.backend!r}: kmix.LossScaleOptimizer and the "
-            "callbacks need 'tensorflow' (set KERAS_BACKEND=tensorflow)"
+            f"the Keras backend is {f.backend!r}: kmix.LossScaleOptimizer and the "
+            "callbacks need 'tensorflow' or 'jax' (set KERAS_BACKEND=tensorflow or "
+            "KERAS_BACKEND=jax)"
+        ),
+    ),
+    (
+        lambda f: f.backend == "jax" and (f.missing("jax") or f.missing("jaxlib")),
+        lambda f: (
+            "the Keras backend is 'jax' but JAX is not installed: pip install \"kmix[jax]\" "
+            "(or set KERAS_BACKEND=tensorflow)"
         ),
     ),
     (
@@ -244,6 +265,32 @@ def speed_section(detected: Any, measured: Any) -> list[str]:
     return ["speed on this CPU (each dtype's time for the same op)"] + [f"  {x}" for x in lines]
 
 
+def backend_section(
+    backend: str | None, environ: Mapping[str, str], versions: Mapping[str, str | None]
+) -> list[str]:
+    """Says which Keras backend is in use, whether JAX is installed, and what kmix runs on it.
+
+    Args:
+        backend: the Keras backend in use, or None when Keras does not import.
+        environ: the environment (``KERAS_BACKEND``).
+        versions: ``{package: version or None}``, as from :func:`package_versions`.
+
+    Returns:
+        The lines: ``Keras backend: NAME (...)``, then, indented, JAX's versions (or how
+        to install it) and :data:`ON_JAX`.
+    """
+    chosen = environ.get("KERAS_BACKEND")
+    where = f"KERAS_BACKEND={chosen}" if chosen else "KERAS_BACKEND is not set"
+    lines = [f"Keras backend: {backend or 'unknown (Keras does not import)'} ({where})"]
+    if versions.get("jax") and versions.get("jaxlib"):
+        jax = f"jax {versions['jax']}, jaxlib {versions['jaxlib']}"
+        if backend != "jax":
+            jax += " (KERAS_BACKEND=jax trains on it; kmix demo --backend jax shows it)"
+    else:
+        jax = 'not installed (pip install "kmix[jax]" for KERAS_BACKEND=jax)'
+    return lines + [f"  JAX: {jax}", f"  kmix on JAX: {ON_JAX}"]
+
+
 def run_doctor(args: argparse.Namespace, measure: Callable[[], Any] | None = None) -> int:
     """Runs ``kmix doctor``: versions, hardware, the policy "auto" picks, speed, warnings.
 
@@ -286,9 +333,9 @@ def run_doctor(args: argparse.Namespace, measure: Callable[[], Any] | None = Non
             import keras
 
             backend = keras.backend.backend()
-            print(f"Keras backend: {backend}")
         except Exception as error:
             print(f"warning: Keras does not import: {error}")
+    print("\n".join(backend_section(backend, os.environ, versions)))
     try:
         requires = importlib.metadata.requires("tensorflow") or []
     except importlib.metadata.PackageNotFoundError:

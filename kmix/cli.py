@@ -21,9 +21,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kmix import __version__
@@ -41,12 +42,14 @@ from kmix._cli_stderr import STARTUP_NOISE, is_startup_noise, quiet_tensorflow_s
 from kmix.policy import POLICY_NAMES
 
 __all__ = [
+    "BACKENDS",
     "BAD_INPUT",
     "PACKAGES",
     "STARTUP_NOISE",
     "VERSION_RULES",
     "VersionFacts",
     "build_parser",
+    "choose_backend",
     "is_startup_noise",
     "main",
     "package_versions",
@@ -58,6 +61,9 @@ __all__ = [
 BAD_INPUT = 2
 """The exit status for bad input: arguments, a log dir without kmix data, a log dir the
 demo may not write to."""
+
+BACKENDS = ("tensorflow", "jax")
+"""The Keras backends ``kmix demo --backend`` trains on."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -108,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
             "MixedPrecisionMonitor and LossScaleGuard. The loss scale starts far too "
             "high for float16, so with a float16 policy the first steps overflow and "
             "back off; the report shows the recovery. Then the same model trains in "
-            "float32 for comparison."
+            "float32 for comparison. --backend jax runs it on Keras's JAX backend."
         ),
     )
     demo.add_argument(
@@ -122,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="mixed_float16",
         choices=POLICY_NAMES,
         help="dtype policy of the logged run; auto chooses from the hardware (%(default)s)",
+    )
+    demo.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help=(
+            "the Keras backend to train on (default: KERAS_BACKEND if set, else tensorflow); "
+            'jax needs pip install "kmix[jax]"'
+        ),
     )
     demo.add_argument(
         "--overwrite",
@@ -164,8 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Print the detected hardware, the policy kmix.use('auto') would choose and "
             "why, the time of a small float32, float16 and bfloat16 matmul and convolution "
             "measured on this CPU (about a second) as ratios to float32, with the known fix "
-            "and its measured effect where one applies, and the versions of TensorFlow, "
-            "Keras and TensorBoard, with a warning for combinations known not to work."
+            "and its measured effect where one applies, the versions of TensorFlow, Keras, "
+            "TensorBoard and JAX, the Keras backend and what kmix runs on JAX, with a "
+            "warning for combinations known not to work."
         ),
     )
     doctor.set_defaults(run=run_doctor, imports_tensorflow=True)
@@ -220,31 +235,90 @@ def _error(command: str, message: str) -> int:
 
 # ------------------------------------------------------------------------ demo
 def _run_demo(args: argparse.Namespace) -> int:
-    """Runs ``kmix demo``, checking the log dir first.
+    """Runs ``kmix demo``, choosing the Keras backend and checking the log dir first.
 
     Args:
-        args: the parsed arguments (``logdir``, ``epochs``, ``policy``, ``overwrite``).
+        args: the parsed arguments (``logdir``, ``epochs``, ``policy``, ``backend``,
+            ``overwrite``).
 
     Returns:
-        The exit status: 0, 1 when LossScaleGuard stopped training, 2 when the demo
-        may not write to the log dir.
+        The exit status: 0, 1 when LossScaleGuard stopped training, 2 when the backend
+        cannot be used or the demo may not write to the log dir.
     """
-    from kmix import demo  # light: TensorFlow is imported when training starts
+    from kmix import demo  # light: Keras and TensorFlow are imported when training starts
 
+    try:  # Keras reads KERAS_BACKEND once, when it is imported: set it before anything does
+        backend = choose_backend(args.backend, os.environ)
+    except ValueError as error:
+        return _error("demo", str(error))
+    os.environ["KERAS_BACKEND"] = backend
     try:  # before TensorFlow starts, so that a bad --logdir is a quick one-line error
         demo.prepare_logdir(args.logdir, overwrite=args.overwrite)
     except demo.LogdirError as error:
         return _error("demo", str(error))
     except OSError as error:
         return _error("demo", _cannot_write(args.logdir, error))
-    from kmix._speed_measure import avoid_slow_float16_path  # oneDNN's float16 (issue 23)
+    if backend == "tensorflow":  # oneDNN's float16 (issue 23) is TensorFlow's
+        from kmix._speed_measure import avoid_slow_float16_path
 
-    note = avoid_slow_float16_path(args.policy)
-    if note:
-        print(note)
+        note = avoid_slow_float16_path(args.policy)
+        if note:
+            print(note)
     return demo.main(
         logdir=args.logdir, epochs=args.epochs, policy=args.policy, overwrite=args.overwrite
     )
+
+
+def choose_backend(requested: str | None, environ: Mapping[str, str]) -> str:
+    """The Keras backend ``kmix demo`` trains on, checked before Keras is imported.
+
+    Args:
+        requested: ``--backend``, or None when it was not given.
+        environ: the environment: ``KERAS_BACKEND`` is the default (an empty value is
+            unset, as for Keras); without it, ``"tensorflow"``.
+
+    Returns:
+        One of :data:`BACKENDS`.
+
+    Raises:
+        ValueError: one line saying what to do: ``KERAS_BACKEND`` names another backend,
+            JAX is chosen but not installed (:func:`jax_installed`), or Keras is already
+            imported in this process with another backend (:func:`loaded_backend`; Keras
+            fixes its backend at import).
+    """
+    backend, source = requested, ""
+    if backend is None:
+        backend = environ.get("KERAS_BACKEND") or "tensorflow"
+        source = " (from KERAS_BACKEND)" if environ.get("KERAS_BACKEND") else " (the default)"
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"KERAS_BACKEND={backend} is not a backend the demo trains on: use "
+            "--backend tensorflow or --backend jax"
+        )
+    if backend == "jax" and not jax_installed():
+        raise ValueError(
+            f"--backend jax{source} needs JAX, which is not installed: "
+            'pip install "kmix[jax]", or use --backend tensorflow'
+        )
+    loaded = loaded_backend()
+    if loaded is not None and loaded != backend:
+        raise ValueError(
+            f"--backend {backend}{source}: Keras is already imported in this process with "
+            f"the {loaded} backend, which it keeps until the process ends; run "
+            f"`kmix demo --backend {backend}` in a new process"
+        )
+    return backend
+
+
+def jax_installed() -> bool:
+    """Whether ``jax`` and ``jaxlib`` can be imported (looked up, not imported)."""
+    return all(importlib.util.find_spec(name) is not None for name in ("jax", "jaxlib"))
+
+
+def loaded_backend() -> str | None:
+    """The backend of the Keras imported in this process, or None when none is."""
+    keras = sys.modules.get("keras")
+    return None if keras is None else keras.backend.backend()
 
 
 def _cannot_write(logdir: str, error: OSError) -> str:

@@ -9,8 +9,10 @@ overflow episode, the recovery, the growth events that follow, gradient health
 and exponent histograms. The same model is then trained in float32 from the same
 seed, to compare test accuracies.
 
-What the demo may write where (its log dir and the marker file) is decided in
-``kmix/_demo_logdir.py``; those names are importable from here too.
+It runs on the Keras backend in use, TensorFlow or JAX (``kmix demo --backend jax``); on
+JAX it imports no TensorFlow of its own (``kmix/_demo_backend.py``). What the demo may
+write where (its log dir and the marker file) is decided in ``kmix/_demo_logdir.py``;
+those names are importable from here too.
 
 Example:
     >>> from kmix import demo
@@ -213,8 +215,9 @@ def _train(
     import keras
 
     import kmix
+    from kmix import _demo_backend
 
-    keras.utils.set_random_seed(seed)
+    _demo_backend.set_random_seed(seed)  # on JAX without importing TensorFlow
     with contextlib.ExitStack() as stack:
         with warnings.catch_warnings():  # the choice's reason says when float16 is slow here
             warnings.simplefilter("ignore", UserWarning)
@@ -340,9 +343,7 @@ def _train_and_report(
     detected: Hardware | None,
 ) -> DemoResult:
     """The body of :func:`run`, once the log dir is ready; its ``seconds`` are 0."""
-    import keras
-
-    from kmix import report
+    from kmix import _demo_backend, report
     from kmix.callbacks import LossScaleGuard, MixedPrecisionMonitor
 
     data = split(*load_digits(), train_limit=train_limit)
@@ -352,7 +353,7 @@ def _train_and_report(
             logdir, update_freq=UPDATE_FREQ, histogram_freq=HISTOGRAM_FREQ, verbose=0
         ),
         guard,
-        keras.callbacks.TensorBoard(logdir),
+        _demo_backend.tensorboard_callback(logdir),  # Keras's on TensorFlow
     ]
     mixed = _train(
         policy,
@@ -395,7 +396,9 @@ def _train_and_report(
     )
 
 
-def _introduction(logdir: str, epochs: int, policy: str, *, auto: bool = False) -> str:
+def _introduction(
+    logdir: str, epochs: int, policy: str, *, auto: bool = False, backend: str | None = None
+) -> str:
     """The line ``kmix demo`` prints before it trains: what it runs and where it logs.
 
     The overflow the demo provokes is promised only where the policy computes in
@@ -407,6 +410,7 @@ def _introduction(logdir: str, epochs: int, policy: str, *, auto: bool = False) 
         policy: the dtype policy of the logged run, as a Keras name (what ``"auto"``
             chose, not ``"auto"``).
         auto: whether ``"auto"`` chose ``policy``.
+        backend: the Keras backend it trains on, named when given.
 
     Returns:
         One line, without its newline.
@@ -414,6 +418,8 @@ def _introduction(logdir: str, epochs: int, policy: str, *, auto: bool = False) 
     head = f"kmix demo: {plural(epochs, 'epoch')} on the 8x8 digits, policy {policy}"
     if auto:
         head += " (chosen by --policy auto)"
+    if backend:
+        head += f", Keras backend {backend}"
     dtype = _compute_dtype(policy)
     if dtype == "float16":
         what = (
@@ -457,10 +463,12 @@ def main(
         LogdirError: ``logdir`` holds files the demo may not replace.
         OSError: ``logdir`` cannot be created or written.
     """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+
     from kmix import report
     from kmix.policy import choose_auto
 
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     name = policy
     if policy == "auto":  # choose once: the run chooses for the same hardware
         if detected is None:
@@ -468,7 +476,8 @@ def main(
 
             detected = hardware()
         name = choose_auto(detected)[0]
-    print(_introduction(logdir, epochs, name, auto=policy == "auto"))
+    backend = keras.backend.backend()
+    print(_introduction(logdir, epochs, name, auto=policy == "auto", backend=backend))
     result = run(logdir, epochs, policy, overwrite=overwrite, detected=detected)
     print()
     print(f"policy: {result.policy}")

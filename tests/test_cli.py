@@ -26,7 +26,7 @@ import tensorflow as tf
 from test_report import assert_png, write_run
 from test_speed_probe import XEON
 
-from kmix import _speed_measure, _speed_probe, cli, demo, report, tags
+from kmix import _cli_doctor, _speed_measure, _speed_probe, cli, demo, report, tags
 from kmix.hardware import GPU, Hardware, hardware
 
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -74,8 +74,12 @@ class Ran(NamedTuple):
 
 
 @pytest.fixture
-def kmix_here(capsys):
-    """Runs ``kmix ARGS`` in this process (``cli.main``) and returns a :class:`Ran`."""
+def kmix_here(capsys, monkeypatch):
+    """Runs ``kmix ARGS`` in this process (``cli.main``) and returns a :class:`Ran`.
+
+    ``kmix demo`` sets ``KERAS_BACKEND`` in the process; it is restored after the test.
+    """
+    keep_keras_backend(monkeypatch)
 
     def run(*args: str) -> Ran:
         capsys.readouterr()  # what was printed before is not this command's
@@ -87,6 +91,16 @@ def kmix_here(capsys):
         return Ran(status, out, err)
 
     return run
+
+
+def keep_keras_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Restores ``KERAS_BACKEND`` after the test, also to unset, whatever the test sets."""
+    was = os.environ.get("KERAS_BACKEND")
+    monkeypatch.setenv("KERAS_BACKEND", "recorded")  # undone last: back to `was` or unset
+    if was is None:
+        monkeypatch.delenv("KERAS_BACKEND")
+    else:
+        monkeypatch.setenv("KERAS_BACKEND", was)
 
 
 def python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -606,7 +620,32 @@ def test_doctor(kmix_here, monkeypatch):
     detected = hardware()
     if not detected.gpus and not detected.tpus:  # judged by the measurement
         assert "\nfloat16 here: no GPU or TPU was found, and on this CPU a float16 matmul " in out
-    assert "Keras backend: tensorflow" in out
+    assert "\nKeras backend: tensorflow (KERAS_BACKEND" in out
+    versions = cli.package_versions(("jax", "jaxlib"))
+    for name, version in versions.items():
+        assert f"  {name:<11}  {version or 'not installed'}\n" in out
+    assert f"\n  kmix on JAX: {_cli_doctor.ON_JAX}\n" in out
+
+
+def test_doctor_backend_section():
+    jax = {"jax": "0.10.2", "jaxlib": "0.10.2"}
+    on_jax = _cli_doctor.backend_section("jax", {"KERAS_BACKEND": "jax"}, jax)
+    assert on_jax == [
+        "Keras backend: jax (KERAS_BACKEND=jax)",
+        "  JAX: jax 0.10.2, jaxlib 0.10.2",
+        f"  kmix on JAX: {_cli_doctor.ON_JAX}",
+    ]
+    assert _cli_doctor.backend_section("tensorflow", {}, jax)[:2] == [
+        "Keras backend: tensorflow (KERAS_BACKEND is not set)",
+        "  JAX: jax 0.10.2, jaxlib 0.10.2 (KERAS_BACKEND=jax trains on it; kmix demo "
+        "--backend jax shows it)",
+    ]
+    assert _cli_doctor.backend_section("tensorflow", {}, {"jax": None})[1] == (
+        '  JAX: not installed (pip install "kmix[jax]" for KERAS_BACKEND=jax)'
+    )
+    # What kmix runs on JAX, and what not: LoopDriver is tf.distribute's.
+    assert "not LoopDriver (it drives tf.distribute: TensorFlow only)" in _cli_doctor.ON_JAX
+    assert "LossScaleGuard, PrecisionAutopilot and kmix report" in _cli_doctor.ON_JAX
 
 
 def fail_to_measure(*args, **kwargs):
@@ -637,6 +676,8 @@ GOOD = {"tensorflow": "2.21.0", "keras": "3.15.1", "tensorboard": "2.21.0", "tf-
 
 def test_version_warnings_good_combination():
     assert cli.version_warnings(GOOD, {}, ["keras>=3.12.0", "numpy>=1.26"], "tensorflow") == []
+    on_jax = GOOD | {"jax": "0.10.2", "jaxlib": "0.10.2"}
+    assert cli.version_warnings(on_jax, {"KERAS_BACKEND": "jax"}, ["keras>=3.12.0"], "jax") == []
 
 
 @pytest.mark.parametrize(
@@ -649,7 +690,8 @@ def test_version_warnings_good_combination():
         ({"keras": "3.3.3"}, {}, "Keras 3.3.3 is older than 3.8"),
         ({"keras": "3.10.0"}, {}, "TensorFlow 2.21.0 expects keras>=3.12.0 but Keras 3.10.0"),
         ({"tf-keras": "2.21.0"}, {"TF_USE_LEGACY_KERAS": "1"}, "TF_USE_LEGACY_KERAS is set"),
-        ({}, {"KERAS_BACKEND": "jax"}, "the Keras backend is 'jax'"),
+        ({}, {"KERAS_BACKEND": "torch"}, "the Keras backend is 'torch': kmix.LossScaleOptimizer"),
+        ({"jax": None}, {"KERAS_BACKEND": "jax"}, "the Keras backend is 'jax' but JAX is not"),
         ({"tensorboard": None}, {}, "TensorBoard is not installed"),
         ({"tensorboard": "1.15.0"}, {}, "TensorBoard 1.15.0 is too old for TensorFlow 2.21.0"),
     ],
@@ -662,7 +704,7 @@ def test_version_warnings_known_bad(changes, environ, says):
 def test_version_warnings_one_per_rule_in_table_order():
     versions = {"tensorflow": "2.15.1", "keras": "3.3.3", "tensorboard": None, "tf-keras": "2.15"}
     found = cli.version_warnings(
-        versions, {"TF_USE_LEGACY_KERAS": "true", "KERAS_BACKEND": "jax"}, ["keras>=3.12"]
+        versions, {"TF_USE_LEGACY_KERAS": "true", "KERAS_BACKEND": "torch"}, ["keras>=3.12"]
     )
     assert found == [
         "TensorFlow 2.15.1 is older than 2.16 and uses Keras 2 (tf.keras); kmix needs "
@@ -673,10 +715,8 @@ def test_version_warnings_one_per_rule_in_table_order():
         "TF_USE_LEGACY_KERAS is set, so tf.keras is Keras 2 (tf-keras 2.15): models built "
         "with tf.keras do not work with kmix; use `import keras` (Keras 3) or unset "
         "TF_USE_LEGACY_KERAS",
-        "the Keras backend is 'jax': kmix.LossScaleOptimizer runs its core there (the "
-        "bounded scale, skipped steps, counters, events, save/load); gradient health, the "
-        "activation tap, MixedPrecisionMonitor and PrecisionAutopilot need 'tensorflow' "
-        "(set KERAS_BACKEND=tensorflow)",
+        "the Keras backend is 'torch': kmix.LossScaleOptimizer and the callbacks need "
+        "'tensorflow' or 'jax' (set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax)",
         "TensorBoard is not installed: MixedPrecisionMonitor and kmix report need it "
         "(pip install tensorboard)",
     ]
@@ -756,7 +796,8 @@ def test_demo_main_names_the_policy_auto_chose(capsys, monkeypatch, detected, ch
     assert calls == [("runs/x", 2, "auto", {"overwrite": False, "detected": detected})]
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(
-        f"kmix demo: 2 epochs on the 8x8 digits, policy {chosen} (chosen by --policy auto)."
+        f"kmix demo: 2 epochs on the 8x8 digits, policy {chosen} (chosen by --policy auto), "
+        f"Keras backend {keras.backend.backend()}."
     )
     assert ("the first float16 steps overflow" in lines[0]) == float16
     assert ("needs no loss scaling" in lines[0]) == (not float16)
@@ -840,7 +881,9 @@ def test_demo_command_at_its_defaults(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stderr == ""  # no warnings: no guard forecast, no TensorFlow start-up lines
     out = result.stdout
-    assert out.startswith("kmix demo: 10 epochs on the 8x8 digits, policy mixed_float16.")
+    assert out.startswith(
+        "kmix demo: 10 epochs on the 8x8 digits, policy mixed_float16, Keras backend tensorflow."
+    )
     assert "47/47" in out  # the progress bar: 1,497 images in batches of 32
     assert "test accuracy, mixed_float16 with kmix: " in out
     assert "test accuracy, same model in float32: " in out
