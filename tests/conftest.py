@@ -14,6 +14,14 @@ Both tiers (``-m "not slow"`` and everything) need what is here:
   test (modules it imported: JAX, Playwright, TensorBoard; TensorFlow's graphs and caches)
   is frozen too, right after that collection, or every later test's collection walks it
   again (late in the suite pure tests took ~2 s in teardown).
+
+The same tests also run on Keras's JAX backend (issue 24), a second pass:
+``KERAS_BACKEND=jax python -m pytest -q -m jax``. Only the tests marked
+``@pytest.mark.jax`` apply there (the behaviour tests: scale rule, skip bit-for-bit,
+events, health, forward origin, monitor files, guard trips, save/load); the others use
+TensorFlow directly or cover what is TensorFlow only (the autopilot, tf.distribute), and
+with the JAX backend they are skipped even without ``-m jax``. Nothing here imports
+TensorFlow; the oneDNN variable only matters where TensorFlow is loaded.
 """
 
 from __future__ import annotations
@@ -26,6 +34,18 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
+
+JAX = keras.backend.backend() == "jax"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With KERAS_BACKEND=jax, skip what is not marked ``jax`` (it applies to TensorFlow only)."""
+    if not JAX:
+        return
+    skip = pytest.mark.skip(reason="not marked jax: runs with the TensorFlow backend only")
+    for item in items:
+        if item.get_closest_marker("jax") is None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session", autouse=True)
