@@ -49,6 +49,7 @@ def as_numpy(named_tuple):
     return {k: ops.convert_to_numpy(v) for k, v in named_tuple._asdict().items()}
 
 
+@pytest.mark.jax
 def test_statistics_match_numpy_on_nested_outputs():
     rng = np.random.default_rng(0)
     a = (rng.standard_normal((6, 7)) * 10.0 ** rng.uniform(-9, 4, (6, 7))).astype("float16")
@@ -78,6 +79,7 @@ def test_statistics_match_numpy_on_nested_outputs():
     assert got["headroom_bits"][1] < 0  # finite float32 values past float16's max
 
 
+@pytest.mark.jax
 def test_headroom_is_exact_at_1024():
     x = np.linspace(-1024, 512, 97).astype("float16")
     stats = activations.activation_stats([ops.convert_to_tensor(x)])
@@ -106,12 +108,14 @@ def t(values, dtype="float16"):
     return ops.convert_to_tensor(np.asarray(values, dtype))
 
 
+@pytest.mark.jax
 def test_forward_origin_names_the_origin_not_the_propagation():
     inputs = [t([1.0, -2.0]), t([3.0, 7.0]), t([np.inf, 1.0]), t([np.nan])]
     outputs = [t([3.0, 7.0]), t([np.inf, 1.0]), t([np.nan]), t([np.nan])]
     assert origin(inputs, outputs) == (1, 7.0, True)
 
 
+@pytest.mark.jax
 def test_forward_origin_nested_inputs_and_int_leaves():
     inputs = [
         (t([1.0]), {"mask": ops.ones((2,), "bool"), "ids": t([9, 10], "int32")}),
@@ -121,6 +125,7 @@ def test_forward_origin_nested_inputs_and_int_leaves():
     assert origin(inputs, outputs) == (1, 600.0, True)
 
 
+@pytest.mark.jax
 def test_forward_origin_measures_integer_inputs_and_nothing_else():
     """An Embedding's inputs are integer ids: their magnitude is what was measured; a layer
     with no numeric input has no max (NaN, shown as unknown), never a 0."""
@@ -130,12 +135,14 @@ def test_forward_origin_measures_integer_inputs_and_nothing_else():
     assert int(found.layer_index) == 0 and math.isnan(float(found.max_abs_input))
 
 
+@pytest.mark.jax
 def test_forward_origin_nan_from_the_data():
     inputs = [t([np.nan, 5.0]), t([np.nan])]
     outputs = [t([np.nan]), t([np.nan])]
     assert origin(inputs, outputs) == (0, 5.0, False)
 
 
+@pytest.mark.jax
 def test_forward_origin_all_finite_and_empty():
     assert origin([t([1.0])], [t([65504.0])]) == (-1, 0.0, True)
     assert origin([], []) == (-1, 0.0, True)
@@ -145,10 +152,10 @@ def test_forward_origin_all_finite_and_empty():
 
 # ------------------------------------------------------------------ the tap
 def take_in_function(model, tap, x, jit_compile=False):
-    """Calls the model in a tf.function that reduces ``tap.take()`` there."""
+    """Calls the model in a traced function that reduces ``tap.take()`` there: a
+    ``tf.function`` (``jit_compile`` as given), on JAX ``jax.jit``."""
     paths = []
 
-    @tf.function(jit_compile=jit_compile)
     def step(x):
         model(x, training=True)
         records = tap.take()
@@ -159,7 +166,13 @@ def take_in_function(model, tap, x, jit_compile=False):
         )
         return stats, found
 
-    stats, found = step(x)
+    if keras.backend.backend() == "jax":
+        import jax
+
+        traced = jax.jit(step)
+    else:
+        traced = tf.function(step, jit_compile=jit_compile)
+    stats, found = traced(x)
     return paths, as_numpy(stats), as_numpy(found)
 
 
@@ -181,6 +194,7 @@ def functional_with_shared_layer():
     return keras.Model(inputs, head), shared
 
 
+@pytest.mark.jax
 def test_functional_paths_in_order_and_exact_max(float16_policy):
     model, shared = functional_with_shared_layer()
     tap = activations.ActivationTap(model).install()
@@ -251,6 +265,7 @@ def test_subclassed_model_with_nested_block(float16_policy):
     np.testing.assert_array_equal(stats["max_abs"], expected)
 
 
+@pytest.mark.jax
 def test_float16_overflow_is_named_with_inputs_finite(float16_policy):
     inputs = keras.Input((4,))
     ones = keras.initializers.Constant(1.0)
@@ -268,7 +283,8 @@ def test_float16_overflow_is_named_with_inputs_finite(float16_policy):
     assert stats["nonfinite_fraction"][1] == 1.0 and stats["nonfinite_fraction"][0] == 0.0
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
+# On JAX take_in_function always compiles: one of the two runs there.
+@pytest.mark.parametrize("jit_compile", [False, pytest.param(True, marks=pytest.mark.jax)])
 def test_a_cast_overflow_names_the_layer_it_enters_with_the_finite_value(
     float16_policy, jit_compile
 ):

@@ -69,6 +69,7 @@ def test_a_healthy_run_never_trips_it():
     assert np.isfinite(history.history["loss"]).all()
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_nonfinite_loss_stops_after_exactly_patience_steps(capsys):
     model = spiky_model()
@@ -85,6 +86,7 @@ def test_nonfinite_loss_stops_after_exactly_patience_steps(capsys):
     assert model.optimizer.loss_scale >= 1.0
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_overflow_at_the_floor_stops_and_names_the_variable():
     optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=16, min_scale=4)
@@ -96,6 +98,7 @@ def test_overflow_at_the_floor_stops_and_names_the_variable():
     assert "`b/kernel`" in guard.diagnosis and "floor 4" in guard.diagnosis
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_skip_rate_over_the_window_raises_in_raise_mode():
     optimizer = at_the_floor()
@@ -147,7 +150,16 @@ def first_trip_by_rule(
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("seed", "patience", "steps_per_execution"),
-    [(0, 6, 1), (1, 6, 1), (1, 4, 1), (3, 4, 1), (0, 6, 4), (3, 4, 4), (5, 4, 8), (7, 4, 8)],
+    [
+        (0, 6, 1),
+        (1, 6, 1),
+        (1, 4, 1),
+        (3, 4, 1),
+        (0, 6, 4),
+        (3, 4, 4),
+        pytest.param(5, 4, 8, marks=pytest.mark.jax),
+        (7, 4, 8),
+    ],
 )
 def test_sparse_reads_trip_at_the_same_step_as_a_check_after_every_step(
     seed, patience, steps_per_execution
@@ -252,6 +264,7 @@ def test_a_ring_smaller_than_patience_is_read_before_it_overflows():
     assert reads == [0, 1, 4, 4, 7, 10, 10, 13, 13, 16]
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_the_ring_is_read_in_time_when_keras_calls_back_once_per_execution():
     """steps_per_execution=2, a ring of 3: a read asked for 3 steps on would come after
@@ -303,6 +316,7 @@ def test_stock_keras_overflow_at_the_floor():
     assert "0.5, at or below its floor 1" in guard.diagnosis
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_without_loss_scaling_only_the_loss_check_applies():
     keras.config.set_dtype_policy("float32")
@@ -342,7 +356,7 @@ def test_uncompiled_model_fails_at_train_begin():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("guard_first", [False, True])
+@pytest.mark.parametrize("guard_first", [False, pytest.param(True, marks=pytest.mark.jax)])
 def test_a_run_the_guard_ends_keeps_every_event_and_says_why(tmp_path, guard_first):
     """NaN loss from step 5, patience 3: the guard raises at step 7 with 5, 6, 7 on disk."""
     from test_monitor import events, read_back, texts
@@ -377,7 +391,8 @@ def test_a_run_the_guard_ends_keeps_every_event_and_says_why(tmp_path, guard_fir
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("jit_compile", "steps_per_execution"), [(False, 1), (True, 1), (False, 2)]
+    ("jit_compile", "steps_per_execution"),
+    [(False, 1), pytest.param(True, 1, marks=pytest.mark.jax), (False, 2)],
 )
 def test_a_forward_overflow_is_named_at_its_layer_and_the_scale_is_kept(
     jit_compile, steps_per_execution
@@ -413,6 +428,7 @@ def test_a_forward_overflow_is_named_at_its_layer_and_the_scale_is_kept(
     assert "max |input| 40000" in guard.diagnosis
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_nan_in_the_data_is_not_blamed_on_a_layer():
     model = spiky_model()

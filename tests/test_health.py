@@ -14,6 +14,7 @@ F16_MAX = float(np.finfo(np.float16).max)
 F16_TINY = float(np.finfo(np.float16).smallest_normal)
 
 
+@pytest.mark.jax
 def test_float16_constants_match_numpy():
     assert health.FLOAT16_MAX == F16_MAX
     assert health.FLOAT16_SMALLEST_NORMAL == F16_TINY
@@ -48,6 +49,7 @@ def computed(grads, scale):
     return {k: ops.convert_to_numpy(v) for k, v in stats._asdict().items()}
 
 
+@pytest.mark.jax
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_statistics_match_numpy_on_random_gradients(seed):
     rng = np.random.default_rng(seed)
@@ -69,6 +71,7 @@ def test_statistics_match_numpy_on_random_gradients(seed):
     )
 
 
+@pytest.mark.jax
 def test_exact_values_on_a_hand_made_gradient():
     grads = [np.array([3.0, -4.0, 0.0, 2.0**-15, 65504.0 * 2], "float32")]
     got = computed(grads, scale=2.0)
@@ -82,6 +85,7 @@ def test_exact_values_on_a_hand_made_gradient():
     assert got["nonfinite_elements"] == 0.0
 
 
+@pytest.mark.jax
 def test_float16_mask_limits_range_statistics_to_float16_variables():
     grads = [np.array([1.0, 0.0], "float32"), np.array([1e6, 1e-9], "float32")]
     mask = ops.convert_to_tensor([1.0, 0.0])  # the second variable computes in float32
@@ -112,6 +116,7 @@ def test_sparse_slices_are_summed_per_row_like_the_update():
     np.testing.assert_array_equal(hist, reference_bins(rows.ravel()))
 
 
+@pytest.mark.jax
 def test_headroom_is_capped_when_all_gradients_are_zero():
     got = computed([np.zeros(3, "float32")], scale=1.0)
     assert got["headroom_bits"] == pytest.approx(health.MAX_HEADROOM_BITS)
@@ -119,6 +124,7 @@ def test_headroom_is_capped_when_all_gradients_are_zero():
     assert got["underflow_fraction"] == 1.0
 
 
+@pytest.mark.jax
 def test_nonfinite_flags_mark_each_variable():
     grads = [np.ones(2, "float32"), None, np.array([1.0, np.nan], "float32"), np.array([-np.inf])]
     flags = ops.convert_to_numpy(health.nonfinite_flags(grads))
@@ -139,6 +145,7 @@ def reference_bins(values):
     return np.bincount(out, minlength=tags.NUM_EXPONENT_BINS)
 
 
+@pytest.mark.jax
 def test_exponent_histogram_matches_reference():
     rng = np.random.default_rng(3)
     values = np.concatenate(
@@ -153,6 +160,7 @@ def test_exponent_histogram_matches_reference():
     assert got.sum() == values.size
 
 
+@pytest.mark.jax
 def test_exponent_histogram_bins_cover_float16_range():
     edges = tags.exponent_bucket_edges()
     assert len(edges) == tags.NUM_EXPONENT_BINS

@@ -22,6 +22,7 @@ def mixed_model() -> keras.Model:
     )
 
 
+@pytest.mark.jax
 def test_float16_mask_follows_each_layers_compute_dtype():
     keras.config.set_dtype_policy("mixed_float16")
     model, hooks = mixed_model(), ModelHooks()
@@ -41,6 +42,7 @@ def test_float16_mask_follows_each_layers_compute_dtype():
     np.testing.assert_array_equal(hooks.float16_mask(variables), [1, 1, 1, 1, 0, 0])
 
 
+@pytest.mark.jax
 def test_watching_twice_wraps_the_train_step_and_taps_the_layers_once():
     keras.config.set_dtype_policy("mixed_float16")
     model, hooks = mixed_model(), ModelHooks()

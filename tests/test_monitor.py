@@ -87,6 +87,7 @@ def assert_every_overflow_at_its_exact_step(log_dir) -> None:
     assert scalars(data, tags.LOSS_FINITE) == {10: 1.0, 20: 1.0}
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_every_overflow_at_its_exact_step_with_a_long_update_freq(tmp_path):
     model = spiky_model()
@@ -96,6 +97,7 @@ def test_every_overflow_at_its_exact_step_with_a_long_update_freq(tmp_path):
     assert_every_overflow_at_its_exact_step(tmp_path)
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_health_scalars_and_exponent_histograms(tmp_path):
     model = spiky_model()
@@ -163,6 +165,7 @@ def assert_lost_events_reported(log_dir) -> None:
     assert scalars(data, tags.SKIPPED_STEPS) == {10: 5}
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_lost_events_are_reported_not_silently_dropped(tmp_path):
     optimizer = kmix.LossScaleOptimizer(
@@ -175,6 +178,7 @@ def test_lost_events_are_reported_not_silently_dropped(tmp_path):
     assert_lost_events_reported(tmp_path)
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_steps_per_execution(tmp_path):
     model = spiky_model(steps_per_execution=2)
@@ -210,6 +214,7 @@ def test_with_validation_and_keras_tensorboard_on_the_same_log_dir(tmp_path):
     assert os.path.isdir(os.path.join(tmp_path, "validation"))
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_train_begin_writes_policy_layout_and_prints_the_command(tmp_path, capsys):
     model = spiky_model()
@@ -256,6 +261,7 @@ def test_stock_keras_optimizer_logs_scale_and_inferred_skips_and_warns_once(tmp_
     assert "kmix.LossScaleOptimizer('adam')" in texts(data, tags.NOTES)[0][1]
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_without_loss_scaling_logs_the_policy_and_why_the_rest_is_missing(tmp_path):
     keras.config.set_dtype_policy("float32")
@@ -285,7 +291,11 @@ class RaiseAt(keras.callbacks.Callback):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("error", "reason"), [(KeyboardInterrupt(), "interrupted"), (RuntimeError("disk"), "exception")]
+    ("error", "reason"),
+    [
+        pytest.param(KeyboardInterrupt(), "interrupted", marks=pytest.mark.jax),
+        (RuntimeError("disk"), "exception"),
+    ],
 )
 def test_a_fit_ended_by_another_callback_leaves_every_event_on_disk(tmp_path, error, reason):
     model = spiky_model()
@@ -394,7 +404,8 @@ def functional_net():
     [
         (functional_net, ["up"], False),
         (Net, ["net/block/up", "net/block"], False),
-        (Net, ["net/block/up", "net/block"], True),  # compiled by XLA
+        # compiled by XLA (on JAX, jit_compile=False runs the step eagerly: slow)
+        pytest.param(Net, ["net/block/up", "net/block"], True, marks=pytest.mark.jax),
     ],
 )
 def test_activation_headroom_per_layer_is_exact(tmp_path, make, layers, jit_compile):
@@ -443,6 +454,7 @@ class Growing(keras.layers.Layer):
         return out
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_a_steadily_falling_headroom_is_forecast_before_the_overflow(tmp_path, capsys):
     keras.config.set_dtype_policy("mixed_float16")

@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from keras import ops
 from test_health import reference_bins
 
 import kmix
@@ -35,14 +36,15 @@ class GradientFault(keras.layers.Layer):
 
     def call(self, x):
         step = self.calls.assign_add(1)
-        bad = tf.reduce_any(tf.equal(step, tf.constant(self.bad_steps + (-1,), "int64")))
+        bad = ops.any(ops.equal(step, ops.convert_to_tensor(self.bad_steps + (-1,), step.dtype)))
 
-        @tf.custom_gradient
+        @ops.custom_gradient
         def fault(x):
-            def grad(dy):
-                return tf.where(bad, tf.cast(np.inf, dy.dtype) * tf.ones_like(dy), dy)
+            def grad(*args, upstream=None):
+                dy = args[0] if upstream is None else upstream  # TensorFlow, JAX
+                return ops.where(bad, ops.full_like(dy, np.inf), dy)
 
-            return tf.identity(x), grad
+            return ops.copy(x), grad
 
         return fault(x)
 
@@ -83,7 +85,8 @@ def fit(model, opt, steps, recorder=None, **compile_kwargs):
     model.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
+# On JAX jit_compile=False runs the step eagerly (slow): the compiled one runs there.
+@pytest.mark.parametrize("jit_compile", [False, pytest.param(True, marks=pytest.mark.jax)])
 @pytest.mark.slow
 def test_exact_trace_under_fit(jit_compile):
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -131,6 +134,7 @@ def test_exact_trace_under_fit(jit_compile):
     assert opt.scale_events(since=4) == events[4:]
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_skipped_steps_leave_weights_and_inner_state_bit_for_bit():
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -205,13 +209,30 @@ def one_measured_step(inputs: int, units: int, jit_compile: bool):
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0, epochs=1)  # one step
     state = opt.read_state()
     model.set_weights(initial)  # the reference: the same step's scaled gradients
-    with tf.GradientTape() as tape:
-        scaled = keras.losses.MeanSquaredError()(y, model(x)) * 256.0
-    ref = [g.numpy().astype(np.float64) for g in tape.gradient(scaled, model.trainable_variables)]
+    ref = [g.astype(np.float64) for g in scaled_gradients(model, x, y, 256.0)]
     return opt, state, ref
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
+def scaled_gradients(model: keras.Model, x: np.ndarray, y: np.ndarray, scale: float) -> list:
+    """The gradients of ``mse(y, model(x)) * scale``, computed eagerly (TensorFlow or JAX)."""
+    loss = keras.losses.MeanSquaredError()
+    if keras.backend.backend() == "jax":
+        import jax
+
+        def scaled(trainable):
+            out, _ = model.stateless_call(
+                trainable, [v.value for v in model.non_trainable_variables], x
+            )
+            return loss(y, out) * scale
+
+        grads = jax.grad(scaled)([v.value for v in model.trainable_variables])
+        return [np.asarray(g) for g in grads]
+    with tf.GradientTape() as tape:
+        scaled = loss(y, model(x)) * scale
+    return [g.numpy() for g in tape.gradient(scaled, model.trainable_variables)]
+
+
+@pytest.mark.parametrize("jit_compile", [False, pytest.param(True, marks=pytest.mark.jax)])
 @pytest.mark.slow
 def test_health_statistics_in_fit_match_numpy(jit_compile):
     """The stored statistics equal a NumPy reference on the same scaled gradients."""
@@ -236,6 +257,7 @@ def test_health_statistics_in_fit_match_numpy(jit_compile):
         np.testing.assert_array_equal(counts, reference_bins(grad.ravel()))
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_health_statistics_under_jit_on_a_large_kernel():
     """XLA once failed on large kernels (segment ids of unbounded size): 262,144 elements.
@@ -280,7 +302,7 @@ def test_float32_layers_do_not_count_against_float16_headroom():
     assert state["underflow_fraction"] == 1.0  # body's 6 zeros; head's 3 values not counted
     # Without a model (a bare apply) every variable counts, that gradient included.
     bare = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), health_every=1)
-    bare.apply([tf.constant([40.0 * 2.0**20])], [keras.Variable(np.zeros(1, "float32"))])
+    bare.apply([ops.convert_to_tensor([40.0 * 2.0**20])], [keras.Variable(np.zeros(1, "float32"))])
     assert bare.read_state()["headroom_bits"] == pytest.approx(np.log2(65504 / (40 * 2.0**20)))
 
     # Told before it is built (as the monitor does when fit builds it lazily):
@@ -333,6 +355,7 @@ def test_custom_gradient_tape_loop_with_fault_on_chosen_layer():
     assert (event.step, event.variable, event.loss_finite) == (2, "net/first/kernel", True)
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_gradient_accumulation_in_the_inner_optimizer():
     """SGD(lr=1) accumulating 2 steps: w <- w - mean(grad_1, grad_2), gradients unscaled."""
@@ -349,6 +372,7 @@ def test_gradient_accumulation_in_the_inner_optimizer():
     assert [w[0].ravel().tolist() for w in rec.weights] == [[1, 1], [-3, -3], [-3, -3], [9, 9]]
 
 
+@pytest.mark.jax
 def test_state_reads_before_the_optimizer_is_built():
     opt = kmix.LossScaleOptimizer("sgd", initial_scale=64.0, health_every=7)
     assert (opt.loss_scale, opt.skipped_steps, opt.attempted_steps, opt.event_count) == (
@@ -362,7 +386,7 @@ def test_state_reads_before_the_optimizer_is_built():
     assert state["loss_scale"] == 64.0 and state["loss_finite"] is True
     assert state["attempted_steps"] == state["health_step"] == 0
     w = keras.Variable(np.ones(2, "float32"))
-    opt.apply([tf.constant([1.0, 1.0])], [w])
+    opt.apply([ops.convert_to_tensor([1.0, 1.0])], [w])
     assert dataclasses.asdict(opt.read_state()).keys() == dataclasses.asdict(state).keys()
 
 
@@ -385,24 +409,27 @@ def test_host_reads_equal_keras_reads():
     assert dataclasses.replace(counters_only, loss_scale=4.0, health=state.health) == state
 
 
+@pytest.mark.jax
 def test_counters_saturate_instead_of_overflowing():
     w = keras.Variable(np.ones(2, "float32"))
     opt = kmix.LossScaleOptimizer("sgd")
     opt.build([w])
     counters = opt.recorder.counters.numpy()
+    top = record.int_max(counters.dtype)  # int64; int32 on JAX without jax_enable_x64
+    assert top == kmix_optimizer.INT64_MAX or keras.backend.backend() == "jax"
     for name in ("skipped_steps", "attempted_steps"):
-        counters[record.Counters._fields.index(name)] = kmix_optimizer.INT64_MAX - 1
+        counters[record.Counters._fields.index(name)] = top - 1
     opt.recorder.counters.assign(counters)
     for _ in range(2):
-        opt.apply([tf.constant([np.nan, 0.0])], [w])
-    assert opt.skipped_steps == opt.attempted_steps == kmix_optimizer.INT64_MAX
+        opt.apply([ops.convert_to_tensor([np.nan, 0.0])], [w])
+    assert opt.skipped_steps == opt.attempted_steps == top
 
 
 def test_event_ring_keeps_the_most_recent_events():
     w = keras.Variable(np.ones(1, "float32"))
     opt = kmix.LossScaleOptimizer("sgd", event_capacity=3, initial_scale=2.0**10)
     for _ in range(5):
-        opt.apply([tf.constant([np.inf])], [w])
+        opt.apply([ops.convert_to_tensor([np.inf])], [w])
     assert opt.event_count == 5
     assert [e.index for e in opt.scale_events()] == [3, 4, 5]
     assert [e.new_scale for e in opt.scale_events(since=3)] == [2.0**6, 2.0**5]
@@ -472,6 +499,7 @@ def test_compile_does_not_wrap_it_again():
     assert isinstance(opt.inner_optimizer, keras.optimizers.Adam)
 
 
+@pytest.mark.jax
 def test_config_round_trip():
     opt = kmix.LossScaleOptimizer(
         keras.optimizers.SGD(0.5),
@@ -503,6 +531,7 @@ def train_small(model, opt, epochs=1, callbacks=()):
     )
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_keras_file_restores_scale_and_counters(tmp_path):
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -525,6 +554,7 @@ def test_keras_file_restores_scale_and_counters(tmp_path):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
+@pytest.mark.jax
 def test_a_keras_file_saved_before_the_step_recorder_loads_unchanged():
     """tests/data/optimizer_643f46e.keras was saved by main at 643f46e (before the record
     moved into kmix.step_recorder): same variable names, order and values, same state."""
@@ -556,6 +586,7 @@ class StopAfterEpoch(keras.callbacks.Callback):
             raise KeyboardInterrupt("simulated interruption")
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_resume_with_backup_and_restore_continues_with_identical_state(tmp_path):
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -582,6 +613,7 @@ def test_resume_with_backup_and_restore_continues_with_identical_state(tmp_path)
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_run_settings_are_not_saved_and_config_keeps_the_arguments(tmp_path):
     """A monitor's settings (health_every...) must not leak through a saved file."""
@@ -696,6 +728,7 @@ def test_stock_keras_corrupts_weights_in_the_same_case():
     assert not got["finite"]
 
 
+@pytest.mark.jax
 # ----------------------------------------------- truthful under every model, input, ending
 @pytest.mark.slow
 def test_a_lazily_built_model_gets_its_float16_mask_when_its_variables_exist(tmp_path):
@@ -784,6 +817,7 @@ def test_reusing_the_optimizer_after_unfreezing_gives_keras_clear_error():
         train_small(model, opt)
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 @pytest.mark.parametrize("watched", [True, False])
 def test_a_skipped_step_leaves_batch_normalization_statistics_as_they_were(watched):

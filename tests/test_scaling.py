@@ -11,6 +11,8 @@ from keras import ops
 from kmix import scaling
 from kmix.scaling import ScaleConfig, ScaleState
 
+pytestmark = pytest.mark.jax  # the rule in keras.ops, on each backend
+
 KINDS = {
     "none": scaling.NONE,
     "growth": scaling.GROWTH,

@@ -37,6 +37,7 @@ class Partial:
     def activations_by_layer(self): ...
 
 
+@pytest.mark.jax
 def test_kmix_optimizer_is_recognised_by_what_it_offers():
     optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), min_scale=2, max_scale=2**20)
     assert isinstance(optimizer, RecordingOptimizer)
@@ -48,6 +49,7 @@ def test_kmix_optimizer_is_recognised_by_what_it_offers():
     assert type(source_for(FakeRecorder())) is KmixSource  # anything with the same reads
 
 
+@pytest.mark.jax
 @pytest.mark.parametrize("built", [False, True])
 def test_the_stock_loss_scale_optimizer_is_not_taken_for_kmix(built):
     stock = keras.mixed_precision.LossScaleOptimizer
@@ -61,6 +63,7 @@ def test_the_stock_loss_scale_optimizer_is_not_taken_for_kmix(built):
     assert source.describe() == "the stock `keras.mixed_precision.LossScaleOptimizer`"
 
 
+@pytest.mark.jax
 def test_without_loss_scaling_a_plain_source_counts_steps_only():
     source = source_for(keras.optimizers.SGD(0.01))
     assert type(source) is Source
@@ -76,11 +79,13 @@ def test_without_loss_scaling_a_plain_source_counts_steps_only():
     assert source.events(0) == [] and source.per_variable() == {} and source.per_layer() == {}
 
 
+@pytest.mark.jax
 def test_an_optimizer_missing_one_read_is_not_taken_for_kmix():
     assert not isinstance(Partial(), RecordingOptimizer)
     assert type(source_for(Partial())) is Source
 
 
+@pytest.mark.jax
 def test_kmix_source_reads_through_the_optimizers_public_reads():
     optimizer = FakeRecorder(event_capacity=2)
     for kind in (None, "skip", "nan", "skip"):
