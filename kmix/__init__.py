@@ -34,6 +34,11 @@ from kmix.hardware import Hardware, hardware  # noqa: E402
 from kmix.policy import PolicyChoice, policy_scope, use  # noqa: E402
 from kmix.precision_plan import PrecisionMove, PrecisionPlan, apply_plan  # noqa: E402
 
+if "keras" in __import__("sys").modules:  # costs nothing more once Keras is loaded
+    # Registers kmix.LossScaleOptimizer, so `keras.models.load_model` finds it in a
+    # .keras file after a plain `import kmix` (Keras imports no module to find a class).
+    importlib.import_module("kmix.optimizer")
+
 __all__ = [
     *_PUBLIC,
     "AuditReport",

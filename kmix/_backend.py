@@ -6,9 +6,6 @@ backend is TensorFlow, so kmix's optimizer on JAX never imports it.
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -136,16 +133,17 @@ def host_value(variable: Any) -> np.ndarray:
     return np.asarray(keras.ops.convert_to_numpy(variable))
 
 
-@contextlib.contextmanager
-def int64_as_int32() -> Iterator[None]:
-    """Creates int64 variables quietly where JAX holds them as int32 (no ``jax_enable_x64``).
+def int64_dtype() -> str:
+    """The dtype kmix declares its int64 variables with: ``"int32"`` on JAX without x64.
 
-    The record's counters and event rows are declared int64 (a file format); JAX without
-    x64 keeps their values as int32 and warns at each creation. kmix's record computes in
-    the dtype it is given and saturates at its end (:func:`kmix.record.int_max`), so the
-    warning says nothing the user must act on.
+    The record's counters and event rows are int64 (TensorFlow, JAX with
+    ``jax_enable_x64``); JAX without x64 holds int64 values as int32 and warns at every
+    creation, assignment and state sync, so kmix declares them int32 there. kmix's record
+    computes in the dtype it is given and saturates at its end
+    (:func:`kmix.record.int_max`); ``.keras`` files load across the two (values cast).
     """
-    with warnings.catch_warnings():
-        if on_jax():
-            warnings.filterwarnings("ignore", "Explicitly requested dtype int64", UserWarning)
-        yield
+    if not on_jax():
+        return "int64"
+    import jax
+
+    return "int64" if jax.config.read("jax_enable_x64") else "int32"

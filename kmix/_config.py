@@ -12,6 +12,7 @@ import numpy as np
 from keras import ops
 
 from kmix import scaling
+from kmix._backend import int64_dtype
 from kmix._checks import check_int, check_real, invalid
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -179,6 +180,7 @@ class RunSettings:
         self.requests: dict[int, dict[str, int]] = {}
         self.variables: dict[str, Any] = {}
         self.on_change: Any = None  # called after a value changed (JAX: retrace the step)
+        self._synced: dict[str, np.ndarray] = {}  # what the variables hold
 
     def value(self, name: str) -> Any:
         if name == "float16_mask":
@@ -189,9 +191,10 @@ class RunSettings:
     def create(self) -> None:
         for name in self.base:
             value = np.asarray(self.value(name))
+            self._synced[name] = value
             self.variables[name] = keras.Variable(
                 value,
-                dtype="int64" if value.dtype.kind in "iu" else "float32",
+                dtype=int64_dtype() if value.dtype.kind in "iu" else "float32",
                 trainable=False,
                 aggregation="only_first_replica",
                 name=name,
@@ -201,9 +204,11 @@ class RunSettings:
         changed = False
         for name, variable in self.variables.items():
             value = np.asarray(self.value(name))
-            old = np.asarray(keras.ops.convert_to_numpy(variable))
-            changed = changed or old.shape != value.shape or not np.array_equal(old, value)
-            variable.assign(value)
+            old = self._synced.get(name)
+            if old is None or old.shape != value.shape or not np.array_equal(old, value):
+                changed = True
+                variable.assign(value)
+                self._synced[name] = value
         if changed and self.on_change is not None:
             self.on_change()
 

@@ -172,8 +172,7 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
 
     def build(self, var_list: list[Any]) -> None:
         """Creates the step record's variables (:class:`StepRecorder`), then the inner ones."""
-        with _backend.int64_as_int32():
-            self.recorder.build(self.add_variable, var_list, self.hooks.float16_mask(var_list))
+        self.recorder.build(self.add_variable, var_list, self.hooks.float16_mask(var_list))
         self.dynamic_scale = self.recorder.scale  # the name Keras's scale_loss reads
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)

@@ -29,7 +29,7 @@ import numpy as np
 from keras import ops
 
 from kmix import health, record, step_values
-from kmix._backend import host_value
+from kmix._backend import host_value, int64_dtype
 from kmix._config import OptimizerConfig, RunSettings, invalid_argument
 from kmix._graph import rare_cond
 from kmix.activations import ACTIVATION_CAPACITY, ACTIVATION_FIELDS
@@ -103,7 +103,7 @@ class StepRecorder:
         self.scale = state("dynamic_scale", "float32", self.initial_scale)
         self.counters = add_variable(
             shape=(len(counters),),
-            dtype="int64",
+            dtype=int64_dtype(),
             initializer=lambda shape, dtype: ops.convert_to_tensor(list(counters), dtype),
             aggregation="only_first_replica",
             name="counters",
@@ -114,7 +114,9 @@ class StepRecorder:
         self.exponent_histograms = state(
             "exponent_histograms", "int32", 0, (n, health.NUM_EXPONENT_BINS)
         )
-        self.event_ints = state("event_ints", "int64", 0, (capacity, len(record.EVENT_INT_FIELDS)))
+        self.event_ints = state(
+            "event_ints", int64_dtype(), 0, (capacity, len(record.EVENT_INT_FIELDS))
+        )
         self.event_floats = state(
             "event_floats", "float32", 0, (capacity, len(record.EVENT_FLOAT_FIELDS))
         )

@@ -429,3 +429,30 @@ def test_int32_counters_are_quiet_up_to_their_own_end():
     low, high = record.quiet_bounds(rule, "int32")
     assert low.dtype == high.dtype == np.int32
     assert quiet(top - 2) and not quiet(top - 1)  # one more step would reach the end
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["tensorflow", pytest.param("jax", marks=needs_jax)])
+def test_a_saved_kmix_model_loads_after_a_plain_import_kmix_on_either_backend(backend):
+    """The fixture was saved on TensorFlow (int64 counters); JAX without x64 holds int32."""
+    data = os.path.join(os.path.dirname(__file__), "data", "optimizer_643f46e.keras")
+    code = (
+        "import keras, kmix\n"
+        f"opt = keras.models.load_model({data!r}).optimizer\n"
+        "state = opt.read_state()\n"
+        "print('JSON', type(opt).__name__, state.attempted_steps, state.event_count,"
+        " len(opt.scale_events()), opt.recorder.counters.dtype)\n"
+    )
+    env = {**os.environ, "KERAS_BACKEND": backend, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("JSON ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    dtype = "int64" if backend == "tensorflow" else "int32"
+    # 11 events happened, the ring of 8 keeps the last 8 (tests/data/optimizer_643f46e.json).
+    assert lines[0].split()[1:] == ["LossScaleOptimizer", "15", "11", "8", dtype]

@@ -169,25 +169,25 @@ class MixedPrecisionMonitor(StepCallback):
         # First: a source that cannot measure refuses here, before this fit's file exists.
         source.request_statistics(self, self.update_freq, self.histogram_freq)
         prior = begins_in(train_dir, self._heads)  # before this fit's file exists
-        self._writer = _event_writer.EventWriter(train_dir)
-        notes = absence_notes(self.model, self._source)
-        for note in notes:
-            if note not in self._warned:
-                self._warned.add(note)
-                warn_user(note)
         state = self._read_state()
         resumed = resumed_run(prior, state.attempted_steps)
         self.run_id = tags.new_run_id() if resumed is None else resumed.run_id
-        if resumed is None and prior:
-            warning = another_run_warning(self.log_dir, prior, state.attempted_steps)
-            if warning not in self._warned:
-                self._warned.add(warning)
-                warn_user(warning)
         self._last_state = state
         self._event_index = state.event_count
         self._health_step = state.health_step
         self._histogram_step = state.histogram_step
         self._scale_step = state.attempted_steps
+        self._writer = _event_writer.EventWriter(train_dir)  # finish() can end the run now
+        notes = absence_notes(self.model, self._source)
+        for note in notes:
+            if note not in self._warned:
+                self._warned.add(note)
+                warn_user(note)
+        if resumed is None and prior:
+            warning = another_run_warning(self.log_dir, prior, state.attempted_steps)
+            if warning not in self._warned:
+                self._warned.add(warning)
+                warn_user(warning)
         self._write_begin(state, notes)
         self._writer.flush()
         if self.verbose:
