@@ -280,6 +280,7 @@ def test_the_ring_is_read_in_time_when_keras_calls_back_once_per_execution():
     assert sorted(set(reads)) == [0, 2, 4, 6, 8, 10, 12, 14]
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_stock_keras_scale_falls_to_zero_and_the_guard_stops_it_within_patience():
     data = spiky_data(200, nan_rows=range(1, 201))
@@ -301,6 +302,7 @@ def test_stock_keras_scale_falls_to_zero_and_the_guard_stops_it_within_patience(
     assert "kmix.LossScaleOptimizer does" in guard.diagnosis  # where to see the variable
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_stock_keras_overflow_at_the_floor():
     optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=4)

@@ -239,6 +239,7 @@ def test_train_begin_writes_policy_layout_and_prints_the_command(tmp_path, capsy
     assert f"^{tags.UNDERFLOW_FRACTION}$" in patterns
 
 
+@pytest.mark.jax
 @pytest.mark.slow
 def test_stock_keras_optimizer_logs_scale_and_inferred_skips_and_warns_once(tmp_path):
     optimizer = keras.mixed_precision.LossScaleOptimizer(

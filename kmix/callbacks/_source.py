@@ -106,6 +106,7 @@ class Source:
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
         self._start_step = 0
+        self._trained: Any = None  # the model, weakly: JAX reads sync it first
 
     @property
     def optimizer_name(self) -> str:
@@ -118,11 +119,20 @@ class Source:
 
     def begin(self, model: keras.Model) -> None:
         """Notes where this ``fit`` starts and tells the optimizer about the model."""
+        self._trained = weakref.ref(model)
         self._start_step = self._iterations()
 
+    def _sync(self) -> None:
+        """On JAX, ``fit`` keeps the state outside the variables until the model syncs."""
+        model = self._trained() if self._trained is not None else None
+        if model is not None and hasattr(model, "jax_state_sync"):
+            model.jax_state_sync()
+
     def _iterations(self) -> int:
-        built = getattr(self.optimizer, "built", False)
-        return int(host_value(self.optimizer.iterations)) if built else 0
+        if not getattr(self.optimizer, "built", False):
+            return 0
+        self._sync()
+        return int(host_value(self.optimizer.iterations))
 
     def read(self, steps_seen: int, counters_only: bool = False) -> Snapshot:
         """Reads the state (the host sync).
