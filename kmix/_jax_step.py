@@ -109,7 +109,15 @@ def stateless_apply(
         )
     variables, grads = optimizer.variables, list(grads)
     tracked = optimizer._trainable_variables
-    if len(optimizer_variables) != len(variables) or len(grads) != len(tracked):
+    if len(grads) != len(tracked):
+        raise ValueError(
+            f"kmix.LossScaleOptimizer was built for {len(tracked)} trainable variables and "
+            f"now gets {len(grads)} gradients: the model's trainable variables changed since "
+            "(e.g. layers were frozen or unfrozen). Keras optimizers keep per-variable "
+            "state, so create a new optimizer (kmix.LossScaleOptimizer(...)) and compile "
+            "the model again."
+        )
+    if len(optimizer_variables) != len(variables):
         raise ValueError(
             "kmix.LossScaleOptimizer.stateless_apply(): got "
             f"{len(optimizer_variables)} optimizer values and {len(grads)} gradients; "
