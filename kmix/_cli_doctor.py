@@ -3,11 +3,12 @@
 The rules are pure (:func:`version_warnings` over :class:`VersionFacts`; the speed
 ratios and their judgement in ``kmix/_speed_probe.py``, the timing in
 ``kmix/_speed_measure.py``); only :func:`run_doctor` reads
-the machine, importing TensorFlow when it runs. It times a small float32, float16 and
-bfloat16 matmul and convolution on the CPU (about a second) and, where oneDNN's float16
-path is pathologically slow, times float16 again in a fresh process with
-``TF_ENABLE_ONEDNN_OPTS=0`` (a few seconds more, TensorFlow's start-up included) to show
-the fix's measured effect.
+the machine, importing the Keras backend's library when it runs (TensorFlow, or JAX with
+``KERAS_BACKEND=jax``, which imports no TensorFlow). It times a small float32, float16 and
+bfloat16 matmul and convolution on the CPU with that backend's kernels (about a second)
+and, on TensorFlow only, where oneDNN's float16 path is pathologically slow, times float16
+again in a fresh process with ``TF_ENABLE_ONEDNN_OPTS=0`` (a few seconds more, TensorFlow's
+start-up included) to show the fix's measured effect.
 """
 
 from __future__ import annotations
@@ -242,8 +243,9 @@ def speed_section(detected: Any, measured: Any) -> list[str]:
     Args:
         detected: the :class:`kmix.hardware.Hardware` of this machine.
         measured: a ``kmix._speed_probe.SpeedMeasurement`` taken in this process. Where
-            ``onednn_fix_applies(measured)``, float32 and float16 are timed again in a
-            fresh process with ``TF_ENABLE_ONEDNN_OPTS=0`` (a few seconds).
+            ``onednn_fix_applies(measured)`` (a TensorFlow measurement only), float32 and
+            float16 are timed again in a fresh process with ``TF_ENABLE_ONEDNN_OPTS=0``
+            (a few seconds).
 
     Returns:
         The section's lines, indented, under the heading ``speed on this CPU``.
@@ -315,7 +317,7 @@ def run_doctor(args: argparse.Namespace, measure: Callable[[], Any] | None = Non
         print(f"  {name:<{width}}  {version or 'not installed'}")
     try:
         detected = hardware()
-    except Exception as error:  # a broken TensorFlow install: say so, do not crash
+    except Exception as error:  # a broken TensorFlow or JAX install: say so, do not crash
         print(f"kmix doctor: could not detect the hardware: {error}", file=sys.stderr)
         return 1
     print("hardware")
