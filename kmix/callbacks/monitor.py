@@ -209,8 +209,8 @@ class MixedPrecisionMonitor(StepCallback):
             message: what happened, in words.
             logs: the latest logs, if any.
         """
-        if self._writer is not None:
-            try:
+        try:
+            if self._writer is not None:
                 self._read(logs)
                 step = self._last_state.attempted_steps
                 self._writer.text(
@@ -218,10 +218,11 @@ class MixedPrecisionMonitor(StepCallback):
                     tags.format_run_end(tags.RunEnd(step, reason, message, self.run_id)),
                     step=step,
                 )
-            finally:
+        finally:
+            if self._writer is not None:
                 self._writer.close()
                 self._writer = None
-        self._source.release_statistics(self)
+            self._source.release_statistics(self)
         super().finish(reason, message, logs)
 
     # --------------------------------------------------------------- writing
