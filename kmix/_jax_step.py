@@ -151,8 +151,7 @@ def stateless_apply(
     statistics = statistics_of(recorder)
 
     rule = optimizer.config.rule
-    due = record.due_now(old.counters, ops.stack(statistics[:2]))
-    quiet = record.is_quiet(old.counters, flags, due, rule)
+    quiet = record.is_quiet(old.counters, flags, statistics.due(old.counters), rule)
 
     def finish(forward: tuple[Any, Any] | None) -> list:
         def quiet_step() -> step_values.RecordValues:  # the common step: one constant added
@@ -276,8 +275,7 @@ def _measure_forward(optimizer: Any, unscaled_loss: Any, optimizer_values: list)
     if not hooks.tapping:
         return None
     counters = optimizer_values[[id(v) for v in optimizer.variables].index(id(recorder.counters))]
-    statistics = statistics_of(recorder)
-    due = record.due_now(counters, ops.stack(statistics[:2]))
+    due = statistics_of(recorder).due(counters)
     nonfinite = ops.logical_not(ops.all(ops.isfinite(unscaled_loss)))
     forward = hooks.forward_statistics(nonfinite, due[0])
     recorder.layers = hooks.layers

@@ -157,63 +157,49 @@ def _variable_sums(grad: Any, scale: Any) -> Any:
     if grad is None:
         return ops.zeros((6,), "float32")
     values = row_values(grad)
+    size = ops.cast(ops.size(values), "float32")
     if keras.backend.backend() == "jax":
-        return _variable_sums_in_one_pass(values, scale)
+        return ops.stack([size, *_sums_in_one_pass(_terms(ops.reshape(values, (-1,)), scale))])
+    sum_sq, magnitude, *counts = _terms(values, scale)
+    return ops.stack(
+        [size, ops.sum(sum_sq), ops.max(magnitude, initial=0.0), *map(ops.sum, counts)]
+    )
+
+
+def _terms(values: Any, scale: Any) -> tuple[Any, ...]:
+    """Per element: ``(|g|/scale)^2``, ``|g|`` (0 where not finite), then 1.0/0.0 for
+    tiny, exactly zero and finite: what :func:`_variable_sums` sums (or takes the max of)."""
     finite = ops.isfinite(values)
     absolute = ops.abs(values)
     magnitude = ops.where(finite, absolute, 0.0)
 
     def count(condition: Any) -> Any:
-        return ops.sum(ops.cast(condition, "float32"))
+        return ops.cast(condition, "float32")
 
-    return ops.stack(
-        [
-            ops.cast(ops.size(values), "float32"),
-            ops.sum(ops.square(magnitude / scale)),
-            ops.max(magnitude, initial=0.0),
-            count(absolute < FLOAT16_SMALLEST_NORMAL),
-            count(ops.equal(absolute, 0.0)),
-            count(finite),
-        ]
+    return (
+        ops.square(magnitude / scale),
+        magnitude,
+        count(absolute < FLOAT16_SMALLEST_NORMAL),
+        count(ops.equal(absolute, 0.0)),
+        count(finite),
     )
 
 
-def _variable_sums_in_one_pass(values: Any, scale: Any) -> Any:
-    """:func:`_variable_sums` on JAX: one variadic reduction, one pass over the values.
+def _sums_in_one_pass(terms: tuple[Any, ...]) -> tuple[Any, ...]:
+    """:func:`_variable_sums`' reductions on JAX: one variadic reduction, one pass.
 
     Six separate reductions inside the step's statistics branch cost a JAX train step
     ~15 % on a CPU even on the steps that do not take the branch (measured on the MLP
     of ``bench/bench_jax.py``; the cause inside XLA was not found); one reduction with
-    six accumulators does not, and reads the gradient once when it runs.
+    five accumulators does not, and reads the gradient once when it runs.
     """
     import jax.numpy as jnp
     from jax import lax
 
-    flat = jnp.ravel(values)
-    finite = jnp.isfinite(flat)
-    absolute = jnp.abs(flat)
-    magnitude = jnp.where(finite, absolute, 0.0)
-
-    def count(condition: Any) -> Any:
-        return condition.astype("float32")
-
-    operands = (
-        jnp.square(magnitude / scale),
-        magnitude,
-        count(absolute < FLOAT16_SMALLEST_NORMAL),
-        count(absolute == 0.0),
-        count(finite),
-    )
-
     def combine(a: tuple, b: tuple) -> tuple:
         return (a[0] + b[0], jnp.maximum(a[1], b[1]), a[2] + b[2], a[3] + b[3], a[4] + b[4])
 
-    zero = jnp.float32(0.0)
-    sum_sq, largest, tiny, exact_zero, finite_count = lax.reduce(
-        operands, (zero,) * 5, combine, (0,)
-    )
-    size = jnp.float32(flat.size)
-    return jnp.stack([size, sum_sq, largest, tiny, exact_zero, finite_count])
+    return lax.reduce(terms, (jnp.float32(0.0),) * 5, combine, (0,))
 
 
 def flatten_all(grads: list[Any]) -> tuple[Any, Any, Any]:

@@ -132,9 +132,7 @@ class StepRecorder:
     def before_step(self) -> Before:
         """The counters before this step and what is due at it, read once per step."""
         packed = ops.copy(self.counters)
-        settings = self.settings.variables
-        every = ops.stack([settings["health_every"].value, settings["histogram_every"].value])
-        return Before(packed, record.due_now(packed, every))
+        return Before(packed, self._statistics().due(packed))
 
     def record(
         self,
@@ -166,8 +164,9 @@ class StepRecorder:
 
         def full() -> None:  # the pure step over the record's values, then assigned
             fields = [getattr(self, field) for field in step_values.FIELDS]
-            old = step_values.RecordValues(*(ops.copy(v) for v in fields))
-            old = old._replace(counters=before.packed)
+            old = step_values.RecordValues(  # the counters as read before the step
+                *(before.packed if v is self.counters else ops.copy(v) for v in fields)
+            )
             new, outcome = step_values.advance_record(
                 old, aligned, flags, self._statistics(), forward, self.config.rule
             )
@@ -180,9 +179,10 @@ class StepRecorder:
         rare_cond(quiet_step, quiet, full)
 
     def _statistics(self) -> step_values.Statistics:
+        """The settings in force, read in the graph being built."""
         settings = self.settings.variables
         return step_values.Statistics(
-            settings["health_every"], settings["histogram_every"], settings["float16_mask"]
+            *(settings[name].value for name in ("health_every", "histogram_every", "float16_mask"))
         )
 
     # ------------------------------------------------------------- on the host

@@ -71,6 +71,10 @@ class Statistics(NamedTuple):
     histogram_every: Any
     float16_mask: Any
 
+    def due(self, counters: Any) -> Any:
+        """``[health_due, histogram_due]`` at the step after ``counters`` (packed)."""
+        return record.due_now(counters, ops.stack([self.health_every, self.histogram_every]))
+
 
 def loss_state_of(flags: Any, n: int) -> Any:
     """``record.LOSS_*`` from the step's flags: ``n`` gradient flags, then the loss's two."""
