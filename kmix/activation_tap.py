@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -177,6 +178,42 @@ def _widened(given: Any, cast: Any) -> bool:
         return False
 
 
+_JAX_TAPS: weakref.WeakSet = weakref.WeakSet()
+"""Installed taps on JAX: each notes the casts it may meet as inputs (:func:`_note_cast`)."""
+
+
+def _note_cast(given: Any, cast: Any) -> None:
+    """On JAX, maps a value cast down to float16 while traced to the value given, for every
+    installed tap (JAX has no graph to read a cast's input back from, see
+    :func:`as_arrived`): a tapped layer's record then holds its inputs as they arrived."""
+    if cast is not given and _JAX_TAPS and _jax_root(cast) is not None and _widened(given, cast):
+        for tap in list(_JAX_TAPS):
+            tap._state().arrived[id(cast)] = (cast, given)  # cast kept: its id stays unique
+
+
+def _watch_entry_casts() -> None:
+    """Notes the casts a Functional model makes on entry, to its inputs' dtypes (once).
+
+    A Sequential built without ``Input`` (lazily) takes float16 inputs: the data is cast
+    before its first layer is called, not by that layer's policy. The class's conversion
+    is wrapped once per process; it notes nothing while no JAX tap is installed.
+    """
+    from keras.src.models.functional import Functional
+
+    original = Functional._convert_inputs_to_tensors
+    if getattr(original, "kmix_notes_casts", False):
+        return
+
+    def convert(model: Any, flat_inputs: list) -> list:
+        converted = original(model, flat_inputs)
+        for given, cast in zip(flat_inputs, converted, strict=True):
+            _note_cast(given, cast)
+        return converted
+
+    convert.kmix_notes_casts = True
+    Functional._convert_inputs_to_tensors = convert
+
+
 class ActivationTap:
     """Records every float16 layer's inputs and outputs while a train step is traced.
 
@@ -249,6 +286,9 @@ class ActivationTap:
             self._installed[id(layer)] = (layer, had_own, original, path, wrapper)
             if _backend.on_jax():
                 self._watch_casts(layer.dtype_policy)
+        if _backend.on_jax() and self._installed:
+            _JAX_TAPS.add(self)
+            _watch_entry_casts()
         return self
 
     def _watch_casts(self, policy: Any) -> None:
@@ -262,12 +302,10 @@ class ActivationTap:
         if id(policy) in self._casts:
             return
         original = policy.convert_input
-        tap = self
 
         def convert_input(x: Any, autocast: bool, dtype: Any) -> Any:
             y = original(x, autocast, dtype)
-            if y is not x and _jax_root(y) is not None and _widened(x, y):
-                tap._state().arrived[id(y)] = (y, x)  # y kept: its id stays unique
+            _note_cast(x, y)
             return y
 
         object.__setattr__(policy, "convert_input", convert_input)
@@ -283,6 +321,7 @@ class ActivationTap:
             else:
                 object.__delattr__(layer, "call")
         self._installed.clear()
+        _JAX_TAPS.discard(self)
         for policy, wrapper in self._casts.values():
             if vars(policy).get("convert_input") is wrapper:
                 object.__delattr__(policy, "convert_input")

@@ -234,6 +234,19 @@ def test_a_changed_statistics_setting_reaches_the_jit_step_and_a_repeated_one_re
     assert run["traces"][0] == run["traces"][1] and run["traces"][2] > run["traces"][1]
 
 
+@pytest.mark.slow
+@needs_jax
+def test_a_sequential_without_input_names_the_cast_of_its_data_on_entry(fit_run):
+    (event,) = fit_run["lazy_origin"]  # rows 4-5 are the third batch
+    assert (event["step"], event["kind"]) == (3, "forward_overflow")
+    assert event["origin"] == {
+        "layer": "sequential/d",
+        "layer_class": "Dense",
+        "inputs_finite": True,
+        "max_abs_input": 90000.0,
+    }
+
+
 ORIGIN = {
     "layer": "norm",
     "layer_class": "BatchNormalization",

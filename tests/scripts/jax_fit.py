@@ -171,6 +171,7 @@ def fit_scenario(directory: str) -> dict:
     result["retraces"] = retraces(directory)
     result["custom_loop"] = custom_loop()
     result["forward_state"] = forward_state()
+    result["lazy_origin"] = lazy_origin()  # last: it clears Keras's session
     return result
 
 
@@ -287,6 +288,26 @@ def watched(directory: str) -> dict:
         "files": sorted(os.listdir(os.path.join(logdir, "train"))),
         "tensorflow_imported": tensorflow_imported,
     }
+
+
+def lazy_origin() -> list[dict]:
+    """A Sequential without Input casts its data to float16 on entry (Functional's input
+    conversion, not the first layer's policy): the origin still judges the data as given."""
+    keras.utils.clear_session()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    ones = keras.initializers.Constant(1.0)
+    model = keras.Sequential(
+        [keras.layers.Dense(8, kernel_initializer=ones, name="d"), keras.layers.Dense(1, name="o")]
+    )
+    optimizer = kmix.LossScaleOptimizer("sgd", initial_scale=64.0)
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 1), "float32")
+    x[5] = 90000.0
+    guard = kmix.callbacks.LossScaleGuard()  # any kmix callback taps the model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(x, y, batch_size=2, verbose=0, shuffle=False, callbacks=[guard])
+    return events(optimizer)
 
 
 class CountedTraces(keras.Sequential):
