@@ -13,7 +13,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from kmix import tags
+from kmix import _grouped, tags
 
 FLOAT16_MAX = tags.FLOAT16_MAX  # 65504.0, defined with the formats (readers need no TF)
 FLOAT16_SMALLEST_NORMAL = 2.0**-14
@@ -126,9 +126,14 @@ def gradient_health(
         headroom = ops.convert_to_tensor(MAX_HEADROOM_BITS, "float32")
         return GradientHealth(zero, zero, headroom, zero, zero, zero, zero, zero, empty, empty)
     scale = ops.cast(scale, "float32")
-    # One row of per-variable sums each: plain reductions, fast on large tensors.
+    # One row of sums per variable; variables of one shape are summed together.
     size, sum_sq, largest, tiny, exact_zero, finite = ops.unstack(
-        ops.stack([_variable_sums(g, scale) for g in scaled_grads]), axis=1
+        _grouped.rows_per_tensor(
+            [None if g is None else row_values(g) for g in scaled_grads],
+            lambda rows: _row_sums(rows, scale),
+            6,
+        ),
+        axis=1,
     )
     n = len(scaled_grads)
     mask = ops.ones((n,), "float32") if float16_mask is None else ops.cast(float16_mask, "float32")
@@ -151,24 +156,18 @@ def gradient_health(
     )
 
 
-def _variable_sums(grad: Any, scale: Any) -> Any:
-    """``[size, sum of (|g|/scale)^2, max |g|, tiny, zeros, finite]`` over one gradient's
-    finite values (tiny: zero or below float16's smallest normal; NaN is never tiny)."""
-    if grad is None:
-        return ops.zeros((6,), "float32")
-    values = row_values(grad)
-    size = ops.cast(ops.size(values), "float32")
-    if keras.backend.backend() == "jax":
-        return ops.stack([size, *_sums_in_one_pass(_terms(ops.reshape(values, (-1,)), scale))])
-    sum_sq, magnitude, *counts = _terms(values, scale)
-    return ops.stack(
-        [size, ops.sum(sum_sq), ops.max(magnitude, initial=0.0), *map(ops.sum, counts)]
-    )
+def _row_sums(rows: Any, scale: Any) -> Any:
+    """``[size, sum of (|g|/scale)^2, max |g|, tiny, zeros, finite]`` per row of a float32
+    ``[k, n]`` stack of flattened gradients, over their finite values (tiny: zero or
+    below float16's smallest normal; NaN is never tiny): a float32 ``[k, 6]`` matrix."""
+    sums = _grouped.reduce_rows(_terms(rows, scale), ("sum", "max", "sum", "sum", "sum"))
+    size = ops.ones_like(sums[0]) * ops.cast(ops.shape(rows)[1], "float32")
+    return ops.stack([size, *sums], axis=1)
 
 
 def _terms(values: Any, scale: Any) -> tuple[Any, ...]:
     """Per element: ``(|g|/scale)^2``, ``|g|`` (0 where not finite), then 1.0/0.0 for
-    tiny, exactly zero and finite: what :func:`_variable_sums` sums (or takes the max of)."""
+    tiny, exactly zero and finite: what :func:`_row_sums` sums (or takes the max of)."""
     finite = ops.isfinite(values)
     absolute = ops.abs(values)
     magnitude = ops.where(finite, absolute, 0.0)
@@ -183,23 +182,6 @@ def _terms(values: Any, scale: Any) -> tuple[Any, ...]:
         count(ops.equal(absolute, 0.0)),
         count(finite),
     )
-
-
-def _sums_in_one_pass(terms: tuple[Any, ...]) -> tuple[Any, ...]:
-    """:func:`_variable_sums`' reductions on JAX: one variadic reduction, one pass.
-
-    Six separate reductions inside the step's statistics branch cost a JAX train step
-    ~15 % on a CPU even on the steps that do not take the branch (measured on the MLP
-    of ``bench/bench_jax.py``; the cause inside XLA was not found); one reduction with
-    five accumulators does not, and reads the gradient once when it runs.
-    """
-    import jax.numpy as jnp
-    from jax import lax
-
-    def combine(a: tuple, b: tuple) -> tuple:
-        return (a[0] + b[0], jnp.maximum(a[1], b[1]), a[2] + b[2], a[3] + b[3], a[4] + b[4])
-
-    return lax.reduce(terms, (jnp.float32(0.0),) * 5, combine, (0,))
 
 
 def flatten_all(grads: list[Any]) -> tuple[Any, Any, Any]:

@@ -1,0 +1,94 @@
+"""Per-tensor statistics in a few ops: tensors of one shape and dtype are measured together.
+
+kmix measures many tensors one by one (a row of sums per gradient, per layer output).
+On Keras's JAX backend each reduction XLA compiles costs every call of the train step,
+whether its conditional branch runs or not: the CPU runtime sets up every buffer of the
+program, those of branches not taken included, at each execution. Reduced one by one,
+the statistics of the 82-variable stack put about 1,400 buffers into the step, ~20 % of a
+quiet step (``bench/README.md``, issue 24). Stacked by shape and dtype, a model of
+repeated blocks has a few groups, so a few reductions; the stacking copies run only in
+the branch that measures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+__all__ = ["reduce_rows", "rows_per_tensor"]
+
+
+def _group_key(tensor: Any, index: int) -> tuple:
+    """Tensors with equal keys stack: one fully known shape and one dtype."""
+    shape = tuple(tensor.shape)
+    if any(dim is None for dim in shape):  # a graph tensor of unknown size stands alone
+        return ("alone", index)
+    return (shape, keras.backend.standardize_dtype(tensor.dtype))
+
+
+def rows_per_tensor(
+    tensors: Sequence[Any | None], measure: Callable[[Any], Any], width: int
+) -> Any:
+    """``measure`` applied to every tensor, one row each, a group of equal tensors at a time.
+
+    Args:
+        tensors: tensors of any shapes and dtypes; ``None`` gets a row of zeros.
+        measure: maps a ``[k, n]`` stack of ``k`` flattened tensors of one dtype to a
+            float32 ``[k, width]`` matrix, row ``i`` depending on row ``i`` only.
+        width: the number of columns ``measure`` returns.
+
+    Returns:
+        A float32 ``[len(tensors), width]`` matrix, in the order of ``tensors``.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        if tensor is not None:
+            groups.setdefault(_group_key(tensor, index), []).append(index)
+    parts = []
+    for members in groups.values():
+        flat = [ops.reshape(tensors[i], (1, -1)) for i in members]
+        parts.append(measure(flat[0] if len(flat) == 1 else ops.concatenate(flat, axis=0)))
+    order = [i for members in groups.values() for i in members]
+    parts.append(ops.zeros((1, width), "float32"))  # the row of every None, after the rest
+    rows = ops.concatenate(parts, axis=0)
+    row_of = [len(order)] * len(tensors)
+    for row, index in enumerate(order):
+        row_of[index] = row
+    if row_of == list(range(len(tensors))):
+        return rows[: len(tensors)]
+    return ops.take(rows, np.asarray(row_of, "int32"), axis=0)
+
+
+def reduce_rows(columns: Sequence[Any], kinds: Sequence[str]) -> list[Any]:
+    """Reduces ``[k, n]`` matrices along their rows: ``"sum"`` or ``"max"`` (from 0) each.
+
+    On JAX, one variadic reduction reads every column in one pass (one reduction for
+    XLA's runtime to set up, not one per column); elsewhere one reduction each.
+
+    Args:
+        columns: ``[k, n]`` tensors of equal shape (each keeps its dtype).
+        kinds: ``"sum"`` or ``"max"`` per column; a max starts from 0 (magnitudes).
+
+    Returns:
+        One ``[k]`` tensor per column, in its dtype.
+    """
+    if keras.backend.backend() != "jax":
+        return [
+            ops.sum(c, axis=1) if kind == "sum" else ops.max(c, axis=1, initial=0)
+            for c, kind in zip(columns, kinds, strict=True)
+        ]
+    import jax.numpy as jnp
+    from jax import lax
+
+    def combine(a: tuple, b: tuple) -> tuple:
+        return tuple(
+            x + y if kind == "sum" else jnp.maximum(x, y)
+            for x, y, kind in zip(a, b, kinds, strict=True)
+        )
+
+    zeros = tuple(jnp.zeros((), c.dtype) for c in columns)
+    return list(lax.reduce(tuple(columns), zeros, combine, (1,)))
