@@ -90,5 +90,8 @@ def reduce_rows(columns: Sequence[Any], kinds: Sequence[str]) -> list[Any]:
             for x, y, kind in zip(a, b, kinds, strict=True)
         )
 
+    # Statistics are never differentiated; JAX's derivative of a variadic reduction fails
+    # where one is traced inside ``jax.value_and_grad`` (the forward pass's).
+    columns = tuple(lax.stop_gradient(c) for c in columns)
     zeros = tuple(jnp.zeros((), c.dtype) for c in columns)
-    return list(lax.reduce(tuple(columns), zeros, combine, (1,)))
+    return list(lax.reduce(columns, zeros, combine, (1,)))

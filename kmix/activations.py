@@ -23,6 +23,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from kmix import _grouped
 from kmix.activation_tap import ActivationTap, LayerCall, Record, tapped_layers
 from kmix.health import FLOAT16_MAX, FLOAT16_SMALLEST_NORMAL, FLOAT16_SMALLEST_SUBNORMAL
 
@@ -141,34 +142,80 @@ def float_tensors(structure: Any) -> list[Any]:
     return [ops.convert_to_tensor(_dense(x)) for x in leaves if _is_float_array(_dense(x))]
 
 
-def _count(condition: Any) -> Any:
-    """Number of True elements, as float32 (counted in int64 first, so exact to 2^24)."""
-    return ops.cast(ops.count_nonzero(condition), "float32")
+_LEAF_WIDTH = 5
+"""Columns of :func:`_leaf_rows`: size, non-finite, zeros, below normal, largest |x|."""
 
 
-def _layer_stats(structure: Any) -> tuple[Any, Any, Any, Any, Any]:
-    """(max_abs, n, nonfinite, zeros, below_normal) over one structure's float tensors.
+def _leaf_rows(rows: Any) -> Any:
+    """Per row of a ``[k, n]`` stack of one dtype: ``[n, non-finite, zeros, below float16's
+    smallest normal, largest finite |x|]``, a float32 ``[k, 5]`` matrix (integer rows:
+    ``[n, 0, 0, 0, max |x|]``).
 
-    Comparisons and the maximum run in the tensor's own dtype (exact in any float
-    dtype, and float16's thresholds are exact in it); only scalars are cast to float32.
+    Comparisons and the maximum run in the tensor's own dtype (exact in any float dtype,
+    and float16's thresholds are exact in it); counts are int32, so exact; only the
+    results are cast to float32.
     """
-    zero = ops.zeros((), "float32")
-    max_abs, size, nonfinite, zeros, below_normal = zero, zero, zero, zero, zero
-    for x in float_tensors(structure):
-        magnitude = ops.abs(x)
-        finite = ops.isfinite(x)
-        largest = ops.max(ops.where(finite, magnitude, ops.zeros((), x.dtype)), initial=0.0)
-        max_abs = ops.maximum(max_abs, ops.cast(largest, "float32"))
-        size += ops.cast(ops.size(x), "float32")
-        nonfinite += ops.cast(ops.size(x), "float32") - _count(finite)
-        zeros += _count(ops.equal(magnitude, 0))
-        # NaN compares False: only zeros and finite tiny values count.
-        below_normal += _count(ops.less(magnitude, FLOAT16_SMALLEST_NORMAL))
-    return max_abs, size, nonfinite, zeros, below_normal
+    magnitude = ops.abs(rows)
+    if _is_float_array(rows):
+        finite = ops.isfinite(rows)
+        counted = [
+            ops.logical_not(finite),
+            ops.equal(magnitude, 0),
+            # NaN compares False: only zeros and finite tiny values count.
+            ops.less(magnitude, FLOAT16_SMALLEST_NORMAL),
+        ]
+        columns = [ops.cast(c, "int32") for c in counted]
+        columns.append(ops.where(finite, magnitude, ops.zeros((), rows.dtype)))
+        reduced = _grouped.reduce_rows(columns, ("sum", "sum", "sum", "max"))
+    else:
+        largest = _grouped.reduce_rows([magnitude], ("max",))[0]
+        reduced = [ops.zeros_like(largest)] * 3 + [largest]
+    size = ops.ones(ops.shape(reduced[0]), "float32") * ops.cast(ops.shape(rows)[1], "float32")
+    return ops.stack([size, *(ops.cast(r, "float32") for r in reduced)], axis=1)
 
 
-def _vector(scalars: list[Any]) -> Any:
-    return ops.stack(scalars) if scalars else ops.zeros((0,), "float32")
+def _leaf_table(layers: list[list[Any]]) -> tuple[list[Any], list[list[int]]]:
+    """Each tensor once (a layer's output is often the next one's input), and per layer
+    the positions of its tensors among them."""
+    unique: list[Any] = []
+    where: dict[int, int] = {}
+    positions = []
+    for layer in layers:
+        for x in layer:
+            where.setdefault(id(x), len(unique))
+            if where[id(x)] == len(unique):
+                unique.append(x)
+        positions.append([where[id(x)] for x in layer])
+    return unique, positions
+
+
+def _per_layer(rows: Any, positions: list[list[int]]) -> Any:
+    """:func:`_leaf_rows` per layer: its tensors' sums (the largest ``|x|``: their maximum).
+
+    Args:
+        rows: the rows of every tensor (:func:`_leaf_table`'s order).
+        positions: per layer, the rows of its tensors (none: a row of zeros).
+
+    Returns:
+        A float32 ``[len(positions), 5]`` matrix.
+    """
+    flat = [row for layer in positions for row in layer]
+    if not flat:
+        return ops.zeros((len(positions), _LEAF_WIDTH), "float32")
+    taken = rows if flat == list(range(ops.shape(rows)[0])) else ops.take(rows, flat, axis=0)
+    owners = [i for i, layer in enumerate(positions) for _ in layer]
+    if owners == list(range(len(positions))):  # one tensor each: its row
+        return taken
+    ids = ops.convert_to_tensor(np.asarray(owners, "int32"))
+    sums = ops.segment_sum(taken[:, :-1], ids, num_segments=len(positions))
+    largest = ops.segment_max(taken[:, -1], ids, num_segments=len(positions))
+    return ops.concatenate([sums, ops.maximum(largest, 0.0)[:, None]], axis=1)
+
+
+def _layer_rows(layers: list[list[Any]]) -> Any:
+    """:func:`_per_layer` of the given tensors, measured here."""
+    unique, positions = _leaf_table(layers)
+    return _per_layer(_grouped.rows_per_tensor(unique, _leaf_rows, _LEAF_WIDTH), positions)
 
 
 def activation_stats(outputs: list[Any]) -> ActivationStats:
@@ -184,38 +231,24 @@ def activation_stats(outputs: list[Any]) -> ActivationStats:
         1024 has ``max_abs == 1024`` and ``headroom_bits == log2(65504 / 1024)``
         (5.99930...).
     """
-    columns: list[list[Any]] = [[], [], [], [], [], []]
-    for structure in outputs:
-        max_abs, size, nonfinite, zeros, below_normal = _layer_stats(structure)
-        n = ops.maximum(size, 1.0)
-        headroom = _LOG2_FLOAT16_MAX - ops.log2(ops.maximum(max_abs, FLOAT16_SMALLEST_SUBNORMAL))
-        unmeasured = ops.equal(size, 0.0)  # no float element: nothing to say, NaN
-        values = tuple(
-            ops.where(unmeasured, np.float32(np.nan), value)
-            for value in (
-                max_abs,
-                headroom,
-                nonfinite / n,
-                below_normal / n,
-                zeros / n,
-                (below_normal - zeros) / n,
-            )
-        )
-        for column, value in zip(columns, values, strict=True):
-            column.append(value)
-    return ActivationStats(*(_vector(column) for column in columns))
+    return _stats_of(_layer_rows([float_tensors(s) for s in outputs]))
 
 
-def _finite_summary(structure: Any) -> tuple[Any, Any]:
-    """(all float values finite: bool scalar, largest finite |value|: float32 scalar)."""
-    finite = ops.ones((), "bool")
-    largest = ops.zeros((), "float32")
-    for x in float_tensors(structure):
-        is_finite = ops.isfinite(x)
-        finite = ops.logical_and(finite, ops.all(is_finite))
-        peak = ops.max(ops.where(is_finite, ops.abs(x), ops.zeros((), x.dtype)), initial=0.0)
-        largest = ops.maximum(largest, ops.cast(peak, "float32"))
-    return finite, largest
+def _stats_of(layer_rows: Any) -> ActivationStats:
+    """:class:`ActivationStats` from the per-layer rows of the layers' outputs."""
+    size, nonfinite, zeros, below_normal, max_abs = ops.unstack(layer_rows, num=_LEAF_WIDTH, axis=1)
+    n = ops.maximum(size, 1.0)
+    headroom = _LOG2_FLOAT16_MAX - ops.log2(ops.maximum(max_abs, FLOAT16_SMALLEST_SUBNORMAL))
+    unmeasured = ops.equal(size, 0.0)  # no float element: nothing to say, NaN
+    values = (
+        max_abs,
+        headroom,
+        nonfinite / n,
+        below_normal / n,
+        zeros / n,
+        (below_normal - zeros) / n,
+    )
+    return ActivationStats(*(ops.where(unmeasured, np.float32(np.nan), v) for v in values))
 
 
 def _is_int_array(x: Any) -> bool:
@@ -228,20 +261,11 @@ def _is_int_array(x: Any) -> bool:
         return False
 
 
-def _input_summary(structure: Any) -> tuple[Any, Any]:
-    """(all float inputs finite, largest finite |input| over float and integer tensors).
-
-    The largest value is NaN when the structure holds no float or integer tensor: it was
-    not measured (an integer id's magnitude counts: an Embedding's inputs are its ids).
-    """
-    finite, largest = _finite_summary(structure)
+def _input_tensors(structure: Any) -> list[Any]:
+    """A layer's float and integer inputs (an integer id's magnitude counts: an
+    Embedding's inputs are its ids)."""
     ints = [ops.convert_to_tensor(x) for x in keras.tree.flatten(structure) if _is_int_array(x)]
-    for x in ints:
-        peak = ops.max(ops.abs(x), initial=0)
-        largest = ops.maximum(largest, ops.cast(peak, "float32"))
-    if not ints and not float_tensors(structure):
-        largest = ops.convert_to_tensor(np.nan, "float32")
-    return finite, largest
+    return float_tensors(structure) + ints
 
 
 def forward_origin(inputs: list[Any], outputs: list[Any]) -> ForwardOriginTensors:
@@ -280,15 +304,28 @@ def forward_origin(inputs: list[Any], outputs: list[Any]) -> ForwardOriginTensor
             ops.zeros((), "float32"),
             ops.ones((), "bool"),
         )
-    in_finite, in_max, out_bad = [], [], []
-    for layer_inputs, layer_outputs in zip(inputs, outputs, strict=True):
-        finite, largest = _input_summary(layer_inputs)
-        in_finite.append(finite)
-        in_max.append(largest)
-        out_bad.append(ops.logical_not(_finite_summary(layer_outputs)[0]))
-    in_finite_v = ops.stack(in_finite)
-    nonfinite = ops.cast(ops.stack(out_bad), "int32")
-    origin = nonfinite * ops.cast(in_finite_v, "int32")
+    layer_inputs = [_input_tensors(s) for s in inputs]
+    unique, positions = _leaf_table(layer_inputs + [float_tensors(s) for s in outputs])
+    rows = _grouped.rows_per_tensor(unique, _leaf_rows, _LEAF_WIDTH)
+    return _origin_of(
+        _per_layer(rows, positions[: len(inputs)]),
+        [bool(x) for x in layer_inputs],
+        _per_layer(rows, positions[len(inputs) :]),
+    )
+
+
+def _origin_of(input_rows: Any, measured: list[bool], output_rows: Any) -> ForwardOriginTensors:
+    """:class:`ForwardOriginTensors` from the per-layer rows of inputs and outputs.
+
+    Args:
+        input_rows: per layer, the rows of its float and integer inputs.
+        measured: per layer, whether it has such an input (else its largest is NaN).
+        output_rows: per layer, the rows of its float outputs.
+    """
+    largest = ops.where(np.asarray(measured), input_rows[:, -1], np.float32(np.nan))
+    in_finite = ops.equal(input_rows[:, 1], 0.0)
+    nonfinite = ops.cast(output_rows[:, 1] > 0, "int32")
+    origin = nonfinite * ops.cast(in_finite, "int32")
     index = ops.where(
         ops.max(origin) > 0,
         ops.cast(ops.argmax(origin), "int32"),
@@ -298,8 +335,8 @@ def forward_origin(inputs: list[Any], outputs: list[Any]) -> ForwardOriginTensor
     found = index >= 0
     return ForwardOriginTensors(
         layer_index=index,
-        max_abs_input=ops.where(found, ops.take(ops.stack(in_max), safe), 0.0),
-        inputs_finite=ops.logical_or(ops.logical_not(found), ops.take(in_finite_v, safe)),
+        max_abs_input=ops.where(found, ops.take(largest, safe), 0.0),
+        inputs_finite=ops.logical_or(ops.logical_not(found), ops.take(in_finite, safe)),
     )
 
 
@@ -321,25 +358,28 @@ def measure_forward(records: list[Record], loss_nonfinite: Any, health_due: Any)
 
     no_origin = ops.convert_to_tensor([-1.0, 1.0, np.nan], "float32")
     unmeasured = ops.full((len(records), len(ACTIVATION_FIELDS)), np.nan, "float32")
+    layer_inputs = [_input_tensors(r.inputs) for r in records]
+    unique, positions = _leaf_table(layer_inputs + [float_tensors(r.outputs) for r in records])
 
-    def origin() -> Any:
-        found = forward_origin([r.inputs for r in records], [r.outputs for r in records])
-        return ops.stack(
+    def measure() -> tuple[Any, Any]:
+        rows = _grouped.rows_per_tensor(unique, _leaf_rows, _LEAF_WIDTH)
+        found = _origin_of(
+            _per_layer(rows, positions[: len(records)]),
+            [bool(x) for x in layer_inputs],
+            _per_layer(rows, positions[len(records) :]),
+        )
+        origin = ops.stack(
             [
                 ops.cast(found.layer_index, "float32"),
                 ops.cast(found.inputs_finite, "float32"),
                 ops.cast(found.max_abs_input, "float32"),
             ]
         )
-
-    def stats() -> Any:
-        measured = activation_stats([r.outputs for r in records])
-        return ops.stack([getattr(measured, f) for f in ACTIVATION_FIELDS], axis=1)
-
-    def measure() -> tuple[Any, Any]:
+        measured = _stats_of(_per_layer(rows, positions[len(records) :]))
+        stats = ops.stack([getattr(measured, f) for f in ACTIVATION_FIELDS], axis=1)
         return (
-            ops.cond(loss_nonfinite, origin, lambda: no_origin),
-            ops.cond(health_due, stats, lambda: unmeasured),
+            ops.where(loss_nonfinite, origin, no_origin),
+            ops.where(health_due, stats, unmeasured),
         )
 
     return rare_cond(
