@@ -247,6 +247,20 @@ def test_a_sequential_without_input_names_the_cast_of_its_data_on_entry(fit_run)
     }
 
 
+@pytest.mark.slow
+@needs_jax
+def test_activation_statistics_describe_the_steps_own_forward_pass_dropout_included(fit_run):
+    # kmix measures the forward pass again where it records the step, from the step's
+    # values (weights, data, seed state): a new dropout mask would change what it saw.
+    rows = fit_run["measured_again"]
+    assert len(rows) == 5
+    for row in rows:
+        assert row["drop"] is not None, rows
+        assert row["drop"]["max_abs"] == row["seen"] > 0
+        assert 0.2 < row["drop"]["zero_fraction"] < 0.8  # dropout dropped about half
+    assert len({row["seen"] for row in rows}) == 5  # a new mask and batch at each step
+
+
 ORIGIN = {
     "layer": "norm",
     "layer_class": "BatchNormalization",

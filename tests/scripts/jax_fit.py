@@ -171,6 +171,7 @@ def fit_scenario(directory: str) -> dict:
     result["retraces"] = retraces(directory)
     result["custom_loop"] = custom_loop()
     result["forward_state"] = forward_state()
+    result["measured_again"] = measured_again()  # clears Keras's session
     result["lazy_origin"] = lazy_origin()  # last: it clears Keras's session
     return result
 
@@ -308,6 +309,61 @@ def lazy_origin() -> list[dict]:
         warnings.simplefilter("ignore")
         model.fit(x, y, batch_size=2, verbose=0, shuffle=False, callbacks=[guard])
     return events(optimizer)
+
+
+class Peek(keras.layers.Layer):
+    """Passes its input on and keeps max |input| of its call: what the step's own forward
+    pass saw (a float32 variable the forward pass assigns; fit keeps the main pass's)."""
+
+    def build(self, shape: tuple) -> None:
+        self.seen = self.add_weight(
+            shape=(), initializer="zeros", trainable=False, dtype="float32", name="seen"
+        )
+
+    def call(self, x: Any) -> Any:
+        self.seen.assign(keras.ops.cast(keras.ops.max(keras.ops.abs(x)), "float32"))
+        return x
+
+
+class SeenAndMeasured(keras.callbacks.Callback):
+    """After each step: what Peek saw, and kmix's activation statistics of its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict] = []
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        model = self.model  # syncs JAX's state into the variables
+        by_layer = model.optimizer.recorder.activations_by_layer()
+        self.rows.append(
+            {
+                "seen": float(np.asarray(model.get_layer("peek").seen.value)),
+                "drop": by_layer.get("functional/drop") or by_layer.get("drop"),
+            }
+        )
+
+
+def measured_again() -> list[dict]:
+    """kmix measures the forward pass again in the branch that records the step: with
+    dropout (random per step), its statistics must be those of the step's own pass."""
+    keras.utils.clear_session()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((8,))
+    wide = keras.layers.Dense(64, name="wide")(inputs)
+    dropped = keras.layers.Dropout(0.5, name="drop")(wide)
+    peeked = Peek(name="peek")(dropped)
+    model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32", name="out")(peeked))
+    optimizer = kmix.LossScaleOptimizer("sgd", initial_scale=64.0)
+    model.compile(optimizer=optimizer, loss="mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 8)).astype("float32"), np.ones((40, 1), "float32")
+    seen = SeenAndMeasured()
+    callbacks = [AskAt(0, 1), kmix.callbacks.LossScaleGuard(), seen]  # the guard taps
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(x, y, batch_size=8, verbose=0, shuffle=False, callbacks=callbacks)
+    return seen.rows
 
 
 class CountedTraces(keras.Sequential):
