@@ -220,8 +220,8 @@ def remember(optimizer: Any, model: Any) -> None:
     ``model.jax_state_sync()`` (Keras 3.15 purges the variables' values meanwhile: reading
     one raises): the optimizer's reads (``read_state``, ``scale_events``...) call it, so
     they are true during and after fit. A change of the statistics settings retraces the
-    train step (they are constants in it). The model's ``train_step`` and
-    ``compute_loss_and_updates`` are wrapped (:func:`wrap_train_step`).
+    train step (they are constants in it). The model's ``train_step`` is wrapped
+    (:func:`wrap_train_step`).
 
     Args:
         optimizer: a ``kmix.LossScaleOptimizer``.
