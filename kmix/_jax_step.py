@@ -10,14 +10,11 @@ pure rules as on TensorFlow (:func:`kmix.step_values.advance_record`)::
     trainable, inner = cond(applies, inner.stateless_apply(unscaled grads), unchanged)
     record = advance_record(record, grads, flags, statistics, forward)
 
-The forward pass is measured where the record is (:class:`JaxStep`): the branch that
-records a step (statistics due, or a non-finite value) runs the step's forward pass
-again, tapped, from the values the step started from (the same weights, data and seed
-state, so the same activations), and measures it
-(:func:`kmix.activations.measure_forward`). A quiet step carries no activation: each
-value a conditional takes as an operand is made and kept on every step, taken or not,
-which cost the 82-variable stack's step ~20 % when the main pass's 41 layers were.
-A skipped step returns the trainable values, the inner optimizer's
+The forward pass runs inside ``jax.value_and_grad``, and its tapped records are usable
+only there: the model's ``compute_loss_and_updates`` is wrapped to measure them
+(:func:`kmix.activations.measure_forward`) and hand the measurement out with its auxiliary
+values; the model's wrapped ``train_step`` takes it back out and finishes the record with
+it (:class:`JaxStep`). A skipped step returns the trainable values, the inner optimizer's
 values and the float state its forward pass assigned, bit for bit. During ``fit`` JAX
 keeps the state outside the variables (purged until ``model.jax_state_sync()``), so host
 reads first sync the model the optimizer trains (:func:`remember`).
@@ -53,9 +50,9 @@ class JaxStep(NamedTuple):
 
     Attributes:
         applies: boolean scalar: the inner optimizer applied (False: a skipped step).
-        finish: a function measuring the forward pass, called only in the branch that
-            records (or None: no tapped forward pass) -> the optimizer's values after
-            the step. ``stateless_apply`` does not see the data the train step has.
+        finish: the forward measurement (or None) -> the optimizer's values after the
+            step. The forward pass is measured inside ``jax.value_and_grad`` and comes
+            out with its auxiliary values, which ``stateless_apply`` does not see.
     """
 
     applies: Any
@@ -156,13 +153,12 @@ def stateless_apply(
     rule = optimizer.config.rule
     quiet = record.is_quiet(old.counters, flags, statistics.due(old.counters), rule)
 
-    def finish(measure: Callable[[], tuple[Any, Any] | None] | None) -> list:
+    def finish(forward: tuple[Any, Any] | None) -> list:
         def quiet_step() -> step_values.RecordValues:  # the common step: one constant added
             delta = ops.cast(record.QUIET_DELTA, old.counters.dtype)
             return old._replace(counters=old.counters + delta)
 
         def full_step() -> step_values.RecordValues:
-            forward = None if measure is None else measure()
             return step_values.advance_record(old, grads, flags, statistics, forward, rule)[0]
 
         new = ops.cond(quiet, quiet_step, full_step)
@@ -220,8 +216,8 @@ def remember(optimizer: Any, model: Any) -> None:
     ``model.jax_state_sync()`` (Keras 3.15 purges the variables' values meanwhile: reading
     one raises): the optimizer's reads (``read_state``, ``scale_events``...) call it, so
     they are true during and after fit. A change of the statistics settings retraces the
-    train step (they are constants in it). The model's ``train_step`` is wrapped
-    (:func:`wrap_train_step`).
+    train step (they are constants in it). The model's ``train_step`` and
+    ``compute_loss_and_updates`` are wrapped (:func:`wrap_train_step`).
 
     Args:
         optimizer: a ``kmix.LossScaleOptimizer``.
@@ -273,42 +269,27 @@ def retrace(model: Any, key: tuple) -> None:
         model.make_train_function(force=True)
 
 
-def _measure_again(optimizer: Any, compute_loss: Callable, state: tuple, data: Any) -> Any:
-    """The step's forward pass run again from ``state``, tapped, and measured; None
-    without records. Called in the branch that records the step (:class:`JaxStep`)."""
+def _measure_forward(optimizer: Any, unscaled_loss: Any, optimizer_values: list) -> Any:
+    """The tapped forward pass measured, inside ``value_and_grad``; None without records."""
     hooks, recorder = optimizer.hooks, optimizer.recorder
-    trainable, non_trainable, optimizer_values, metrics = state
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    hooks.drop_records()  # the main pass's, unmeasured
-    noted = getattr(optimizer._trace, "loss_nonfinite", None)
-    try:  # the same weights, data and seed state: the step's activations
-        _, aux = compute_loss(
-            trainable,
-            non_trainable,
-            metrics,
-            x,
-            y,
-            sample_weight,
-            training=True,
-            optimizer_variables=optimizer_values,
-        )
-    finally:
-        optimizer._trace.loss_nonfinite = noted  # scale_loss noted this pass's loss
+    if not hooks.tapping:
+        return None
     counters = optimizer_values[[id(v) for v in optimizer.variables].index(id(recorder.counters))]
     due = statistics_of(recorder).due(counters)
-    nonfinite = ops.logical_not(ops.all(ops.isfinite(aux[0])))
+    nonfinite = ops.logical_not(ops.all(ops.isfinite(unscaled_loss)))
     forward = hooks.forward_statistics(nonfinite, due[0])
     recorder.layers = hooks.layers
     return forward
 
 
 def wrap_train_step(optimizer: Any, model: Any) -> None:
-    """Wraps the model's JAX ``train_step`` for kmix.
+    """Wraps the model's JAX ``train_step`` and ``compute_loss_and_updates`` for kmix.
 
-    The wrapper finishes the optimizer's record (:class:`JaxStep`), measuring the tapped
-    forward pass in the branch that records (:func:`_measure_again`), and on a skipped
-    step returns the float variables the layers declare non-trainable (what the forward
-    pass assigned: BatchNormalization's statistics) as they were, as kmix does on
+    ``compute_loss_and_updates`` (inside ``value_and_grad``) measures the tapped forward
+    pass and appends the measurement to its non-trainable values; ``train_step`` takes
+    it back out, finishes the optimizer's record with it (:class:`JaxStep`), and on a
+    skipped step returns the float variables the layers declare non-trainable (what the
+    forward pass assigned: BatchNormalization's statistics) as they were, as kmix does on
     TensorFlow. Integer ones keep the update and are named once. Idempotent for the same
     optimizer; remakes a train function made before the wrapper.
 
@@ -338,29 +319,36 @@ def wrap_train_step(optimizer: Any, model: Any) -> None:
     original_loss = type(model).compute_loss_and_updates.__get__(model)
     owner = weakref.ref(optimizer)
 
+    def compute_loss_and_updates(*args: Any, **kwargs: Any) -> tuple:
+        loss, aux = original_loss(*args, **kwargs)
+        held, values = owner(), kwargs.get("optimizer_variables")
+        if held is None or not kwargs.get("training") or values is None:
+            return loss, aux
+        forward = _measure_forward(held, aux[0], values)
+        if forward is None:
+            return loss, aux
+        return loss, (aux[0], aux[1], [*aux[2], *forward], *aux[3:])
+
     def train_step(state: tuple, data: Any) -> tuple:
         logs, new_state = original_step(state, data)
+        n = len(state[1])
+        non_trainable, forward = list(new_state[1][:n]), tuple(new_state[1][n:]) or None
         held = owner()
         step = None if held is None else getattr(held._trace, "jax_step", None)
         if held is not None:
             held._trace.jax_step = None
         if step is None or not _backend.reachable(step.applies):
-            return logs, new_state
+            return logs, (new_state[0], non_trainable, *new_state[2:])
         given = {id(v) for v in forward_state_variables(model)}
-        pairs = zip(model.non_trainable_variables, state[1], new_state[1], strict=True)
+        pairs = zip(model.non_trainable_variables, state[1], non_trainable, strict=True)
         kept = [
             ops.where(step.applies, new, old) if id(v) in given else new for v, old, new in pairs
         ]
-        if not held.hooks.tapping:
-            return logs, (new_state[0], kept, *new_state[2:])
-
-        def measure() -> Any:
-            return _measure_again(held, original_loss, state, data)
-
-        optimizer_values = step.finish(measure)
+        optimizer_values = new_state[2] if forward is None else step.finish(forward)
         return logs, (new_state[0], kept, optimizer_values, *new_state[3:])
 
     model.train_step = train_step
+    model.compute_loss_and_updates = compute_loss_and_updates
     model._kmix_jax_train_step_of = owner  # weak: the model is not saved with it
     if getattr(model, "train_function", None) is not None:
         model.make_train_function(force=True)

@@ -155,11 +155,6 @@ class ModelHooks:
         self._trace.forward_state = None
         return [(v, old) for v, old in state if reachable(old)]
 
-    def drop_records(self) -> None:
-        """Forgets the tap's records made so far in this thread (an unmeasured pass)."""
-        if self._tap is not None:
-            self._tap.take()
-
     def forward_statistics(self, loss_nonfinite: Any, health_due: Any) -> tuple[Any, Any] | None:
         """This replica's forward pass, measured (see :func:`activations.measure_forward`).
 
