@@ -304,10 +304,16 @@ def forward_origin(inputs: list[Any], outputs: list[Any]) -> ForwardOriginTensor
             ops.zeros((), "float32"),
             ops.ones((), "bool"),
         )
+    return _origin_of(*_inputs_and_outputs(inputs, outputs))
+
+
+def _inputs_and_outputs(inputs: list[Any], outputs: list[Any]) -> tuple[Any, list[bool], Any]:
+    """Per layer: the rows of its inputs, whether it has any, the rows of its outputs;
+    every tensor measured once (a layer's output is often the next one's input)."""
     layer_inputs = [_input_tensors(s) for s in inputs]
     unique, positions = _leaf_table(layer_inputs + [float_tensors(s) for s in outputs])
     rows = _grouped.rows_per_tensor(unique, _leaf_rows, _LEAF_WIDTH)
-    return _origin_of(
+    return (
         _per_layer(rows, positions[: len(inputs)]),
         [bool(x) for x in layer_inputs],
         _per_layer(rows, positions[len(inputs) :]),
@@ -358,16 +364,10 @@ def measure_forward(records: list[Record], loss_nonfinite: Any, health_due: Any)
 
     no_origin = ops.convert_to_tensor([-1.0, 1.0, np.nan], "float32")
     unmeasured = ops.full((len(records), len(ACTIVATION_FIELDS)), np.nan, "float32")
-    layer_inputs = [_input_tensors(r.inputs) for r in records]
-    unique, positions = _leaf_table(layer_inputs + [float_tensors(r.outputs) for r in records])
 
     def measure() -> tuple[Any, Any]:
-        rows = _grouped.rows_per_tensor(unique, _leaf_rows, _LEAF_WIDTH)
-        found = _origin_of(
-            _per_layer(rows, positions[: len(records)]),
-            [bool(x) for x in layer_inputs],
-            _per_layer(rows, positions[len(records) :]),
-        )
+        rows = _inputs_and_outputs([r.inputs for r in records], [r.outputs for r in records])
+        found = _origin_of(*rows)
         origin = ops.stack(
             [
                 ops.cast(found.layer_index, "float32"),
@@ -375,7 +375,7 @@ def measure_forward(records: list[Record], loss_nonfinite: Any, health_due: Any)
                 ops.cast(found.max_abs_input, "float32"),
             ]
         )
-        measured = _stats_of(_per_layer(rows, positions[len(records) :]))
+        measured = _stats_of(rows[2])
         stats = ops.stack([getattr(measured, f) for f in ACTIVATION_FIELDS], axis=1)
         return (
             ops.where(loss_nonfinite, origin, no_origin),
