@@ -19,7 +19,7 @@ import keras
 import numpy as np
 from keras import ops
 
-__all__ = ["reduce_rows", "rows_per_tensor"]
+__all__ = ["reduce_rows", "row_sizes", "rows_per_tensor"]
 
 
 def _group_key(tensor: Any, index: int) -> tuple:
@@ -61,6 +61,18 @@ def rows_per_tensor(
     if row_of == list(range(len(tensors))):
         return rows[: len(tensors)]
     return ops.take(rows, np.asarray(row_of, "int32"), axis=0)
+
+
+def row_sizes(rows: Any) -> Any:
+    """The element count of each tensor in a ``[k, n]`` stack: a float32 ``[k]`` of ``n``.
+
+    Args:
+        rows: a stack as :func:`rows_per_tensor` hands to ``measure``.
+
+    Returns:
+        ``n`` once per row, float32.
+    """
+    return ops.ones((ops.shape(rows)[0],), "float32") * ops.cast(ops.shape(rows)[1], "float32")
 
 
 def reduce_rows(columns: Sequence[Any], kinds: Sequence[str]) -> list[Any]:

@@ -170,8 +170,7 @@ def _leaf_rows(rows: Any) -> Any:
     else:
         largest = _grouped.reduce_rows([magnitude], ("max",))[0]
         reduced = [ops.zeros_like(largest)] * 3 + [largest]
-    size = ops.ones(ops.shape(reduced[0]), "float32") * ops.cast(ops.shape(rows)[1], "float32")
-    return ops.stack([size, *(ops.cast(r, "float32") for r in reduced)], axis=1)
+    return ops.stack([_grouped.row_sizes(rows), *(ops.cast(r, "float32") for r in reduced)], axis=1)
 
 
 def _leaf_table(layers: list[list[Any]]) -> tuple[list[Any], list[list[int]]]:
@@ -182,8 +181,8 @@ def _leaf_table(layers: list[list[Any]]) -> tuple[list[Any], list[list[int]]]:
     positions = []
     for layer in layers:
         for x in layer:
-            where.setdefault(id(x), len(unique))
-            if where[id(x)] == len(unique):
+            if id(x) not in where:
+                where[id(x)] = len(unique)
                 unique.append(x)
         positions.append([where[id(x)] for x in layer])
     return unique, positions

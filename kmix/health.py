@@ -161,8 +161,7 @@ def _row_sums(rows: Any, scale: Any) -> Any:
     ``[k, n]`` stack of flattened gradients, over their finite values (tiny: zero or
     below float16's smallest normal; NaN is never tiny): a float32 ``[k, 6]`` matrix."""
     sums = _grouped.reduce_rows(_terms(rows, scale), ("sum", "max", "sum", "sum", "sum"))
-    size = ops.ones_like(sums[0]) * ops.cast(ops.shape(rows)[1], "float32")
-    return ops.stack([size, *sums], axis=1)
+    return ops.stack([_grouped.row_sizes(rows), *sums], axis=1)
 
 
 def _terms(values: Any, scale: Any) -> tuple[Any, ...]:

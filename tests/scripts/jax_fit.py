@@ -338,7 +338,7 @@ class SeenAndMeasured(keras.callbacks.Callback):
         self.rows.append(
             {
                 "seen": float(np.asarray(model.get_layer("peek").seen.value)),
-                "drop": by_layer.get("functional/drop") or by_layer.get("drop"),
+                "drop": by_layer.get("drop"),
             }
         )
 
