@@ -30,7 +30,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from kmix import _backend, health, record, step_values
+from kmix import _backend, _jax_train_function, activations, health, record, step_values
 from kmix._checks import warn_user
 from kmix._layers import forward_state_variables, unrestored_state_variables
 
@@ -50,12 +50,14 @@ class JaxStep(NamedTuple):
 
     Attributes:
         applies: boolean scalar: the inner optimizer applied (False: a skipped step).
+        loss_nonfinite: boolean scalar: the step's unscaled loss was inf or NaN.
         finish: the forward measurement (or None) -> the optimizer's values after the
             step. The forward pass is measured inside ``jax.value_and_grad`` and comes
             out with its auxiliary values, which ``stateless_apply`` does not see.
     """
 
     applies: Any
+    loss_nonfinite: Any
     finish: Callable[[tuple[Any, Any] | None], list]
 
 
@@ -167,7 +169,7 @@ def stateless_apply(
             out[slot] = value
         return out + list(new_inner)
 
-    optimizer._trace.jax_step = JaxStep(applies, finish)
+    optimizer._trace.jax_step = JaxStep(applies, flags[len(grads)] > 0, finish)
     return new_trainable, finish(None)
 
 
@@ -269,10 +271,20 @@ def retrace(model: Any, key: tuple) -> None:
         model.make_train_function(force=True)
 
 
+def measuring(optimizer: Any) -> bool:
+    """Whether the step being traced measures its own forward pass (statistics due).
+
+    :mod:`kmix._jax_train_function` traces two variants of the step and sets this while
+    it traces each; a step traced another way (a user's own ``jax.jit`` of
+    ``model.train_step``) measures its own pass.
+    """
+    return getattr(optimizer._trace, "measuring", True)
+
+
 def _measure_forward(optimizer: Any, unscaled_loss: Any, optimizer_values: list) -> Any:
     """The tapped forward pass measured, inside ``value_and_grad``; None without records."""
     hooks, recorder = optimizer.hooks, optimizer.recorder
-    if not hooks.tapping:
+    if not hooks.tapping or not measuring(optimizer):
         return None
     counters = optimizer_values[[id(v) for v in optimizer.variables].index(id(recorder.counters))]
     due = statistics_of(recorder).due(counters)
@@ -280,6 +292,40 @@ def _measure_forward(optimizer: Any, unscaled_loss: Any, optimizer_values: list)
     forward = hooks.forward_statistics(nonfinite, due[0])
     recorder.layers = hooks.layers
     return forward
+
+
+def origin_again(
+    optimizer: Any, model: Any, step: JaxStep, state: tuple, new_state: tuple, data: Any
+) -> tuple[Any, Any] | None:
+    """The forward origin of a step whose loss is non-finite, from its pass run again.
+
+    A step that does not measure its own pass (the operands of a conditional are made and
+    kept at every step) runs the pass again when its loss is non-finite, which skips the
+    step: the trainable values after it are those before, bit for bit; with the
+    non-trainable values before it (the seed state included) and the same data, the pass
+    is the step's own. The weights are read after the update so that XLA copies none.
+
+    Returns:
+        ``(origin, stats)`` with statistics unmeasured (NaN), or None without records.
+    """
+    hooks, recorder = optimizer.hooks, optimizer.recorder
+    hooks.take_records()  # the step's own pass, not measured in this variant
+    x = keras.utils.unpack_x_y_sample_weight(data)[0]
+    kwargs = {"training": True} if model._call_has_training_arg else {}
+    layers: list = []
+
+    def again() -> Any:
+        with hooks.recording():
+            model.stateless_call(new_state[0], state[1], x, **kwargs)
+        records = hooks.take_records()
+        layers[:] = hooks.layers
+        return activations.measure_origin(records) if records else activations.no_origin()
+
+    origin = _backend.rare_cond(step.loss_nonfinite, again, activations.no_origin)
+    if not layers:
+        return None
+    recorder.layers = layers
+    return origin, ops.full((len(layers), len(activations.ACTIVATION_FIELDS)), np.nan, "float32")
 
 
 def wrap_train_step(optimizer: Any, model: Any) -> None:
@@ -339,6 +385,8 @@ def wrap_train_step(optimizer: Any, model: Any) -> None:
             held._trace.jax_step = None
         if step is None or not _backend.reachable(step.applies):
             return logs, (new_state[0], non_trainable, *new_state[2:])
+        if forward is None and held.hooks.tapping and not measuring(held):
+            forward = origin_again(held, model, step, state, new_state, data)
         given = {id(v) for v in forward_state_variables(model)}
         pairs = zip(model.non_trainable_variables, state[1], non_trainable, strict=True)
         kept = [
@@ -350,5 +398,6 @@ def wrap_train_step(optimizer: Any, model: Any) -> None:
     model.train_step = train_step
     model.compute_loss_and_updates = compute_loss_and_updates
     model._kmix_jax_train_step_of = owner  # weak: the model is not saved with it
+    _jax_train_function.install(optimizer, model)
     if getattr(model, "train_function", None) is not None:
         model.make_train_function(force=True)

@@ -38,6 +38,8 @@ __all__ = [
     "activation_stats",
     "forward_origin",
     "measure_forward",
+    "measure_origin",
+    "no_origin",
     "tapped_layers",
 ]
 
@@ -345,6 +347,36 @@ def _origin_of(input_rows: Any, measured: list[bool], output_rows: Any) -> Forwa
     )
 
 
+def _origin_vector(found: ForwardOriginTensors) -> Any:
+    """``[layer index, inputs finite, max |input|]`` as float32, as the record keeps it."""
+    return ops.stack(
+        [
+            ops.cast(found.layer_index, "float32"),
+            ops.cast(found.inputs_finite, "float32"),
+            ops.cast(found.max_abs_input, "float32"),
+        ]
+    )
+
+
+def no_origin() -> Any:
+    """The origin vector of a step without one: ``[-1, 1, NaN]`` (see :func:`measure_forward`)."""
+    return ops.convert_to_tensor([-1.0, 1.0, np.nan], "float32")
+
+
+def measure_origin(records: list[Record]) -> Any:
+    """The forward origin of ``records`` as the vector :func:`measure_forward` returns.
+
+    For a pass whose loss is known to be non-finite (no condition inside).
+
+    Args:
+        records: a tapped pass's records (in this trace).
+
+    Returns:
+        float32 ``[layer index, inputs finite, max |input|]`` (see :func:`forward_origin`).
+    """
+    return _origin_vector(forward_origin([r.inputs for r in records], [r.outputs for r in records]))
+
+
 def measure_forward(records: list[Record], loss_nonfinite: Any, health_due: Any) -> tuple[Any, Any]:
     """What the optimizer keeps of one step's forward pass, computed only when needed.
 
@@ -361,26 +393,17 @@ def measure_forward(records: list[Record], loss_nonfinite: Any, health_due: Any)
     """
     from kmix._backend import rare_cond
 
-    no_origin = ops.convert_to_tensor([-1.0, 1.0, np.nan], "float32")
     unmeasured = ops.full((len(records), len(ACTIVATION_FIELDS)), np.nan, "float32")
 
     def measure() -> tuple[Any, Any]:
         rows = _inputs_and_outputs([r.inputs for r in records], [r.outputs for r in records])
-        found = _origin_of(*rows)
-        origin = ops.stack(
-            [
-                ops.cast(found.layer_index, "float32"),
-                ops.cast(found.inputs_finite, "float32"),
-                ops.cast(found.max_abs_input, "float32"),
-            ]
-        )
         measured = _stats_of(rows[2])
         stats = ops.stack([getattr(measured, f) for f in ACTIVATION_FIELDS], axis=1)
         return (
-            ops.where(loss_nonfinite, origin, no_origin),
+            ops.where(loss_nonfinite, _origin_vector(_origin_of(*rows)), no_origin()),
             ops.where(health_due, stats, unmeasured),
         )
 
     return rare_cond(
-        ops.logical_or(loss_nonfinite, health_due), measure, lambda: (no_origin, unmeasured)
+        ops.logical_or(loss_nonfinite, health_due), measure, lambda: (no_origin(), unmeasured)
     )

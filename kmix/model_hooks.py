@@ -19,6 +19,7 @@ forward pass.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 import weakref
@@ -155,15 +156,14 @@ class ModelHooks:
         self._trace.forward_state = None
         return [(v, old) for v, old in state if reachable(old)]
 
-    def forward_statistics(self, loss_nonfinite: Any, health_due: Any) -> tuple[Any, Any] | None:
-        """This replica's forward pass, measured (see :func:`activations.measure_forward`).
+    def take_records(self) -> list[Any]:
+        """This trace's tapped records, the first :data:`ACTIVATION_CAPACITY` (said once).
 
-        Args:
-            loss_nonfinite: boolean scalar: the step's unscaled loss was inf/NaN.
-            health_due: boolean scalar: statistics are due at this step.
+        Also sets :attr:`layers`. Taking forgets them: records of a pass nobody measures
+        are dropped this way before another pass of the same trace is recorded.
 
         Returns:
-            ``(origin, stats)`` tensors, or None when no tapped layer was traced.
+            The :class:`kmix.activations.Record` list, ``[]`` without a tap.
         """
         records = self._tap.take() if self._tap is not None else []
         if len(records) > ACTIVATION_CAPACITY:
@@ -174,6 +174,25 @@ class ModelHooks:
             )
         records = records[:ACTIVATION_CAPACITY]
         self.layers = [(r.path, r.class_name) for r in records]
+        return records
+
+    def recording(self) -> contextlib.AbstractContextManager:
+        """Records the tapped layers' calls in the block, whatever the trace (needs a tap)."""
+        if self._tap is None:
+            raise RuntimeError("kmix: ModelHooks.recording() needs a tap: call tap(model).")
+        return self._tap.recording()
+
+    def forward_statistics(self, loss_nonfinite: Any, health_due: Any) -> tuple[Any, Any] | None:
+        """This replica's forward pass, measured (see :func:`activations.measure_forward`).
+
+        Args:
+            loss_nonfinite: boolean scalar: the step's unscaled loss was inf/NaN.
+            health_due: boolean scalar: statistics are due at this step.
+
+        Returns:
+            ``(origin, stats)`` tensors, or None when no tapped layer was traced.
+        """
+        records = self.take_records()
         if not records:
             return None
         return measure_forward(records, loss_nonfinite, health_due)

@@ -261,6 +261,26 @@ def test_activation_statistics_describe_the_steps_own_forward_pass_dropout_inclu
     assert len({row["seen"] for row in rows}) == 5  # a new mask and batch at each step
 
 
+@pytest.mark.slow
+@needs_jax
+def test_a_step_that_does_not_measure_its_pass_names_the_origin_its_own_pass_had(fit_run):
+    # Steps 3 and 6 measure their own pass (statistics every 3 steps); the others run it
+    # again from the step's values when the loss is non-finite. The origin's largest
+    # input is the largest unit the step's dropout mask kept: the pass's own, each step.
+    run = fit_run["origin_again"]
+    assert run["measured"] == [0, 0, 1, 1, 1, 2]
+    assert [e["step"] for e in run["events"]] == [1, 2, 3, 4, 5, 6]
+    for event, seen in zip(run["events"], run["seen"], strict=True):
+        assert event["kind"] == "forward_overflow" and not event["loss_finite"]
+        assert event["origin"] == {
+            "layer": "post",
+            "layer_class": "Dense",
+            "inputs_finite": True,
+            "max_abs_input": float(seen),
+        }
+    assert len(set(run["seen"])) > 2  # the masks differ from step to step
+
+
 ORIGIN = {
     "layer": "norm",
     "layer_class": "BatchNormalization",
@@ -286,7 +306,8 @@ def test_data_parallel_over_two_devices_skips_a_step_one_shard_spoils(tmp_path):
     ]
     assert run["state"]["skipped_steps"] == 2 and run["state"]["attempted_steps"] == 4
     # The NaN row came with the data: hidden (the float16 layer) is named, its inputs not
-    # finite; the monitor on the global program wrote both events; statistics every step.
+    # finite; the monitor on the global program wrote both events; statistics at step 4 only
+    # (update_freq=4): steps 2 and 3 ran the quiet step, its origin from the pass run again.
     origin = {"layer": "hidden", "layer_class": "Dense", "inputs_finite": False}
     assert {k: run["events"][0]["origin"][k] for k in origin} == origin
     assert run["events"][1]["origin"] is None

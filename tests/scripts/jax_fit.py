@@ -172,6 +172,7 @@ def fit_scenario(directory: str) -> dict:
     result["custom_loop"] = custom_loop()
     result["forward_state"] = forward_state()
     result["measured_again"] = measured_again()  # clears Keras's session
+    result["origin_again"] = origin_again(directory)  # clears Keras's session
     result["lazy_origin"] = lazy_origin()  # last: it clears Keras's session
     return result
 
@@ -366,6 +367,69 @@ def measured_again() -> list[dict]:
     return seen.rows
 
 
+class PeekInt(keras.layers.Layer):
+    """Passes its input on and keeps int(max |input|) of its call: what the step's own
+    forward pass saw. An integer variable: a skipped step keeps it (kmix gives back only
+    the float ones), so it survives the overflow it watches."""
+
+    def build(self, shape: tuple) -> None:
+        self.seen = self.add_weight(
+            shape=(), initializer="zeros", trainable=False, dtype="int32", name="seen"
+        )
+
+    def call(self, x: Any) -> Any:
+        self.seen.assign(keras.ops.cast(keras.ops.max(keras.ops.abs(x)), "int32"))
+        return x
+
+
+class SeenAndChosen(keras.callbacks.Callback):
+    """After each step: what PeekInt saw, and how many executions measured their own pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+        self.measured: list[int | None] = []
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        model = self.model  # syncs JAX's state into the variables
+        self.seen.append(int(np.asarray(model.get_layer("peek").seen.value)))
+        self.measured.append(getattr(model.train_function, "measured_executions", None))
+
+
+def origin_again(directory: str) -> dict:
+    """Every step overflows where Dropout keeps a unit: the forward origin's largest input
+    depends on the step's dropout mask. Statistics every 3 steps: steps 3 and 6 measure
+    their own pass, the others run it again for the origin; both must name what the
+    step's own pass saw (PeekInt)."""
+    keras.utils.clear_session()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(5)
+    units = 8
+    kernel = keras.initializers.Constant(np.arange(40000, 40000 + 5000 * units, 5000)[None, :])
+    inputs = keras.Input((1,))
+    spread = keras.layers.Dense(units, kernel_initializer=kernel, dtype="float32", name="spread")
+    hidden = keras.layers.Dropout(0.5, dtype="float32", name="drop")(spread(inputs))
+    hidden = PeekInt(dtype="float32", name="peek")(hidden)  # kept units: 80000 and more
+    outputs = keras.layers.Dense(1, name="post")(hidden)  # float16: its input cast overflows
+    model = keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(outputs))
+    optimizer = kmix.LossScaleOptimizer("sgd", initial_scale=64.0)
+    model.compile(optimizer=optimizer, loss="mse")
+    logdir = os.path.join(directory, "origin_again")
+    seen = SeenAndChosen()
+    callbacks = [kmix.callbacks.MixedPrecisionMonitor(logdir, update_freq=3, verbose=0), seen]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(
+            np.ones((6, 1), "float32"),
+            np.ones((6, 1), "float32"),
+            batch_size=1,
+            verbose=0,
+            shuffle=False,
+            callbacks=callbacks,
+        )
+    return {"events": events(optimizer), "seen": seen.seen, "measured": seen.measured}
+
+
 class CountedTraces(keras.Sequential):
     """A Sequential whose train step counts how often JAX traced it."""
 
@@ -426,7 +490,7 @@ def data_parallel_scenario(directory: str) -> dict:
     logdir = os.path.join(directory, "data_parallel")
     for kind in ("forward", "gradient", "ok"):
         before = state_of(model, optimizer)
-        monitor = kmix.callbacks.MixedPrecisionMonitor(logdir, update_freq=1, verbose=0)
+        monitor = kmix.callbacks.MixedPrecisionMonitor(logdir, update_freq=4, verbose=0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.fit(

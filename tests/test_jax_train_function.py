@@ -1,0 +1,148 @@
+"""The host's choice of step on JAX (kmix/_jax_train_function.py), with fakes: pure logic.
+
+The train function runs the measuring step where gradient health is due at one of an
+execution's steps, the quiet step elsewhere, and counts the steps each execution took.
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kmix import record
+from kmix._jax_train_function import TrainFunction, due_within
+
+ATTEMPTED = record.Counters._fields.index("attempted_steps")
+INT32_MAX = 2**31 - 1
+
+
+def due_one_by_one(attempted: int, steps: int, every: int, int_max: int) -> bool:
+    """The reference: each step as the record counts it (saturating), then ``every | step``."""
+    for _ in range(steps):
+        attempted = min(attempted + 1, int_max)
+        if every > 0 and attempted % every == 0:
+            return True
+    return False
+
+
+@pytest.mark.jax
+@pytest.mark.parametrize("every", [0, 1, 2, 3, 7, 100])
+@pytest.mark.parametrize("steps", [1, 2, 3, 10])
+def test_due_within_agrees_with_counting_step_by_step(every, steps):
+    for attempted in range(0, 60):
+        want = due_one_by_one(attempted, steps, every, INT32_MAX)
+        assert due_within(attempted, steps, every, INT32_MAX) == want, (attempted, steps, every)
+
+
+@pytest.mark.jax
+def test_due_within_at_the_saturated_counter():
+    # The counter stops at int_max: every later step is int_max again.
+    for every, attempted, steps in itertools.product(
+        [1, 2, 7, 8], range(INT32_MAX - 9, INT32_MAX + 1), [1, 4]
+    ):
+        want = due_one_by_one(attempted, steps, every, INT32_MAX)
+        assert due_within(attempted, steps, every, INT32_MAX) == want, (every, attempted, steps)
+    assert not due_within(5, 0, 1, INT32_MAX)  # no step, nothing due
+
+
+class FakeStep:
+    """Keras's train function of one variant: takes up to ``steps`` batches from the
+    iterator, attempts each (the counters are a new array after every execution)."""
+
+    def __init__(self, name: str, calls: list, steps: int) -> None:
+        self.name, self.calls, self.steps = name, calls, steps
+
+    def __call__(self, state: tuple, iterator) -> tuple:
+        taken = list(itertools.islice(iterator, self.steps))
+        counters = np.array(state[2][1])
+        counters[ATTEMPTED] += len(taken)
+        self.calls.append((self.name, taken))
+        return {"loss": 0.0}, (state[0], state[1], [state[2][0], counters], state[3])
+
+
+class FakeModel:
+    """What the train function reads of the model: ``steps_per_execution``."""
+
+    steps_per_execution = 1
+
+
+def fake_setup(health_every: int, steps: int, attempted: int = 0):
+    counters_variable = SimpleNamespace(dtype="int32")
+    recorder = SimpleNamespace(
+        counters=counters_variable,
+        settings=SimpleNamespace(variables={"health_every": SimpleNamespace(value=health_every)}),
+    )
+    optimizer = SimpleNamespace(recorder=recorder, variables=[object(), counters_variable])
+    model = FakeModel()
+    model.steps_per_execution = steps
+    calls: list = []
+    function = TrainFunction(
+        optimizer, model, FakeStep("quiet", calls, steps), FakeStep("measuring", calls, steps)
+    )
+    counters = np.zeros(len(record.Counters._fields), "int32")
+    counters[ATTEMPTED] = attempted
+    function.model_kept_alive = model  # the train function holds its model weakly
+    return function, ([], [], [0.0, counters], []), calls
+
+
+@pytest.mark.jax
+def test_the_measuring_step_runs_exactly_where_health_is_due():
+    function, state, calls = fake_setup(health_every=3, steps=1)
+    iterator = iter(range(1, 11))
+    for _ in range(10):
+        _, state = function(state, iterator)
+    assert [name for name, _ in calls] == [
+        "quiet",
+        "quiet",
+        "measuring",
+        "quiet",
+        "quiet",
+        "measuring",
+        "quiet",
+        "quiet",
+        "measuring",
+        "quiet",
+    ]
+    assert function.measured_executions == 3
+
+
+@pytest.mark.jax
+def test_executions_of_several_steps_and_a_short_last_one_are_counted():
+    # Steps 1-3, 4-6, 7-8 (the data ends): health every 4 is due at 4 and 8.
+    function, state, calls = fake_setup(health_every=4, steps=3)
+    iterator = iter(range(8))
+    for _ in range(3):
+        _, state = function(state, iterator)
+    assert [(name, len(taken)) for name, taken in calls] == [
+        ("quiet", 3),
+        ("measuring", 3),
+        ("measuring", 2),
+    ]
+    # The next fit starts from the record's 8: steps 9-11 are quiet, 12-14 measure.
+    iterator = iter(range(6))
+    for _ in range(2):
+        _, state = function(state, iterator)
+    assert [name for name, _ in calls[3:]] == ["quiet", "measuring"]
+
+
+@pytest.mark.jax
+def test_a_state_it_did_not_return_is_read_again():
+    # A loaded checkpoint (or a new fit) brings counters the function did not make.
+    function, state, calls = fake_setup(health_every=5, steps=1, attempted=3)
+    _, state = function(state, iter([0]))  # step 4: quiet
+    loaded = np.array(state[2][1])
+    loaded[ATTEMPTED] = 9  # the next step is 10: due
+    _, state = function((state[0], state[1], [0.0, loaded], state[3]), iter([0]))
+    assert [name for name, _ in calls] == ["quiet", "measuring"]
+
+
+@pytest.mark.jax
+def test_never_due_never_measures():
+    function, state, calls = fake_setup(health_every=0, steps=2)
+    iterator = iter(range(9))
+    for _ in range(5):
+        _, state = function(state, iterator)
+    assert {name for name, _ in calls} == {"quiet"} and function.measured_executions == 0
