@@ -331,13 +331,13 @@ def _origin_of(input_rows: Any, measured: list[bool], output_rows: Any) -> Forwa
     """
     largest = ops.where(np.asarray(measured), input_rows[:, -1], np.float32(np.nan))
     in_finite = ops.equal(input_rows[:, 1], 0.0)
-    nonfinite = ops.cast(output_rows[:, 1] > 0, "int32")
-    origin = nonfinite * ops.cast(in_finite, "int32")
-    index = ops.where(
-        ops.max(origin) > 0,
-        ops.cast(ops.argmax(origin), "int32"),
-        ops.where(ops.max(nonfinite) > 0, ops.cast(ops.argmax(nonfinite), "int32"), -1),
-    )
+    nonfinite = output_rows[:, 1] > 0
+    origin = ops.logical_and(nonfinite, in_finite)
+    # One reduction finds both firsts: an origin ranks i, a non-finite output n + i.
+    n = len(measured)
+    order = np.arange(n, dtype="int32")
+    first = ops.min(ops.where(origin, order, ops.where(nonfinite, order + n, np.int32(2 * n))))
+    index = ops.where(first < n, first, ops.where(first < 2 * n, first - n, np.int32(-1)))
     safe = ops.maximum(index, 0)
     found = index >= 0
     return ForwardOriginTensors(
