@@ -96,21 +96,14 @@ def reduce_rows(columns: Sequence[Any], kinds: Sequence[str]) -> list[Any]:
     import jax.numpy as jnp
     from jax import lax
 
-    # Statistics are never differentiated.
-    columns = [lax.stop_gradient(c) for c in columns]
-    out: list[Any] = [None] * len(columns)
-    for kind in ("sum", "max"):
-        picked = [i for i, k in enumerate(kinds) if k == kind]
-        if not picked:
-            continue
-        by_dtype: dict[str, list[int]] = {}
-        for i in picked:
-            by_dtype.setdefault(str(columns[i].dtype), []).append(i)
-        for members in by_dtype.values():
-            stacked = jnp.stack([columns[i] for i in members], axis=1)  # [k, m, n]
-            reduced = (
-                jnp.sum(stacked, axis=2) if kind == "sum" else jnp.max(stacked, axis=2, initial=0)
-            )
-            for j, i in enumerate(members):
-                out[i] = reduced[:, j]
-    return out
+    def combine(a: tuple, b: tuple) -> tuple:
+        return tuple(
+            x + y if kind == "sum" else jnp.maximum(x, y)
+            for x, y, kind in zip(a, b, kinds, strict=True)
+        )
+
+    # Statistics are never differentiated; JAX's derivative of a variadic reduction fails
+    # where one is traced inside ``jax.value_and_grad`` (the forward pass's).
+    columns = tuple(lax.stop_gradient(c) for c in columns)
+    zeros = tuple(jnp.zeros((), c.dtype) for c in columns)
+    return list(lax.reduce(columns, zeros, combine, (1,)))
