@@ -7,11 +7,14 @@ program, those of branches not taken included, at each execution. Reduced one by
 the statistics of the 82-variable stack put about 1,400 buffers into the step, ~20 % of a
 quiet step (``bench/README.md``, issue 24). Stacked by shape and dtype, a model of
 repeated blocks has a few groups, so a few reductions; the stacking copies run only in
-the branch that measures.
+the branch that measures. A stack is a copy, so a tensor of :data:`STACK_LIMIT` elements
+or more is measured alone (stacked, an MLP's kernels took one more gradient's memory in
+the step XLA compiled; alone, a large tensor's few reductions cost little next to it).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,11 +25,19 @@ from keras import ops
 __all__ = ["reduce_rows", "row_sizes", "rows_per_tensor"]
 
 
+STACK_LIMIT = 1 << 16
+"""Tensors of this many elements or more are measured alone: stacking copies them."""
+
+
 def _group_key(tensor: Any, index: int) -> tuple:
-    """Tensors with equal keys stack: one fully known shape and one dtype."""
+    """Tensors with equal keys stack: one fully known shape and one dtype, and small.
+
+    A large tensor stands alone: its stack would be a copy of it (more memory at the
+    steps that measure), while its own reductions are cheap next to its size.
+    """
     shape = tuple(tensor.shape)
-    if any(dim is None for dim in shape):  # a graph tensor of unknown size stands alone
-        return ("alone", index)
+    if any(dim is None for dim in shape) or math.prod(shape) >= STACK_LIMIT:
+        return ("alone", index)  # unknown size (a graph tensor), or large
     return (shape, keras.backend.standardize_dtype(tensor.dtype))
 
 

@@ -20,6 +20,7 @@ due step's statistics unmeasured (absent, never stale), not move an event.
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -112,7 +113,8 @@ class TrainFunction:
 def _variant(optimizer: Any, step: Callable, measuring: bool) -> Callable:
     """``step`` traced as the measuring or the quiet variant; one function object per
     ``(step, variant)``, kept with ``step``: ``jax.jit`` caches traces by identity."""
-    variants = step.__dict__.setdefault("kmix_variants", {}) if hasattr(step, "__dict__") else {}
+    own = isinstance(step, types.FunctionType)  # a bound method's __dict__ is its class's
+    variants = step.__dict__.setdefault("kmix_variants", {}) if own else {}
     found = variants.get(measuring)
     if found is not None:
         return found

@@ -42,6 +42,31 @@ def test_rows_come_back_in_the_order_given_with_zeros_for_none():
 
 
 @pytest.mark.jax
+def test_large_tensors_are_measured_alone_and_small_ones_of_a_shape_together():
+    # Stacking copies what it stacks: a large tensor would cost its size in memory.
+    rng = np.random.default_rng(1)
+    large = (2, _grouped.STACK_LIMIT // 2)
+    tensors = [
+        rng.integers(-9, 9, large).astype("float32"),
+        rng.integers(-9, 9, (4,)).astype("float32"),
+        rng.integers(-9, 9, large).astype("float32"),
+        rng.integers(-9, 9, (4,)).astype("float32"),
+    ]
+    stacks = []
+
+    def measure(rows):
+        stacks.append(tuple(rows.shape))
+        return sums_and_peaks(rows)
+
+    got = np.asarray(
+        _grouped.rows_per_tensor([ops.convert_to_tensor(t) for t in tensors], measure, 3)
+    )
+    want = [[t.sum(), np.abs(t).max(), t.size] for t in tensors]
+    np.testing.assert_array_equal(got, np.asarray(want, "float32"))
+    assert sorted(stacks) == sorted([(1, _grouped.STACK_LIMIT)] * 2 + [(2, 4)])
+
+
+@pytest.mark.jax
 def test_reduce_rows_keeps_each_columns_dtype_and_kind():
     counts = ops.convert_to_tensor(np.array([[1, 0, 1], [0, 0, 0]], "int32"))
     values = ops.convert_to_tensor(np.array([[0.5, 3.0, 2.0], [0.0, 0.0, 0.0]], "float16"))
