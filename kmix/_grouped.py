@@ -89,8 +89,11 @@ def row_sizes(rows: Any) -> Any:
 def reduce_rows(columns: Sequence[Any], kinds: Sequence[str]) -> list[Any]:
     """Reduces ``[k, n]`` matrices along their rows: ``"sum"`` or ``"max"`` (from 0) each.
 
-    On JAX, one variadic reduction reads every column in one pass (one reduction for
-    XLA's runtime to set up, not one per column); elsewhere one reduction each.
+    On JAX, a small stack's columns of one kind and dtype are stacked and reduced
+    together (two reductions for XLA's runtime to set up, the copy under
+    :data:`STACK_LIMIT` elements); a larger stack's are read in one pass by one variadic
+    reduction (no copy; its reducer has a buffer per column and operand). Elsewhere one
+    reduction each.
 
     Args:
         columns: ``[k, n]`` tensors of equal shape (each keeps its dtype).
@@ -116,5 +119,22 @@ def reduce_rows(columns: Sequence[Any], kinds: Sequence[str]) -> list[Any]:
     # Statistics are never differentiated; JAX's derivative of a variadic reduction fails
     # where one is traced inside ``jax.value_and_grad`` (the forward pass's).
     columns = tuple(lax.stop_gradient(c) for c in columns)
+    if math.prod(columns[0].shape) * len(columns) < STACK_LIMIT:
+        return _stacked(columns, kinds)
     zeros = tuple(jnp.zeros((), c.dtype) for c in columns)
     return list(lax.reduce(columns, zeros, combine, (1,)))
+
+
+def _stacked(columns: Sequence[Any], kinds: Sequence[str]) -> list[Any]:
+    """:func:`reduce_rows` of small columns: those of one kind and dtype stacked, reduced
+    at once."""
+    out: list[Any] = [None] * len(columns)
+    together: dict[tuple, list[int]] = {}
+    for i, (column, kind) in enumerate(zip(columns, kinds, strict=True)):
+        together.setdefault((kind, keras.backend.standardize_dtype(column.dtype)), []).append(i)
+    for (kind, _), members in together.items():
+        stack = ops.stack([columns[i] for i in members], axis=1)  # [k, m, n]
+        reduced = ops.sum(stack, axis=2) if kind == "sum" else ops.max(stack, axis=2, initial=0)
+        for j, i in enumerate(members):
+            out[i] = reduced[:, j]
+    return out
