@@ -250,8 +250,8 @@ def test_a_sequential_without_input_names_the_cast_of_its_data_on_entry(fit_run)
 @pytest.mark.slow
 @needs_jax
 def test_activation_statistics_describe_the_steps_own_forward_pass_dropout_included(fit_run):
-    # kmix measures the forward pass again where it records the step, from the step's
-    # values (weights, data, seed state): a new dropout mask would change what it saw.
+    # Statistics every step: each step measures its own pass; a pass with another
+    # dropout mask (another seed state) would not show what the layer saw.
     rows = fit_run["measured_again"]
     assert len(rows) == 5
     for row in rows:

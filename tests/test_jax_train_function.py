@@ -89,12 +89,17 @@ def fake_setup(health_every: int, steps: int, attempted: int = 0):
     return function, ([], [], [0.0, counters], []), calls
 
 
+def executions(function, state, iterator, count: int) -> tuple:
+    """``count`` calls of the train function on one iterator; the state after them."""
+    for _ in range(count):
+        _, state = function(state, iterator)
+    return state
+
+
 @pytest.mark.jax
 def test_the_measuring_step_runs_exactly_where_health_is_due():
     function, state, calls = fake_setup(health_every=3, steps=1)
-    iterator = iter(range(1, 11))
-    for _ in range(10):
-        _, state = function(state, iterator)
+    executions(function, state, iter(range(1, 11)), 10)
     assert [name for name, _ in calls] == [
         "quiet",
         "quiet",
@@ -114,18 +119,14 @@ def test_the_measuring_step_runs_exactly_where_health_is_due():
 def test_executions_of_several_steps_and_a_short_last_one_are_counted():
     # Steps 1-3, 4-6, 7-8 (the data ends): health every 4 is due at 4 and 8.
     function, state, calls = fake_setup(health_every=4, steps=3)
-    iterator = iter(range(8))
-    for _ in range(3):
-        _, state = function(state, iterator)
+    state = executions(function, state, iter(range(8)), 3)
     assert [(name, len(taken)) for name, taken in calls] == [
         ("quiet", 3),
         ("measuring", 3),
         ("measuring", 2),
     ]
     # The next fit starts from the record's 8: steps 9-11 are quiet, 12-14 measure.
-    iterator = iter(range(6))
-    for _ in range(2):
-        _, state = function(state, iterator)
+    executions(function, state, iter(range(6)), 2)
     assert [name for name, _ in calls[3:]] == ["quiet", "measuring"]
 
 
@@ -143,9 +144,7 @@ def test_a_state_it_did_not_return_is_read_again():
 @pytest.mark.jax
 def test_never_due_never_measures():
     function, state, calls = fake_setup(health_every=0, steps=2)
-    iterator = iter(range(9))
-    for _ in range(5):
-        _, state = function(state, iterator)
+    executions(function, state, iter(range(9)), 5)
     assert {name for name, _ in calls} == {"quiet"} and function.measured_executions == 0
 
 

@@ -313,16 +313,22 @@ def lazy_origin() -> list[dict]:
 
 
 class Peek(keras.layers.Layer):
-    """Passes its input on and keeps max |input| of its call: what the step's own forward
-    pass saw (a float32 variable the forward pass assigns; fit keeps the main pass's)."""
+    """Passes its input on and keeps max |input| of its call, as ``kept`` (a variable the
+    forward pass assigns; fit keeps the main pass's): what the step's own pass saw. A
+    float variable is given back by a skipped step; an int32 one keeps the skipped step's
+    value, so it survives the overflow it watches."""
+
+    def __init__(self, kept: str = "float32", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.kept = kept
 
     def build(self, shape: tuple) -> None:
         self.seen = self.add_weight(
-            shape=(), initializer="zeros", trainable=False, dtype="float32", name="seen"
+            shape=(), initializer="zeros", trainable=False, dtype=self.kept, name="seen"
         )
 
     def call(self, x: Any) -> Any:
-        self.seen.assign(keras.ops.cast(keras.ops.max(keras.ops.abs(x)), "float32"))
+        self.seen.assign(keras.ops.cast(keras.ops.max(keras.ops.abs(x)), self.kept))
         return x
 
 
@@ -345,8 +351,8 @@ class SeenAndMeasured(keras.callbacks.Callback):
 
 
 def measured_again() -> list[dict]:
-    """kmix measures the forward pass again in the branch that records the step: with
-    dropout (random per step), its statistics must be those of the step's own pass."""
+    """With dropout (random per step), kmix's activation statistics must be those of the
+    step's own pass (a pass run again with another seed state would differ)."""
     keras.utils.clear_session()
     keras.mixed_precision.set_global_policy("mixed_float16")
     keras.utils.set_random_seed(3)
@@ -367,23 +373,8 @@ def measured_again() -> list[dict]:
     return seen.rows
 
 
-class PeekInt(keras.layers.Layer):
-    """Passes its input on and keeps int(max |input|) of its call: what the step's own
-    forward pass saw. An integer variable: a skipped step keeps it (kmix gives back only
-    the float ones), so it survives the overflow it watches."""
-
-    def build(self, shape: tuple) -> None:
-        self.seen = self.add_weight(
-            shape=(), initializer="zeros", trainable=False, dtype="int32", name="seen"
-        )
-
-    def call(self, x: Any) -> Any:
-        self.seen.assign(keras.ops.cast(keras.ops.max(keras.ops.abs(x)), "int32"))
-        return x
-
-
 class SeenAndChosen(keras.callbacks.Callback):
-    """After each step: what PeekInt saw, and how many executions measured their own pass."""
+    """After each step: what Peek (int32) saw, and how many executions measured their pass."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -409,7 +400,7 @@ def origin_again(directory: str) -> dict:
     inputs = keras.Input((1,))
     spread = keras.layers.Dense(units, kernel_initializer=kernel, dtype="float32", name="spread")
     hidden = keras.layers.Dropout(0.5, dtype="float32", name="drop")(spread(inputs))
-    hidden = PeekInt(dtype="float32", name="peek")(hidden)  # kept units: 80000 and more
+    hidden = Peek("int32", dtype="float32", name="peek")(hidden)  # kept units: 80000 and more
     outputs = keras.layers.Dense(1, name="post")(hidden)  # float16: its input cast overflows
     model = keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(outputs))
     optimizer = kmix.LossScaleOptimizer("sgd", initial_scale=64.0)
