@@ -295,28 +295,40 @@ def _measure_forward(optimizer: Any, unscaled_loss: Any, optimizer_values: list)
 
 
 def origin_again(
-    optimizer: Any, model: Any, step: JaxStep, state: tuple, new_state: tuple, data: Any
+    optimizer: Any, model: Any, step: JaxStep, new_trainable: list, calls: list[tuple]
 ) -> tuple[Any, Any] | None:
     """The forward origin of a step whose loss is non-finite, from its pass run again.
 
     A step that does not measure its own pass (the operands of a conditional are made and
     kept at every step) runs the pass again when its loss is non-finite, which skips the
     step: the trainable values after it are those before, bit for bit; with the
-    non-trainable values before it (the seed state included) and the same data, the pass
-    is the step's own. The weights are read after the update so that XLA copies none.
+    non-trainable values and the inputs the step's ``compute_loss_and_updates`` gave the
+    model (the seed state included), the pass has the step's own inputs. It is compiled
+    apart from the step's, so on another device its last bits could differ. The weights
+    are read after the update so that XLA copies none.
+
+    Args:
+        optimizer: the ``kmix.LossScaleOptimizer`` whose step is traced (tapping).
+        model: the model.
+        step: what ``stateless_apply`` left for this step.
+        new_trainable: the trainable values the step returns.
+        calls: ``(non-trainable values, x)`` of each ``compute_loss_and_updates`` call
+            of the step; other than one (a ``train_step`` of the user's own): no origin.
 
     Returns:
         ``(origin, stats)`` with statistics unmeasured (NaN), or None without records.
     """
     hooks, recorder = optimizer.hooks, optimizer.recorder
     hooks.take_records()  # the step's own pass, not measured in this variant
-    x = keras.utils.unpack_x_y_sample_weight(data)[0]
+    if len(calls) != 1 or not all(_backend.reachable(v) for v in keras.tree.flatten(calls)):
+        return None
+    non_trainable, x = calls[0]
     kwargs = {"training": True} if model._call_has_training_arg else {}
     layers: list = []
 
     def again() -> Any:
         with hooks.recording():
-            model.stateless_call(new_state[0], state[1], x, **kwargs)
+            model.stateless_call(new_trainable, non_trainable, x, **kwargs)
         records = hooks.take_records()
         layers[:] = hooks.layers
         return activations.measure_origin(records) if records else activations.no_origin()
@@ -326,6 +338,13 @@ def origin_again(
         return None
     recorder.layers = layers
     return origin, ops.full((len(layers), len(activations.ACTIVATION_FIELDS)), np.nan, "float32")
+
+
+def _forward_inputs(args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """``(non-trainable values, x)`` of a ``compute_loss_and_updates`` call (Keras's
+    signature: trainable, non-trainable, metrics, x, y, sample weight)."""
+    non_trainable = args[1] if len(args) > 1 else kwargs.get("non_trainable_variables")
+    return non_trainable, args[3] if len(args) > 3 else kwargs.get("x")
 
 
 def wrap_train_step(optimizer: Any, model: Any) -> None:
@@ -368,7 +387,12 @@ def wrap_train_step(optimizer: Any, model: Any) -> None:
     def compute_loss_and_updates(*args: Any, **kwargs: Any) -> tuple:
         loss, aux = original_loss(*args, **kwargs)
         held, values = owner(), kwargs.get("optimizer_variables")
-        if held is None or not kwargs.get("training") or values is None:
+        if held is None or held is not model.optimizer or not kwargs.get("training"):
+            return loss, aux
+        calls = getattr(held._trace, "forward_calls", None)
+        if calls is not None:
+            calls.append(_forward_inputs(args, kwargs))
+        if values is None:
             return loss, aux
         forward = _measure_forward(held, aux[0], values)
         if forward is None:
@@ -376,17 +400,22 @@ def wrap_train_step(optimizer: Any, model: Any) -> None:
         return loss, (aux[0], aux[1], [*aux[2], *forward], *aux[3:])
 
     def train_step(state: tuple, data: Any) -> tuple:
-        logs, new_state = original_step(state, data)
+        held = owner()
+        if held is None or held is not model.optimizer:  # compiled again with another
+            return original_step(state, data)
+        held._trace.forward_calls = calls = []
+        try:
+            logs, new_state = original_step(state, data)
+        finally:
+            held._trace.forward_calls = None
         n = len(state[1])
         non_trainable, forward = list(new_state[1][:n]), tuple(new_state[1][n:]) or None
-        held = owner()
-        step = None if held is None else getattr(held._trace, "jax_step", None)
-        if held is not None:
-            held._trace.jax_step = None
+        step = getattr(held._trace, "jax_step", None)
+        held._trace.jax_step = None
         if step is None or not _backend.reachable(step.applies):
             return logs, (new_state[0], non_trainable, *new_state[2:])
         if forward is None and held.hooks.tapping and not measuring(held):
-            forward = origin_again(held, model, step, state, new_state, data)
+            forward = origin_again(held, model, step, new_state[0], calls)
         given = {id(v) for v in forward_state_variables(model)}
         pairs = zip(model.non_trainable_variables, state[1], non_trainable, strict=True)
         kept = [

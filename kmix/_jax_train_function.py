@@ -98,6 +98,8 @@ class TrainFunction:
     def __call__(self, state: tuple, iterator: Iterator) -> tuple:
         counters = state[2][self._slot]
         if counters is not self._counters:  # not the last execution's: read it (ready)
+            if not getattr(counters, "is_fully_addressable", True):  # several processes
+                counters = counters.addressable_data(0)
             self._attempted = int(np.asarray(counters)[_ATTEMPTED])
         model = self._model()
         steps = getattr(model, "steps_per_execution", 1) if model is not None else 1
@@ -138,8 +140,10 @@ def install(optimizer: Any, model: Any) -> None:
     """Makes ``model.make_train_function`` build a :class:`TrainFunction` while tapped.
 
     Without a tap (no forward statistics to measure), when the model was compiled again
-    with another optimizer, or with Flax NNX (Keras then calls the class's
-    ``train_step``), Keras's own train function is made.
+    with another optimizer, without ``jit`` (``jit_compile=False``, ``run_eagerly``: no
+    compiled program whose buffers a branch would cost), or with Flax NNX (Keras then
+    calls the class's ``train_step``), Keras's own train function is made: its step
+    measures its own pass.
 
     Args:
         optimizer: the ``kmix.LossScaleOptimizer`` (held weakly).
@@ -153,7 +157,8 @@ def install(optimizer: Any, model: Any) -> None:
             return
         held = owner()
         tapped = held is not None and held.hooks.tapping and model.optimizer is held
-        if not tapped or keras.config.is_nnx_enabled():
+        compiled = model.jit_compile and not model.run_eagerly  # else no buffers to spare
+        if not tapped or not compiled or keras.config.is_nnx_enabled():
             original(force=True)
             return
         step = model.train_step

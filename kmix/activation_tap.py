@@ -16,8 +16,9 @@ The number of records and their paths are Python values at trace time.
 Cost: recording adds Python at trace time only. Reducing the records in ``apply`` keeps
 the recorded activations alive until then (past the backward pass), also when the
 reduction sits in a ``cond`` not taken: peak memory can grow by the activations. On
-JAX only the steps where statistics are due measure their own pass (and keep it); the
-others run the pass again when the loss is non-finite (:mod:`kmix._jax_train_function`).
+JAX under ``jit`` only the executions that hold a step where statistics are due measure
+their own pass (and keep it); the others run the pass again when the loss is non-finite
+(:mod:`kmix._jax_train_function`).
 
 Which layers are tapped: every layer nested in the model (found by
 ``kmix._layers.walk_layers``, the model itself excluded) whose ``compute_dtype`` is

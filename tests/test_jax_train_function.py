@@ -196,3 +196,101 @@ def test_the_steps_kmix_compiles_need_no_more_memory_than_stock_keras(tmp_path):
     gradient_bytes = 4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     assert optimizer_bytes <= stock_bytes + gradient_bytes // 4, (optimizer_bytes, stock_bytes)
     assert quiet_bytes <= stock_bytes + gradient_bytes // 4, (quiet_bytes, stock_bytes)
+
+
+@pytest.mark.slow
+@pytest.mark.jax
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="Keras's JAX train step")
+def test_a_model_compiled_again_with_stock_keras_trains_with_it(tmp_path):
+    # kmix's wrappers stay on the model (and its tap, while the optimizer lives): they
+    # must step aside for another optimizer, not read its variables as kmix's.
+    import warnings
+
+    import kmix.callbacks
+
+    keras.utils.clear_session()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1, dtype="float32")]
+    )
+    optimizer = kmix.LossScaleOptimizer("adam")
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = np.ones((32, 4), "float32"), np.ones((32, 1), "float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        monitor = kmix.callbacks.MixedPrecisionMonitor(str(tmp_path), verbose=0)
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
+        assert optimizer.hooks.tapping and optimizer.read_state().attempted_steps == 4
+        stock = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD())
+        model.compile(optimizer=stock, loss="mse")
+        history = model.fit(x, y, batch_size=8, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert int(np.asarray(stock.iterations.value)) == 4
+    assert optimizer.read_state().attempted_steps == 4  # kmix's record left alone
+
+
+class FourPartBatches(keras.Model):
+    """A model whose own train step reads ``(x, y, x_offset)`` batches (the offset where
+    Keras puts sample weights) and gives the model ``x + x_offset``: the pass run again
+    must be the one its step ran, not one on ``x``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = keras.layers.Dense(4, kernel_initializer="ones", name="hidden")
+        self.top = keras.layers.Dense(1, dtype="float32", name="top")
+
+    def call(self, x):
+        return self.top(self.hidden(x))
+
+    def train_step(self, state, data):
+        import jax
+
+        trainable, non_trainable, optimizer_values, metrics = state
+        x, y, offset = data
+        grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
+        (loss, aux), grads = grad_fn(
+            trainable,
+            non_trainable,
+            metrics,
+            x + offset,
+            y,
+            None,
+            training=True,
+            optimizer_variables=optimizer_values,
+        )
+        _, _, non_trainable, metrics = aux
+        trainable, optimizer_values = self.optimizer.stateless_apply(
+            optimizer_values, grads, trainable
+        )
+        return {"loss": loss}, (trainable, non_trainable, optimizer_values, metrics)
+
+
+@pytest.mark.slow
+@pytest.mark.jax
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="Keras's JAX train step")
+def test_a_train_step_of_the_users_own_gets_the_origin_of_its_own_pass(tmp_path):
+    # Step 3's offset (90000) overflows hidden's input cast; its x alone (ones) would not.
+    import warnings
+
+    import kmix.callbacks
+
+    keras.utils.clear_session()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = FourPartBatches()
+    optimizer = kmix.LossScaleOptimizer("sgd", initial_scale=64.0)
+    model.compile(optimizer=optimizer, loss="mse")
+    offsets = np.zeros((6, 1, 4), "float32")
+    offsets[2] = 90000.0
+    batches = [(np.ones((1, 4), "float32"), np.ones((1, 1), "float32"), o) for o in offsets]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        monitor = kmix.callbacks.MixedPrecisionMonitor(str(tmp_path), update_freq=5, verbose=0)
+        model.fit((b for b in batches), steps_per_epoch=6, verbose=0, callbacks=[monitor])
+    events = [(e.step, e.kind, e.origin) for e in optimizer.scale_events()]
+    assert [(step, kind) for step, kind, _ in events] == [(3, "forward_overflow")]
+    origin = events[0][2]
+    assert (origin.layer, origin.inputs_finite, origin.max_abs_input) == (
+        "four_part_batches/hidden",
+        True,
+        90001.0,
+    )
