@@ -14,7 +14,10 @@ The forward pass runs inside ``jax.value_and_grad``, and its tapped records are 
 only there: the model's ``compute_loss_and_updates`` is wrapped to measure them
 (:func:`kmix.activations.measure_forward`) and hand the measurement out with its auxiliary
 values; the model's wrapped ``train_step`` takes it back out and finishes the record with
-it (:class:`JaxStep`). A skipped step returns the trainable values, the inner optimizer's
+it (:class:`JaxStep`). Under ``jit`` with a tap, ``fit`` runs this measuring step only
+where statistics are due and a quiet one elsewhere (:mod:`kmix._jax_train_function`),
+which on a non-finite loss runs the pass again for its origin (:func:`origin_again`).
+A skipped step returns the trainable values, the inner optimizer's
 values and the float state its forward pass assigned, bit for bit. During ``fit`` JAX
 keeps the state outside the variables (purged until ``model.jax_state_sync()``), so host
 reads first sync the model the optimizer trains (:func:`remember`).
