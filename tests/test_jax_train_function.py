@@ -210,6 +210,7 @@ def test_a_model_compiled_again_with_stock_keras_trains_with_it(tmp_path):
 
     keras.utils.clear_session()
     keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1, dtype="float32")]
     )
@@ -221,7 +222,8 @@ def test_a_model_compiled_again_with_stock_keras_trains_with_it(tmp_path):
         monitor = kmix.callbacks.MixedPrecisionMonitor(str(tmp_path), verbose=0)
         model.fit(x, y, batch_size=8, verbose=0, callbacks=[monitor])
         assert optimizer.hooks.tapping and optimizer.read_state().attempted_steps == 4
-        stock = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD())
+        # Scale 1: no step of this small model overflows, so stock applies all four.
+        stock = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(), 1.0)
         model.compile(optimizer=stock, loss="mse")
         history = model.fit(x, y, batch_size=8, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
@@ -276,6 +278,7 @@ def test_a_train_step_of_the_users_own_gets_the_origin_of_its_own_pass(tmp_path)
 
     keras.utils.clear_session()
     keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
     model = FourPartBatches()
     optimizer = kmix.LossScaleOptimizer("sgd", initial_scale=64.0)
     model.compile(optimizer=optimizer, loss="mse")
