@@ -231,7 +231,7 @@ def test_a_model_compiled_again_with_stock_keras_trains_with_it(tmp_path):
     assert optimizer.read_state().attempted_steps == 4  # kmix's record left alone
 
 
-class FourPartBatches(keras.Model):
+class OffsetBatches(keras.Model):
     """A model whose own train step reads ``(x, y, x_offset)`` batches (the offset where
     Keras puts sample weights) and gives the model ``x + x_offset``: the pass run again
     must be the one its step ran, not one on ``x``."""
@@ -279,7 +279,7 @@ def test_a_train_step_of_the_users_own_gets_the_origin_of_its_own_pass(tmp_path)
     keras.utils.clear_session()
     keras.mixed_precision.set_global_policy("mixed_float16")
     keras.utils.set_random_seed(0)
-    model = FourPartBatches()
+    model = OffsetBatches()
     optimizer = kmix.LossScaleOptimizer("sgd", initial_scale=64.0)
     model.compile(optimizer=optimizer, loss="mse")
     offsets = np.zeros((6, 1, 4), "float32")
@@ -293,7 +293,7 @@ def test_a_train_step_of_the_users_own_gets_the_origin_of_its_own_pass(tmp_path)
     assert [(step, kind) for step, kind, _ in events] == [(3, "forward_overflow")]
     origin = events[0][2]
     assert (origin.layer, origin.inputs_finite, origin.max_abs_input) == (
-        "four_part_batches/hidden",
+        "offset_batches/hidden",
         True,
         90001.0,
     )
