@@ -7,13 +7,15 @@ execution's steps, the quiet step elsewhere, and counts the steps each execution
 from __future__ import annotations
 
 import itertools
+import warnings
 from types import SimpleNamespace
 
 import keras
 import numpy as np
 import pytest
 
-from kmix import record
+import kmix.callbacks
+from kmix import _jax_train_function, record
 from kmix._jax_train_function import TrainFunction, due_within
 
 ATTEMPTED = record.Counters._fields.index("attempted_steps")
@@ -149,6 +151,19 @@ def test_never_due_never_measures():
 
 
 # ------------------------------------------------------------------ slow: compiled steps
+def jax_fit(test):
+    """Slow, and run in the JAX pass only: the test compiles Keras's JAX step in process."""
+    skip = pytest.mark.skipif(keras.backend.backend() != "jax", reason="Keras's JAX train step")
+    return pytest.mark.slow(pytest.mark.jax(skip(test)))
+
+
+def mixed_session() -> None:
+    """A fresh, seeded Keras session in mixed_float16 (set after clear_session resets it)."""
+    keras.utils.clear_session()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+
+
 def compiled_memory(step, model) -> int:
     """Temporary bytes XLA's compiled ``step`` of ``model`` needs (memory_analysis)."""
     import jax
@@ -163,18 +178,12 @@ def compiled_memory(step, model) -> int:
     return jax.jit(step).lower(state, data).compile().memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.slow
-@pytest.mark.jax
-@pytest.mark.skipif(keras.backend.backend() != "jax", reason="compiles Keras's JAX train step")
+@jax_fit
 def test_the_steps_kmix_compiles_need_no_more_memory_than_stock_keras(tmp_path):
     # Statistics by shape must not make XLA keep copies of the gradients (stacking their
     # columns did: 3.5x stock's temporary memory); the quiet step holds no activations.
-    import kmix.callbacks
-    from kmix import _jax_train_function
-
     def model_with(optimizer):
-        keras.utils.clear_session()
-        keras.mixed_precision.set_global_policy("mixed_float16")
+        mixed_session()
         layers = [keras.layers.Dense(512) for _ in range(4)]
         model = keras.Sequential([keras.Input((512,)), *layers, keras.layers.Dense(1)])
         model.compile(optimizer=optimizer, loss="mse")
@@ -198,19 +207,11 @@ def test_the_steps_kmix_compiles_need_no_more_memory_than_stock_keras(tmp_path):
     assert quiet_bytes <= stock_bytes + gradient_bytes // 4, (quiet_bytes, stock_bytes)
 
 
-@pytest.mark.slow
-@pytest.mark.jax
-@pytest.mark.skipif(keras.backend.backend() != "jax", reason="Keras's JAX train step")
+@jax_fit
 def test_a_model_compiled_again_with_stock_keras_trains_with_it(tmp_path):
     # kmix's wrappers stay on the model (and its tap, while the optimizer lives): they
     # must step aside for another optimizer, not read its variables as kmix's.
-    import warnings
-
-    import kmix.callbacks
-
-    keras.utils.clear_session()
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    keras.utils.set_random_seed(0)
+    mixed_session()
     model = keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1, dtype="float32")]
     )
@@ -267,18 +268,10 @@ class OffsetBatches(keras.Model):
         return {"loss": loss}, (trainable, non_trainable, optimizer_values, metrics)
 
 
-@pytest.mark.slow
-@pytest.mark.jax
-@pytest.mark.skipif(keras.backend.backend() != "jax", reason="Keras's JAX train step")
+@jax_fit
 def test_a_train_step_of_the_users_own_gets_the_origin_of_its_own_pass(tmp_path):
     # Step 3's offset (90000) overflows hidden's input cast; its x alone (ones) would not.
-    import warnings
-
-    import kmix.callbacks
-
-    keras.utils.clear_session()
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    keras.utils.set_random_seed(0)
+    mixed_session()
     model = OffsetBatches()
     optimizer = kmix.LossScaleOptimizer("sgd", initial_scale=64.0)
     model.compile(optimizer=optimizer, loss="mse")
