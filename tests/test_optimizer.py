@@ -235,21 +235,36 @@ def scaled_gradients(model: keras.Model, x: np.ndarray, y: np.ndarray, scale: fl
 @pytest.mark.parametrize("jit_compile", [False, pytest.param(True, marks=pytest.mark.jax)])
 @pytest.mark.slow
 def test_health_statistics_in_fit_match_numpy(jit_compile):
-    """The stored statistics equal a NumPy reference on the same scaled gradients."""
+    """The stored statistics equal a NumPy reference on the same scaled gradients.
+
+    The reference recomputes the step eagerly, so its float16 gradients may round each
+    element differently from the compiled step (another kernel, another order of
+    accumulation: oneDNN, XLA): at most one float16 unit in the last place, a relative
+    2**-10 (10 fraction bits, rounding to nearest either side). A norm, a maximum and a
+    ratio of them carry that relative error, so ``rtol=2**-10``; headroom, a log2 of a
+    ratio, moves by at most 2**-10 / ln 2 bits. Counts (zeros, values under float16's
+    smallest normal, exponent bins) are exact when no element sits within that one ulp of
+    a threshold: the test checks that first, so an exact comparison is a fair one.
+    """
     opt, state, ref = one_measured_step(4, 3, jit_compile)
     assert state["health_step"] == 1 and state.histogram_step == 1
     flat = np.concatenate([g.ravel() for g in ref])
-    np.testing.assert_allclose(state["grad_norm"], np.linalg.norm(flat / 256.0), rtol=1e-5)
-    np.testing.assert_allclose(state["max_abs_scaled"], np.abs(flat).max(), rtol=1e-5)
+    ulp = 2.0**-10  # float16 rounding, relative, between two computations of one value
+    magnitudes = np.abs(flat[flat != 0])
+    to_power_of_two = np.abs(magnitudes / 2.0 ** np.round(np.log2(magnitudes)) - 1.0)
+    assert to_power_of_two.min() > ulp, "a value on a bin edge: the counts could differ"
+    np.testing.assert_allclose(state["grad_norm"], np.linalg.norm(flat / 256.0), rtol=ulp)
+    np.testing.assert_allclose(state["max_abs_scaled"], np.abs(flat).max(), rtol=ulp)
     np.testing.assert_allclose(
-        state["headroom_bits"], np.log2(65504.0 / np.abs(flat).max()), rtol=1e-5
+        state["headroom_bits"], np.log2(65504.0 / np.abs(flat).max()), atol=ulp / np.log(2)
     )
+    n = flat.size  # fractions of n elements: exact counts, float32 division
     np.testing.assert_allclose(
-        state["underflow_fraction"], np.mean(np.abs(flat) < 2.0**-14), atol=1e-7
+        state["underflow_fraction"], np.mean(np.abs(flat) < 2.0**-14), atol=0.5 / n
     )
-    np.testing.assert_allclose(state.health["zero_fraction"], np.mean(flat == 0), atol=1e-7)
+    np.testing.assert_allclose(state.health["zero_fraction"], np.mean(flat == 0), atol=0.5 / n)
     tiny = (flat != 0) & (np.abs(flat) < 2.0**-14)
-    np.testing.assert_allclose(state.health["subnormal_fraction"], np.mean(tiny), atol=1e-7)
+    np.testing.assert_allclose(state.health["subnormal_fraction"], np.mean(tiny), atol=0.5 / n)
     assert state["nonfinite_elements"] == 0.0
     hist = opt.exponent_histograms_by_variable()
     assert list(hist) == opt.variable_paths()
