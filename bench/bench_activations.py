@@ -1,4 +1,4 @@
-"""Cost of kmix.activations in a train step, side by side in one process.
+"""Cost of kmix.record.activations in a train step, side by side in one process.
 
 Trains the same model in ``mixed_float16`` with Keras's loss-scale optimizer, the way
 kmix's optimizer will use the tap: ``tap.take()`` first thing in ``apply()``, then
@@ -34,7 +34,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from keras import ops  # noqa: E402
 
-from kmix import activations  # noqa: E402
+from kmix.optimizer.tap import ActivationTap
+from kmix.record import activations
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_optimizer import BATCH, deep, mlp  # noqa: E402  (the same models, one definition)
@@ -46,7 +47,7 @@ class TapOptimizer(keras.mixed_precision.LossScaleOptimizer):
     def __init__(self, *args, mode: str = "none", **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.mode = mode
-        self.tap: activations.ActivationTap | None = None
+        self.tap: ActivationTap | None = None
 
     def apply(self, grads, trainable_variables=None):
         records = self.tap.take() if self.tap is not None else []
@@ -107,7 +108,7 @@ def build(make_model, mode: str) -> tuple[keras.Model, np.ndarray, np.ndarray]:
         optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )
     if mode != "none":
-        optimizer.tap = activations.ActivationTap(model).install()
+        optimizer.tap = ActivationTap(model).install()
     model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0)  # trace and warm up
     return model, x, y
 

@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 from bench_matrix import CLASSES, kmix_optimizer, stock_optimizer  # noqa: E402
 
 import kmix  # noqa: E402
-from kmix import _jax_train_function  # noqa: E402
+from kmix.optimizer import jax_train_function as _jax_train_function
 
 CONFIGS = ("stock", "stock_again", "kmix", "kmix_quiet", "kmix_measuring")
 

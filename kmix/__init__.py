@@ -26,12 +26,23 @@ _PUBLIC = {
     "compare_policies": "kmix.compare",
 }
 
-# Light modules (no TensorFlow at import) are imported now. Importing them here
-# also binds the *functions* `kmix.audit` and `kmix.hardware` over the submodules
-# of the same name, whatever is imported later.
-from kmix.audit import AuditReport, audit  # noqa: E402
-from kmix.hardware import Hardware, hardware  # noqa: E402
-from kmix.policy import PolicyChoice, policy_scope, use  # noqa: E402
+# Light modules (no TensorFlow at import) are imported now.
+from kmix._checks import (  # noqa: E402
+    KmixDeprecationWarning,
+    KmixWarning,
+    NotFloat16Note,
+    SpeedWarning,
+    StateNotRestoredWarning,
+)
+from kmix.policy import (  # noqa: E402
+    AuditReport,
+    Hardware,
+    PolicyChoice,
+    audit,
+    hardware,
+    policy_scope,
+    use,
+)
 from kmix.precision_plan import PrecisionMove, PrecisionPlan, apply_plan  # noqa: E402
 
 if "keras" in __import__("sys").modules:  # costs nothing more once Keras is loaded
@@ -43,9 +54,14 @@ __all__ = [
     *_PUBLIC,
     "AuditReport",
     "Hardware",
+    "KmixDeprecationWarning",
+    "KmixWarning",
+    "NotFloat16Note",
     "PolicyChoice",
     "PrecisionMove",
     "PrecisionPlan",
+    "SpeedWarning",
+    "StateNotRestoredWarning",
     "__version__",
     "apply_plan",
     "audit",

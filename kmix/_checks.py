@@ -80,8 +80,39 @@ def check_choice(owner: str, name: str, value: Any, choices: dict[Any, str]) -> 
     return value
 
 
-def warn_user(message: str) -> None:
-    """Warns once, pointing at the user's code (the first frame outside Keras, TF, kmix)."""
+class KmixWarning(UserWarning):
+    """The base of every warning kmix gives (``kmix.KmixWarning``).
+
+    Silence kmix's warnings, or one kind of them, by category, never by their words::
+
+        warnings.filterwarnings("ignore", category=kmix.KmixWarning)
+    """
+
+
+class NotFloat16Note(KmixWarning):
+    """The model computes in another dtype than float16: float16's range statistics
+    (headroom, underflow) are not measured, so not written."""
+
+
+class SpeedWarning(KmixWarning):
+    """A policy is measured to be slow on this machine (``kmix.use``)."""
+
+
+class StateNotRestoredWarning(KmixWarning):
+    """A skipped step cannot give some of the model's variables back (integer ones)."""
+
+
+class KmixDeprecationWarning(KmixWarning, DeprecationWarning):
+    """A kmix name that will be removed; the message names its replacement."""
+
+
+def warn_user(message: str, category: type[Warning] = KmixWarning) -> None:
+    """Warns, pointing at the user's code (the first frame outside Keras, TF, kmix).
+
+    Args:
+        message: what to say.
+        category: a :class:`KmixWarning` subclass.
+    """
     frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in {
         "kmix",
@@ -89,4 +120,42 @@ def warn_user(message: str) -> None:
         "tensorflow",
     }:
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, stacklevel=level)
+    warnings.warn(message, category, stacklevel=level)
+
+
+class WarnOnce:
+    """Says each thing once: kmix's one memory of what it has warned about.
+
+    Example::
+
+        said = WarnOnce()
+        said("kmix: ...", StateNotRestoredWarning, key=id(model))  # warns
+        said("kmix: ...", StateNotRestoredWarning, key=id(model))  # says nothing
+    """
+
+    def __init__(self) -> None:
+        self._said: set = set()
+
+    def __call__(
+        self, message: str, category: type[Warning] = KmixWarning, *, key: Any = None
+    ) -> bool:
+        """Warns with :func:`warn_user` unless ``key`` (default: the message) was said.
+
+        Args:
+            message: what to say.
+            category: a :class:`KmixWarning` subclass.
+            key: what counts as the same thing said again; default: ``message``.
+
+        Returns:
+            True when it warned now.
+        """
+        key = message if key is None else key
+        if key in self._said:
+            return False
+        self._said.add(key)
+        warn_user(message, category)
+        return True
+
+    def clear(self) -> None:
+        """Forgets what was said."""
+        self._said.clear()

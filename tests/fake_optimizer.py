@@ -19,8 +19,8 @@ from typing import Any
 import keras
 
 from kmix import _runs
-from kmix.record import RecordedEvent
-from kmix.snapshot import Snapshot
+from kmix.record.host_read import Snapshot
+from kmix.record.step_record import RecordedEvent
 from kmix.tags import ScaleEvent
 
 

@@ -16,7 +16,8 @@ import tensorflow as tf
 from keras import ops
 
 import kmix
-from kmix import activations
+from kmix.optimizer.tap import ActivationTap
+from kmix.record import activations
 
 F16_MAX = float(np.finfo(np.float16).max)
 F16_TINY = float(np.finfo(np.float16).smallest_normal)
@@ -197,7 +198,7 @@ def functional_with_shared_layer():
 @pytest.mark.jax
 def test_functional_paths_in_order_and_exact_max(float16_policy):
     model, shared = functional_with_shared_layer()
-    tap = activations.ActivationTap(model).install()
+    tap = ActivationTap(model).install()
     assert tap.paths == ["shared", "squash"]  # float32 head and InputLayer are not tapped
     x = np.random.default_rng(1).standard_normal((5, 6)).astype("float32") * 30
     paths, stats, found = take_in_function(model, tap, x)
@@ -215,7 +216,7 @@ def test_lazily_built_sequential(float16_policy):
         [keras.layers.Dense(8, activation="relu"), keras.layers.Dense(4), keras.layers.Dense(2)]
     )
     model.layers[-1].dtype_policy = "float32"  # one layer left out of float16
-    tap = activations.ActivationTap(model).install()  # before any variable exists
+    tap = ActivationTap(model).install()  # before any variable exists
     x = np.random.default_rng(2).standard_normal((3, 5)).astype("float32")
     paths, stats, _ = take_in_function(model, tap, x)
     assert paths == [layer.path for layer in model.layers[:2]] == tap.paths
@@ -246,7 +247,7 @@ class Net(keras.Model):
 def test_subclassed_model_with_nested_block(float16_policy):
     model = Net()
     model(np.zeros((1, 4), "float32"))
-    tap = activations.ActivationTap(model).install()
+    tap = ActivationTap(model).install()
     x = np.random.default_rng(3).standard_normal((6, 4)).astype("float32")
     paths, stats, _ = take_in_function(model, tap, x)
     assert tap.paths == ["net/block", "net/block/up", "net/block/down", "net/out"]
@@ -273,7 +274,7 @@ def test_float16_overflow_is_named_with_inputs_finite(float16_policy):
     blow = keras.layers.Dense(4, name="blow", kernel_initializer=keras.initializers.Constant(300.0))
     outputs = keras.layers.Dense(1, name="after")(blow(hidden))
     model = keras.Model(inputs, outputs)
-    tap = activations.ActivationTap(model).install()
+    tap = ActivationTap(model).install()
     x = np.full((2, 4), 60.0, "float32")
     paths, stats, found = take_in_function(model, tap, x)
     h = model.get_layer("hidden")(x)
@@ -297,7 +298,7 @@ def test_a_cast_overflow_names_the_layer_it_enters_with_the_finite_value(
         wide = keras.layers.Dense(2, name="wide", kernel_initializer=big, use_bias=False)
     after = keras.layers.Dense(1, name="after", kernel_initializer="ones")
     model = keras.Model(inputs, after(wide(inputs)))
-    tap = activations.ActivationTap(model).install()
+    tap = ActivationTap(model).install()
     assert tap.paths == ["after"]
     x = np.full((1, 2), 150.0, "float32")  # wide: 2 * 150 * 300 = 90000 in float32
     paths, stats, found = take_in_function(model, tap, x, jit_compile=jit_compile)
@@ -306,7 +307,7 @@ def test_a_cast_overflow_names_the_layer_it_enters_with_the_finite_value(
     assert float(found["max_abs_input"]) == 90000.0
 
     data_model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, name="first")])
-    tap = activations.ActivationTap(data_model).install()
+    tap = ActivationTap(data_model).install()
     _, _, found = take_in_function(data_model, tap, np.array([[1.0, 70000.0]], "float32"))
     assert found["layer_index"] == 0 and bool(found["inputs_finite"])
     assert float(found["max_abs_input"]) == 70000.0
@@ -314,7 +315,7 @@ def test_a_cast_overflow_names_the_layer_it_enters_with_the_finite_value(
 
 def test_jit_compile(float16_policy):
     model, shared = functional_with_shared_layer()
-    tap = activations.ActivationTap(model).install()
+    tap = ActivationTap(model).install()
     x = np.random.default_rng(4).standard_normal((5, 6)).astype("float32")
     paths, stats, _ = take_in_function(model, tap, x, jit_compile=True)
     assert paths == ["shared", "squash", "shared#2"]
@@ -323,7 +324,7 @@ def test_jit_compile(float16_policy):
 
 def test_eager_records_only_when_asked_and_foreign_graphs_give_nothing(float16_policy):
     model, _ = functional_with_shared_layer()
-    tap = activations.ActivationTap(model).install()
+    tap = ActivationTap(model).install()
     x = np.ones((2, 6), "float32")
     model(x)
     assert tap.take() == []
@@ -351,7 +352,7 @@ def test_remove_restores_call_exactly(float16_policy):
     x = np.random.default_rng(5).standard_normal((2, 6)).astype("float32")
     before = ops.convert_to_numpy(model(x))
     signature = inspect.signature(shared.call)
-    tap = activations.ActivationTap(model)
+    tap = ActivationTap(model)
     tap.install().install()  # idempotent
     assert inspect.signature(shared.call) == signature
     assert "call" in vars(shared) and shared.call.__wrapped__ == type(shared).call.__get__(shared)
@@ -395,7 +396,7 @@ def test_fit_takes_per_traced_step(float16_policy, jit_compile, steps_per_execut
     model.compile(
         optimizer, "mse", jit_compile=jit_compile, steps_per_execution=steps_per_execution
     )
-    optimizer.tap = activations.ActivationTap(model).install()
+    optimizer.tap = ActivationTap(model).install()
     x = np.random.default_rng(6).standard_normal((24, 5)).astype("float32")
     model.fit(x, np.zeros((24, 2)), batch_size=4, verbose=0, shuffle=False)
     last = x[-4:]
@@ -410,12 +411,12 @@ MIRRORED_SCRIPT = textwrap.dedent(
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import keras, numpy as np
-    from kmix import activations
+    from kmix.record import activations
     keras.config.set_dtype_policy("mixed_float16")
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3, name="d")])
-    tap = activations.ActivationTap(model).install()
+    tap = ActivationTap(model).install()
 
     @tf.function
     def step(x):
@@ -456,7 +457,7 @@ def test_layers_returning_tuples_are_reduced_over_all_their_tensors(float16_poli
     attention = keras.layers.MultiHeadAttention(2, 2, name="mha")
     mixed, scores = attention(inputs, inputs, return_attention_scores=True)
     model = keras.Model(inputs, keras.layers.Flatten(name="flat")(mixed))
-    tap = activations.ActivationTap(model).install()
+    tap = ActivationTap(model).install()
     x = np.random.default_rng(7).standard_normal((2, 3, 4)).astype("float32") * 50
     paths, stats, _ = take_in_function(model, tap, x)
     assert "mha" in paths and paths.index("mha") > paths.index("mha/softmax")

@@ -10,7 +10,7 @@ import pytest
 
 import kmix
 from kmix import audit as audit_module
-from kmix.audit import AuditReport, Finding, LayerRow, audit, keras_own
+from kmix.policy.layer_audit import AuditReport, Finding, LayerRow, audit, keras_own
 
 
 def mlp(hidden=8, out=4, inputs=16, out_dtype=None, activation=None):

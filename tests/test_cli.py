@@ -26,8 +26,14 @@ import tensorflow as tf
 from test_report import assert_png, write_run
 from test_speed_probe import XEON
 
-from kmix import _cli_doctor, _speed_measure, _speed_probe, cli, demo, report, tags
-from kmix.hardware import GPU, Hardware, hardware
+import kmix.demo as kmix_demo
+import kmix.policy as kmix_policy
+from kmix import report, tags
+from kmix.cli import commands as cli
+from kmix.cli import doctor as _cli_doctor
+from kmix.demo import train as demo
+from kmix.policy import speed as _speed_probe
+from kmix.policy.machine import GPU, Hardware, hardware
 
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
 USER_ENV = {name: value for name, value in os.environ.items() if name != "TF_CPP_MIN_LOG_LEVEL"}
@@ -144,7 +150,7 @@ def test_help_does_not_import_tensorflow():
     result = python(
         """
         import contextlib, io, sys
-        from kmix import cli
+        from kmix.cli import commands as cli
         with contextlib.redirect_stdout(io.StringIO()) as out:
             try:
                 cli.main(["--help"])
@@ -211,7 +217,7 @@ def test_report_does_not_import_tensorflow(run_dir):
     result = python(
         f"""
         import sys
-        from kmix import cli
+        from kmix.cli import commands as cli
         code = cli.main(["report", {run_dir!r}, "--no-plots"])
         print("status", code, "tensorflow" in sys.modules, "keras" in sys.modules)
         """
@@ -497,7 +503,7 @@ def test_demo_command_passes_its_arguments_and_status(kmix_here, tmp_path, monke
         calls.append(arguments)
         return 1  # as when LossScaleGuard stopped training
 
-    monkeypatch.setattr(demo, "main", fake_main)
+    monkeypatch.setattr(kmix_demo, "main", fake_main)  # what the command calls
     logdir = str(tmp_path / "run")
     result = kmix_here(
         "demo", "--logdir", logdir, "--epochs", "3", "--policy", "float32", "--overwrite"
@@ -580,7 +586,7 @@ def test_quiet_startup_keeps_every_other_line():
     result = python(
         f"""
         import os, sys
-        from kmix import cli
+        from kmix.cli import commands as cli
         with cli.quiet_tensorflow_startup():
             os.write(2, {STARTUP_LINES.encode()!r})
             print("my warning", file=sys.stderr)
@@ -605,8 +611,8 @@ def test_doctor_prints_no_tensorflow_startup_lines():
 
 # -------------------------------------------------------------------- doctor
 def test_doctor(kmix_here, monkeypatch):
-    monkeypatch.setattr(_speed_measure, "measure", lambda: XEON)  # hand-made: 400x float16
-    monkeypatch.setattr(_speed_measure, "measure_in_subprocess", fail_to_measure)
+    monkeypatch.setattr(kmix_policy, "measure", lambda: XEON)  # hand-made: 400x float16
+    monkeypatch.setattr(kmix_policy, "measure_in_subprocess", fail_to_measure)
     result = kmix_here("doctor")
     assert result.returncode == 0, result.stderr
     out = result.stdout

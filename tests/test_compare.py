@@ -17,12 +17,13 @@ import textwrap
 
 import pytest
 
-from kmix import _compare_rules as rules
 from kmix import tags
-from kmix._cli_compare import TargetError, load_target
-from kmix._compare_memory import importable_name, peak_from_result
-from kmix._compare_run import round_plan
-from kmix._compare_values import (
+from kmix.cli import main
+from kmix.cli.compare import TargetError, load_target
+from kmix.compare import rules
+from kmix.compare.memory import importable_name, peak_from_result
+from kmix.compare.rounds import round_plan
+from kmix.compare.values import (
     MEASURED,
     OUT_OF_MEMORY,
     STOPPED_SLOW,
@@ -32,7 +33,6 @@ from kmix._compare_values import (
     Recommendation,
     comparison_from_dict,
 )
-from kmix.cli import main
 
 MS = 1e-3
 
@@ -303,7 +303,7 @@ def test_peak_from_a_memory_process_says_what_was_measured():
 
 
 def test_only_functions_importable_by_name_get_a_memory_process():
-    assert importable_name(rules.recommend) == "kmix._compare_rules:recommend"
+    assert importable_name(rules.recommend) == "kmix.compare.rules:recommend"
     assert importable_name(lambda: None) is None
 
     def nested():
@@ -396,7 +396,7 @@ def test_load_target_returns_the_function(user_module):
 
 
 def test_bad_arguments_of_compare_policies(tmp_path):
-    from kmix.compare import compare_policies
+    from kmix.compare.comparison import compare_policies
 
     (tmp_path / "mine.txt").write_text("mine")
     with pytest.raises(CompareError, match="logdir .* is not empty: give a new or empty"):
@@ -464,7 +464,7 @@ def test_the_tab_serves_a_recorded_comparison_and_lists_no_run_for_it(tmp_path):
     from werkzeug import test as werkzeug_test
     from werkzeug import wrappers
 
-    from kmix.compare import write_comparison
+    from kmix.compare.comparison import write_comparison
     from kmix.tbplugin import plugin
 
     write_comparison(str(tmp_path), comparison())
@@ -492,7 +492,7 @@ def test_a_pathologically_slow_policy_is_stopped_and_reported(user_module, monke
     import cmpmodels
     import keras
 
-    from kmix.compare import compare_policies
+    from kmix.compare.comparison import compare_policies
 
     keras.config.set_dtype_policy("mixed_float16")  # the user's, kept
     monkeypatch.setattr(rules, "slow_budget_s", lambda float32_s: 0.0)
@@ -552,7 +552,7 @@ def test_data_that_is_neither_arrays_nor_a_dataset_is_refused_with_what_to_give(
     import numpy as np
     import tensorflow as tf
 
-    from kmix._compare_run import make_dataset
+    from kmix.compare.rounds import make_dataset
 
     with pytest.raises(CompareError, match=r"\(x, y\) of arrays; got str"):
         make_dataset("digits.npz", 32)

@@ -1,4 +1,4 @@
-"""kmix._crc32c against an independent reference: TensorBoard's byte-by-byte CRC-32C."""
+"""kmix.tags.crc32c against an independent reference: TensorBoard's byte-by-byte CRC-32C."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import (
     masked_crc32c as reference_masked,
 )
 
-from kmix._crc32c import BLOCK, crc32c, masked_crc32c
+from kmix.tags.crc32c import BLOCK, crc32c, masked_crc32c
 
 
 def test_the_standard_check_value():

@@ -19,7 +19,12 @@ import pytest
 from test_cli import Ran, keep_keras_backend, one_line_error
 from test_report import assert_png
 
-from kmix import _demo_backend, _speed_measure, cli, demo, report
+import kmix.demo as kmix_demo
+import kmix.policy as kmix_policy
+from kmix import report
+from kmix.cli import commands as cli
+from kmix.demo import scalars as _demo_scalars
+from kmix.demo import train as demo
 
 HERE = keras.backend.backend()
 OTHER = "jax" if HERE == "tensorflow" else "tensorflow"
@@ -51,8 +56,8 @@ def fake_demo(monkeypatch):
         calls["main"].append(arguments | {"KERAS_BACKEND": os.environ.get("KERAS_BACKEND")})
         return 0
 
-    monkeypatch.setattr(demo, "main", fake_main)
-    monkeypatch.setattr(_speed_measure, "avoid_slow_float16_path", calls["onednn"].append)
+    monkeypatch.setattr(kmix_demo, "main", fake_main)  # what the command calls
+    monkeypatch.setattr(kmix_policy, "avoid_slow_float16_path", calls["onednn"].append)
     return calls
 
 
@@ -187,7 +192,7 @@ def read_scalars(folder: str) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_epoch_scalars_are_the_tags_keras_tensorboard_writes(tmp_path):
-    callback = _demo_backend.EpochScalars(str(tmp_path))
+    callback = _demo_scalars.EpochScalars(str(tmp_path))
     callback.on_epoch_end(0, {"loss": 2.5, "accuracy": 0.25, "val_loss": 2.0, "val_accuracy": 0.5})
     callback.on_epoch_end(1, {"loss": 1.5, "accuracy": 0.5, "val_loss": 1.0, "val_accuracy": 0.75})
     callback.on_train_end()
@@ -202,8 +207,8 @@ def test_epoch_scalars_are_the_tags_keras_tensorboard_writes(tmp_path):
 
 
 def test_tensorboard_callback_is_keras_own_on_tensorflow(tmp_path):
-    callback = _demo_backend.tensorboard_callback(str(tmp_path))
-    expected = keras.callbacks.TensorBoard if HERE == "tensorflow" else _demo_backend.EpochScalars
+    callback = _demo_scalars.tensorboard_callback(str(tmp_path))
+    expected = keras.callbacks.TensorBoard if HERE == "tensorflow" else _demo_scalars.EpochScalars
     assert type(callback) is expected
 
 
@@ -224,7 +229,7 @@ WATCHED = textwrap.dedent(
 
 
     sys.meta_path.insert(0, Watch())
-    from kmix import cli
+    from kmix.cli import commands as cli
 
     status = cli.main(sys.argv[2:])
     facts = {"tensorflow": "tensorflow" in sys.modules, "jax": "jax" in sys.modules}
@@ -290,7 +295,8 @@ def test_demo_on_jax_imports_no_tensorflow(jax_demo):
     """Neither the demo nor kmix (hardware detection, kmix.use's float16 probe) imports it.
 
     Keras's ``set_random_seed`` and ``TensorBoard`` callback import TensorFlow on every
-    backend; the demo does without both on JAX (``kmix/_demo_backend.py``).
+    backend; the demo does without both on JAX (``kmix/demo/scalars.py``,
+    ``kmix.backend.set_random_seed``).
     """
     done, _, facts = jax_demo
     assert done.returncode == 0, done.stderr[-2000:]

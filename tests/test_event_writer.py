@@ -1,4 +1,4 @@
-"""kmix._event_writer: TensorBoard event files without TensorFlow (issue 24).
+"""kmix.tags.event_file: TensorBoard event files without TensorFlow (issue 24).
 
 The reference is TensorFlow's own writer: the same text, scalar and layout summaries are
 written with ``tf.summary`` and with :class:`EventWriter`, and both files are read back
@@ -25,10 +25,11 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.plugins.custom_scalar import summary as custom_scalar
 from tensorboard.util import tensor_util
 
-from kmix import _event_writer, tags
-from kmix._event_writer import EventWriter, read_events
+from kmix import tags
 from kmix.callbacks._batch import SummaryBatch
 from kmix.callbacks._layout import layout
+from kmix.tags import event_file as _event_writer
+from kmix.tags.event_file import EventWriter, read_events
 
 TEXT = ("kmix/notes", "a **note** ü", 3, "what the notes say")
 SCALAR = ("kmix/loss_scale", 32768.5, 4, "the loss scale")
@@ -218,7 +219,8 @@ JAX_SCRIPT = textwrap.dedent(
     import numpy as np
     import keras
     import kmix.callbacks.monitor
-    from kmix import _event_writer, tags
+    from kmix import tags
+    from kmix.tags import event_file as _event_writer
     from kmix.callbacks._prior_runs import begins_in
 
     directory = sys.argv[1]

@@ -1,4 +1,4 @@
-"""Per-tensor statistics a group of equal tensors at a time (kmix/_grouped.py), against NumPy."""
+"""Per-tensor statistics a group of equal tensors at a time (kmix.record.grouped), vs NumPy."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from keras import ops
 
-from kmix import _grouped, activations, health
+from kmix.record import activations, health
+from kmix.record import grouped as _grouped
 
 
 def sums_and_peaks(rows):

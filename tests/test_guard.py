@@ -113,7 +113,7 @@ def test_skip_rate_over_the_window_raises_in_raise_mode():
 
 def counted_reads(optimizer) -> list[int]:
     """The step of each read of the optimizer's state (the guard's host syncs) from now on:
-    at the record's owner (``optimizer.recorder``, kmix.step_recorder), which every public
+    at the record's owner (``optimizer.recorder``, kmix.optimizer.recorder), which every public
     read of the record goes through, the event reads' counter read included."""
     owner = getattr(optimizer, "recorder", optimizer)
     reads = []

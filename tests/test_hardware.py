@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import kmix
 from kmix import hardware as hardware_module
-from kmix.hardware import (
+from kmix.policy.machine import (
     GPU,
     Hardware,
     hardware,
@@ -213,7 +213,7 @@ def test_jax_devices_map_platforms_to_the_same_fields():
 
 def test_hardware_on_jax_lists_jax_s_devices_and_reads_the_cpuinfo(monkeypatch, cpuinfo):
     jax = pytest.importorskip("jax")
-    monkeypatch.setattr(sys.modules["kmix.hardware"], "keras_backend", lambda: "jax")
+    monkeypatch.setattr(sys.modules["kmix.policy.machine"], "keras_backend", lambda: "jax")
     monkeypatch.setitem(sys.modules, "tensorflow", None)  # importing it would raise
     hw = hardware(cpuinfo)
     assert hw.devices[0] == "cpu:0"

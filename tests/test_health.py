@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from keras import ops
 
-from kmix import health, tags
+from kmix import tags
+from kmix.record import health
 
 F16_MAX = float(np.finfo(np.float16).max)
 F16_TINY = float(np.finfo(np.float16).smallest_normal)

@@ -18,8 +18,11 @@ import numpy as np
 import pytest
 from keras import ops
 
-from kmix import _backend, health, record, scaling, step_values
-from kmix.activations import ACTIVATION_CAPACITY, ACTIVATION_FIELDS
+from kmix import backend as _backend
+from kmix.record import health, scaling
+from kmix.record import step as step_values
+from kmix.record import step_record as record
+from kmix.record.activations import ACTIVATION_CAPACITY, ACTIVATION_FIELDS
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "jax_fit.py")
 TIMEOUT = 120
@@ -427,7 +430,7 @@ def test_the_record_as_values_measures_health_when_due_and_keeps_it_otherwise():
 def test_the_torch_backend_is_refused_in_one_line(monkeypatch):
     import kmix
 
-    monkeypatch.setattr(_backend, "name", lambda: "torch")
+    monkeypatch.setattr(_backend, "NAME", "torch")  # as if Keras ran on torch
     with pytest.raises(ValueError) as error:
         kmix.LossScaleOptimizer("sgd")
     message = str(error.value)

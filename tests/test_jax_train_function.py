@@ -1,4 +1,4 @@
-"""The host's choice of step on JAX (kmix/_jax_train_function.py), with fakes: pure logic.
+"""The host's choice of step on JAX (kmix/optimizer/jax_train_function.py), with fakes: pure logic.
 
 The train function runs the measuring step where gradient health is due at one of an
 execution's steps, the quiet step elsewhere, and counts the steps each execution took.
@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 import kmix.callbacks
-from kmix import _jax_train_function, record
-from kmix._jax_train_function import TrainFunction, due_within
+from kmix.optimizer import jax_train_function as _jax_train_function
+from kmix.optimizer.jax_train_function import TrainFunction, due_within
+from kmix.record import step_record as record
 
 ATTEMPTED = record.Counters._fields.index("attempted_steps")
 INT32_MAX = 2**31 - 1

@@ -1,4 +1,4 @@
-"""kmix.model_hooks: what the optimizer attaches to its model, checked eagerly (no fit)."""
+"""kmix.optimizer.model_hooks: what the optimizer attaches to its model, checked eagerly."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kmix
-from kmix.model_hooks import ModelHooks
+from kmix.optimizer.model_hooks import ModelHooks
 
 
 def mixed_model() -> keras.Model:

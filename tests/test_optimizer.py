@@ -17,8 +17,7 @@ from keras import ops
 from test_health import reference_bins
 
 import kmix
-from kmix import optimizer as kmix_optimizer
-from kmix import record
+from kmix.record import step_record as record
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 
@@ -313,7 +312,7 @@ def test_float32_layers_do_not_count_against_float16_headroom():
     model.fit(x, y, verbose=0, epochs=1)
     state = opt.read_state()
     assert state["skipped_steps"] == 0 and state["max_abs_scaled"] == 0.0
-    assert state["headroom_bits"] == pytest.approx(kmix.health.MAX_HEADROOM_BITS)
+    assert state["headroom_bits"] == pytest.approx(kmix.record.health.MAX_HEADROOM_BITS)
     assert state["underflow_fraction"] == 1.0  # body's 6 zeros; head's 3 values not counted
     # Without a model (a bare apply) every variable counts, that gradient included.
     bare = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), health_every=1)
@@ -406,8 +405,8 @@ def test_state_reads_before_the_optimizer_is_built():
 
 
 def test_host_reads_equal_keras_reads():
-    """The callbacks' raw variable reads (kmix._graph.host_value) give Keras's values."""
-    from kmix._graph import host_value
+    """The callbacks' raw variable reads (TensorFlow's host_value) give Keras's values."""
+    from kmix.backend.tensorflow import host_value
 
     w = keras.Variable(np.ones(3, "float16"))
     opt = kmix.LossScaleOptimizer("sgd", initial_scale=8.0)
@@ -431,7 +430,7 @@ def test_counters_saturate_instead_of_overflowing():
     opt.build([w])
     counters = opt.recorder.counters.numpy()
     top = record.int_max(counters.dtype)  # int64; int32 on JAX without jax_enable_x64
-    assert top == kmix_optimizer.INT64_MAX or keras.backend.backend() == "jax"
+    assert top == record.INT64_MAX or keras.backend.backend() == "jax"
     for name in ("skipped_steps", "attempted_steps"):
         counters[record.Counters._fields.index(name)] = top - 1
     opt.recorder.counters.assign(counters)
@@ -572,7 +571,7 @@ def test_keras_file_restores_scale_and_counters(tmp_path):
 @pytest.mark.jax
 def test_a_keras_file_saved_before_the_step_recorder_loads_unchanged():
     """tests/data/optimizer_643f46e.keras was saved by main at 643f46e (before the record
-    moved into kmix.step_recorder): same variable names, order and values, same state."""
+    moved into kmix.optimizer.recorder): same variable names, order and values, same state."""
     data = os.path.join(os.path.dirname(__file__), "data")
     with open(os.path.join(data, "optimizer_643f46e.json")) as f:
         expected = json.load(f)

@@ -14,10 +14,9 @@ import keras
 import pytest
 
 import kmix
-from kmix import _speed_measure, policy
-from kmix._speed_probe import ONEDNN_FIX, Missing, SpeedMeasurement, Timing
-from kmix.hardware import GPU, Hardware, hardware
-from kmix.policy import (
+from kmix.policy import choice as policy
+from kmix.policy import timing as _speed_measure
+from kmix.policy.choice import (
     AUTO_IS_NOT_MEASURED,
     POLICY_NAMES,
     PolicyChoice,
@@ -26,6 +25,8 @@ from kmix.policy import (
     policy_scope,
     use,
 )
+from kmix.policy.machine import GPU, Hardware, hardware
+from kmix.policy.speed import ONEDNN_FIX, Missing, SpeedMeasurement, Timing
 
 CPU = Hardware(devices=("/physical_device:CPU:0",))
 CPU_AVX512_BF16 = Hardware(cpu_flags=("avx512_bf16", "avx512f"))

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from keras import ops
 from test_scaling import reference_step
 
-from kmix import record, scaling
-from kmix.scaling import ScaleConfig
+from kmix.record import scaling
+from kmix.record import step_record as record
+from kmix.record.scaling import ScaleConfig
 
 CONFIG = ScaleConfig(growth_steps=3, hysteresis=2, min_scale=1.0, max_scale=2.0**4)
 LOSS = {"finite": record.LOSS_FINITE, "nonfinite": record.LOSS_NONFINITE, "unknown": -1}

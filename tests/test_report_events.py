@@ -21,7 +21,7 @@ from test_report import hand_log
 from test_tbplugin import URL, default_provider, get_json, serve
 
 from kmix import report, tags
-from kmix.report.read import read_events
+from kmix.report.read import scale_events_of
 from kmix.tags import EventsLost, ForwardOrigin, ScaleEvent
 
 FLOAT32_TENTH = float(np.float32(0.1))  # 0.100000001490116...: not a power of two
@@ -84,7 +84,7 @@ def logs(tmp_path_factory):
 
 
 def test_every_field_round_trips_through_the_event_files(logs):
-    read = read_events(report.read_log(str(logs / "records")))
+    read = scale_events_of(report.read_log(str(logs / "records")))
     assert read.from_records
     assert read.events == EVENTS  # index, float32 scales, inf, origins: exactly
     assert [e.index for e in read.events] == [1, 2, 3, 6, 7, 8]
@@ -102,7 +102,7 @@ def test_logs_without_records_read_their_lines(logs):
     A line holds no index, and its scales only to 9 significant digits (exact as
     float32, not as the float the record keeps).
     """
-    read = read_events(report.read_log(str(logs / "lines")))
+    read = scale_events_of(report.read_log(str(logs / "lines")))
     assert not read.from_records
     assert read.events[:-1] == tuple(dataclasses.replace(e, index=0) for e in EVENTS[:-1])
     growth = read.events[-1]
@@ -125,7 +125,7 @@ def test_the_records_are_read_not_the_prose():
             tags.EVENT_RECORD: [(event.step, tags.format_event_record(event))],
         }
     )
-    read = read_events(log)
+    read = scale_events_of(log)
     assert read.from_records and read.events == (event,) and read.notes == ()
 
 
@@ -144,7 +144,7 @@ def test_a_record_with_fields_added_later_still_reads():
             ]
         }
     )
-    read = read_events(log)
+    read = scale_events_of(log)
     assert read.events == (event,)
     assert read.lost == LOST.count and read.notes == ((10, tags.format_events_lost(LOST)),)
 
@@ -153,7 +153,7 @@ def test_resumed_runs_keep_each_event_once():
     """A run resumed with BackupAndRestore writes the events before the resume again."""
     twice = [(e.step, tags.format_event_record(e)) for e in EVENTS[:2]] * 2
     log = hand_log(texts={tags.EVENT_RECORD: sorted(twice, key=lambda point: point[0])})
-    assert read_events(log).events == EVENTS[:2]
+    assert scale_events_of(log).events == EVENTS[:2]
 
 
 def test_the_tab_shows_each_event_in_the_line_of_its_kmix_events_text(logs):
@@ -195,7 +195,7 @@ def test_the_monitor_writes_a_record_beside_every_line(tmp_path):
             assert line == tags.format_events_lost(record)
         else:
             assert line == tags.format_event(record)
-    read = read_events(log)
+    read = scale_events_of(log)
     assert read.from_records and read.lost == 3
     assert [(e.index, e.step, e.kind, e.variable) for e in read.events] == [
         (4, 6, "backoff", "b/kernel"),

@@ -1,4 +1,4 @@
-"""kmix.report.findings: advice that follows the recorded events and kmix's scale rule,
+"""kmix.report.finding_rules: advice that follows the recorded events and kmix's scale rule,
 the audit's findings, and how a healthy run's notes are introduced (issue 21, items 4, 12)."""
 
 from __future__ import annotations

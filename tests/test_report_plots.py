@@ -145,7 +145,7 @@ def test_the_stretch_whose_events_were_lost_is_shaded():
     (span,) = [p for p in figure.axes[0].patches if p.get_label().startswith("scale events")]
     # The ring keeps the newest events: the lost ones came before the kept one at step 11.
     assert (span.get_x(), span.get_x() + span.get_width()) == (0, 10)
-    assert report.read.read_events(log).unknown_scale() == [(0, 10)]
+    assert report.read.scale_events_of(log).unknown_scale() == [(0, 10)]
 
 
 def test_the_plots_of_a_log_dir_written_twice_say_which_run_they_draw(tmp_path, monkeypatch):

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from keras import ops
 
-from kmix import scaling
-from kmix.scaling import ScaleConfig, ScaleState
+from kmix.record import scaling
+from kmix.record.scaling import ScaleConfig, ScaleState
 
 pytestmark = pytest.mark.jax  # the rule in keras.ops, on each backend
 

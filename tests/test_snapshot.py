@@ -1,4 +1,4 @@
-"""kmix.snapshot: what a host read of the step record returns."""
+"""kmix.record.host_read: what a host read of the step record returns."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from kmix import record
-from kmix.snapshot import snapshot
+from kmix.record import step_record as record
+from kmix.record.host_read import snapshot
 
 
 def test_snapshot_leaves_out_what_was_not_measured():

@@ -1,5 +1,5 @@
-"""Tests for kmix._speed_probe (the ratio rules and their words, over hand-made timings)
-and kmix._speed_measure (a real measurement, in this process and in a fresh one)."""
+"""Tests for kmix.policy.speed (the ratio rules and their words, over hand-made timings)
+and kmix.policy.timing (a real measurement, in this process and in a fresh one)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import types
 
 import pytest
 
-from kmix import _speed_measure as probe
-from kmix import _speed_probe as probe_rules
-from kmix._speed_probe import (
+from kmix.policy import speed as probe_rules
+from kmix.policy import timing as probe
+from kmix.policy.speed import (
     DTYPES,
     ONEDNN_FIX,
     OPS,
@@ -319,7 +319,7 @@ def test_demo_onednn_note_says_what_was_measured_and_done():
 def xeon_before_tensorflow(monkeypatch):
     """This process as a fresh ``kmix demo`` on a Xeon with AVX512_FP16 would see it."""
     cpuinfo = ("Xeon", ("avx512_fp16",))
-    monkeypatch.setattr(sys.modules["kmix.hardware"], "read_cpuinfo", lambda: cpuinfo)
+    monkeypatch.setattr(sys.modules["kmix.policy.machine"], "read_cpuinfo", lambda: cpuinfo)
     monkeypatch.delitem(sys.modules, "tensorflow")
     monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
     return monkeypatch
@@ -358,8 +358,8 @@ def test_demo_checks_nothing_on_this_process():
 
 
 def test_doctor_speed_section_says_an_accelerator_is_not_timed():
-    from kmix._cli_doctor import speed_section
-    from kmix.hardware import GPU, Hardware
+    from kmix.cli.doctor import speed_section
+    from kmix.policy.machine import GPU, Hardware
 
     cpu_only = speed_section(Hardware(), XEON_OFF)
     assert cpu_only == ["speed on this CPU (each dtype's time for the same op)"] + [
@@ -466,7 +466,7 @@ def test_measure_in_subprocess_runs_the_child_on_the_same_backend(monkeypatch):
     assert probe.measure_in_subprocess({}, ("matmul",), backend="jax").timings == ON_JAX.timings
     command, env = runs[-1]
     assert command[1:] == [
-        "-m", "kmix._speed_measure", "--ops", "matmul", "--dtypes", "float32,float16",
+        "-m", "kmix.policy.timing", "--ops", "matmul", "--dtypes", "float32,float16",
         "--backend", "jax",
     ]  # fmt: skip
     assert env["KERAS_BACKEND"] == "jax"

@@ -1,4 +1,4 @@
-"""kmix.step_recorder: the record written inside a traced step and read back (no fit)."""
+"""kmix.optimizer.recorder: the record written inside a traced step and read back (no fit)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from kmix.precision_plan import base_path
-from kmix.report.summary import forecast_zero_crossing
+from kmix.report import forecast_zero_crossing
 from kmix.tags import FLOAT16_MAX, ScaleEvent
 
 HISTORY = 64

@@ -3,7 +3,8 @@
 Counting batches is plain Python; the only host synchronisation is the read that
 :meth:`StepCallback._read_state` makes every ``every`` optimizer steps. Between train
 begin and train end a callback is open (:mod:`kmix._runs`), so a run that ``fit`` does
-not finish still ends with its evidence on disk.
+not finish still ends with its evidence on disk; creating one installs kmix's ``fit``
+wrapper (:func:`kmix._runs.install_fit_wrapper`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from kmix import _runs
 from kmix._checks import warn_user  # noqa: F401  (re-exported for the callbacks)
 from kmix._runs import end_run, reason_for  # noqa: F401  (re-exported for the callbacks)
 from kmix.callbacks._source import Source, source_for
-from kmix.snapshot import Snapshot
+from kmix.record import Snapshot
 from kmix.tags import COMPLETED
 
 
@@ -32,6 +33,7 @@ class StepCallback(keras.callbacks.Callback):
 
     def __init__(self, every: int) -> None:
         super().__init__()
+        _runs.install_fit_wrapper()  # a run that fit does not finish still ends
         self._every = every
         self._source: Source = Source(None)
         self._steps_seen = 0

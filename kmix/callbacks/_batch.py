@@ -5,7 +5,7 @@ would repeat the wall time, step and record framing hundreds of times.
 :class:`SummaryBatch` collects the values as TensorBoard summary protos (the same protos
 ``tf.summary.scalar`` and ``tf.summary.histogram`` write: plugin metadata plus a tensor)
 and writes each step's values as one raw summary through
-:class:`kmix._event_writer.EventWriter`.
+:class:`kmix.tags.event_file.EventWriter`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kmix._event_writer import EventWriter
+from kmix.tags import EventWriter
 
 
 class SummaryBatch:

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kmix.report.findings import HEADROOM_WARN_BITS
-from kmix.report.summary import forecast_zero_crossing
+from kmix.report import HEADROOM_WARN_BITS, forecast_zero_crossing
 
 HISTORY = 128
 """Readings kept per series (the fit uses the latest half, see the report's rule)."""

@@ -11,6 +11,7 @@ from typing import Any
 import keras
 
 from kmix import tags
+from kmix._checks import KmixWarning, NotFloat16Note
 from kmix._layers import walk_layers
 from kmix.callbacks._source import Source
 
@@ -72,7 +73,7 @@ def check_log_dir(log_dir: Any) -> str:
 def layer_table(model: Any) -> str:
     """A per-layer dtype table: kmix.audit's when available, else a plain one."""
     try:
-        from kmix.audit import audit
+        from kmix.policy import audit
 
         return audit(model).to_markdown()
     except Exception:  # audit missing or unable to read this model: plain table
@@ -96,7 +97,7 @@ def policy_record(
 ) -> tags.PolicyRecord:
     """The structured policy record written at train begin (``kmix/policy_record``)."""
     from kmix._layers import variable_compute_dtypes
-    from kmix.audit import audit
+    from kmix.policy import audit
 
     min_scale, max_scale = source.scale_bounds or (None, None)
     dtypes = variable_compute_dtypes(model)
@@ -134,11 +135,12 @@ def policy_text(model: Any, source: Source, record: tags.PolicyRecord, scale: fl
     )
 
 
-def absence_notes(model: Any, source: Source) -> list[str]:
-    """Why some charts will be absent, one note per reason (also warned once)."""
+def absence_notes(model: Any, source: Source) -> list[tuple[str, type[KmixWarning]]]:
+    """Why some charts will be absent: ``(note, warning category)``, one per reason (the
+    monitor writes each and warns once)."""
     dtype = model.dtype_policy.compute_dtype
     if source.scales_loss and not source.records_events:  # the stock Keras optimizer
-        return [STOCK_NOTE]
+        return [(STOCK_NOTE, KmixWarning)]
     if not source.scales_loss:
         why = (
             "The model computes in float16 but its optimizer does not scale the loss: "
@@ -148,9 +150,12 @@ def absence_notes(model: Any, source: Source) -> list[str]:
             else f"The model computes in {dtype}, which does not need loss scaling."
         )
         return [
-            "No loss-scale optimizer, so there is no loss scale, skipped step or "
-            f"gradient health to log. {why}"
+            (
+                "No loss-scale optimizer, so there is no loss scale, skipped step or "
+                f"gradient health to log. {why}",
+                KmixWarning,
+            )
         ]
     if dtype != "float16":
-        return [NOT_FLOAT16_NOTE.format(dtype=dtype)]
+        return [(NOT_FLOAT16_NOTE.format(dtype=dtype), NotFloat16Note)]
     return []

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from kmix import _event_writer, tags
+from kmix import tags
 from kmix._words import plural
 
 HEAD_EVENTS = 16
@@ -59,7 +59,7 @@ def begins_in(train_dir: str, known: dict[str, Begin] | None = None) -> list[Beg
     """
     known = {} if known is None else known
     try:
-        paths = _event_writer.glob(os.path.join(train_dir, "*tfevents*"))
+        paths = tags.glob(os.path.join(train_dir, "*tfevents*"))
     except OSError:
         return []
     for path in paths:
@@ -75,7 +75,7 @@ def _head_begin(path: str) -> Begin | None:
 
     first = None
     try:
-        for event in _event_writer.read_events(path, limit=HEAD_EVENTS):
+        for event in tags.read_events(path, limit=HEAD_EVENTS):
             for value in event.summary.value:
                 if not value.tag.startswith(tags.PREFIX):
                     continue

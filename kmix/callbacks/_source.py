@@ -18,10 +18,9 @@ from typing import Any, Protocol, runtime_checkable
 import keras
 import numpy as np
 
-from kmix._backend import host_value
+from kmix.backend import host_value
 from kmix.precision_plan import base_path, layers_by_path
-from kmix.record import RecordedEvent
-from kmix.snapshot import Snapshot
+from kmix.record import RecordedEvent, Snapshot
 
 STOCK_MIN_SCALE = 1.0
 """The floor assumed for the stock Keras optimizer, which has none (it reaches 0.0)."""

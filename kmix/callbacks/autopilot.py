@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kmix import _backend, _layers
+from kmix import _layers
+from kmix import backend as _backend
 from kmix._checks import check_choice, check_int, check_real, invalid
 from kmix._runs import OPEN
 from kmix.callbacks._autopilot_rules import (
@@ -25,6 +26,7 @@ from kmix.callbacks._autopilot_rules import (
 )
 from kmix.callbacks._base import StepCallback, warn_user
 from kmix.callbacks._trip import is_nonfinite
+from kmix.callbacks.monitor import MixedPrecisionMonitor
 from kmix.precision_plan import (
     Float16Share,
     PrecisionMove,
@@ -47,8 +49,7 @@ _NEVER = 2**62  # no scheduled read: reactive only
 
 def _bfloat16_hardware_reason() -> str | None:
     """None where the hardware computes bfloat16 natively, else why not (kmix.hardware())."""
-    from kmix.hardware import hardware
-    from kmix.policy import choose_auto
+    from kmix.policy import choose_auto, hardware
 
     policy, reason = choose_auto(hardware())
     return None if policy == "mixed_bfloat16" else reason
@@ -272,10 +273,8 @@ class PrecisionAutopilot(StepCallback):
         model.optimizer.watch(model)  # float16 statistics cover the float16 layers only
         self.float16_share = float16_share(layer_costs(model))
         self._tell_about(made)
-        for callback in list(OPEN):
-            writer = getattr(callback, "write_precision_moves", None)
-            if callback is not self and callback.model is model and callable(writer):
-                writer(made, self.float16_share)
+        for monitor in OPEN.of_model(model, MixedPrecisionMonitor):
+            monitor.write_precision_moves(made, self.float16_share)
         return made
 
     def _targets(self, candidate: Candidate, by_path: dict[str, Any]) -> list[tuple[str, Any, str]]:

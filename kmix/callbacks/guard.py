@@ -7,7 +7,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from kmix import tags
-from kmix._checks import check_choice, check_int, check_real
+from kmix._checks import KmixWarning, check_choice, check_int, check_real
 from kmix._runs import OPEN
 from kmix.callbacks._base import StepCallback, end_run, warn_user
 from kmix.callbacks._diagnosis import diagnosis, moves_text
@@ -32,7 +32,7 @@ from kmix.callbacks.autopilot import PrecisionAutopilot
 from kmix.tags import GUARD_RAISED, STOPPED_BY_GUARD, ScaleEvent
 
 if TYPE_CHECKING:
-    from kmix.snapshot import Snapshot
+    from kmix.record import Snapshot
 
 __all__ = [
     "MODES",
@@ -162,6 +162,7 @@ class LossScaleGuard(StepCallback):
             warnings.warn(
                 f"{_OWNER}: the model's optimizer {source.optimizer_name} does "
                 "not scale the loss, so only the non-finite loss check applies.",
+                KmixWarning,
                 stacklevel=2,
             )
         state = self._read_state()
@@ -236,9 +237,7 @@ class LossScaleGuard(StepCallback):
 
     def _autopilots(self) -> list[PrecisionAutopilot]:
         """The open PrecisionAutopilots of this model."""
-        return [
-            c for c in list(OPEN) if isinstance(c, PrecisionAutopilot) and c.model is self.model
-        ]
+        return OPEN.of_model(self.model, PrecisionAutopilot)
 
     def _autopilot_moved(self) -> bool:
         """Lets the model's PrecisionAutopilot act first: True when it moved a layer now or

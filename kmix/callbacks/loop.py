@@ -15,7 +15,8 @@ from typing import Any
 
 import keras
 
-from kmix._cluster import worker_count
+from kmix import backend
+from kmix.backend import worker_count
 from kmix.callbacks._base import end_run, reason_for, warn_user
 from kmix.callbacks.autopilot import PrecisionAutopilot
 from kmix.callbacks.monitor import MixedPrecisionMonitor
@@ -60,8 +61,6 @@ class LoopDriver:
         strategy: Any = None,
         chief_only: tuple[type, ...] = CHIEF_ONLY,
     ) -> None:
-        import tensorflow as tf
-
         if isinstance(callbacks, str | bytes) or not isinstance(callbacks, Sequence):
             raise TypeError(
                 f"Invalid `callbacks` for LoopDriver: callbacks={callbacks!r} of type "
@@ -76,7 +75,7 @@ class LoopDriver:
                     "keras.callbacks.Callback. Pass callback instances, e.g. "
                     "[kmix.callbacks.MixedPrecisionMonitor('runs/x')]."
                 )
-        self.strategy = strategy or tf.distribute.get_strategy()
+        self.strategy = strategy or backend.default_strategy()
         self.is_chief = bool(getattr(self.strategy.extended, "should_save_summary", True))
         self._workers = worker_count(self.strategy)
         if not self.is_chief:
@@ -107,8 +106,6 @@ class LoopDriver:
         Returns:
             A callable with ``fn``'s arguments.
         """
-        import tensorflow as tf
-
         traced: dict[str, Any] = {}
         self._retraces = True
         fn = getattr(fn, "python_function", fn)  # a tf.function already: its Python function
@@ -116,7 +113,7 @@ class LoopDriver:
         def call(*args: Any, **call_kwargs: Any) -> Any:
             moves = self._move_count()
             if traced.get("moves") != moves:
-                traced["moves"], traced["fn"] = moves, tf.function(fn, **kwargs)
+                traced["moves"], traced["fn"] = moves, backend.compile_function(fn, **kwargs)
             return traced["fn"](*args, **call_kwargs)
 
         return call
@@ -188,9 +185,6 @@ class LoopDriver:
         return stop
 
     def _any_worker(self, flag: bool) -> bool:
-        import tensorflow as tf
-
         if self._workers == 1:  # one process: its own flag is the answer, no sync
             return flag
-        value = self.strategy.run(lambda: tf.constant(int(flag)))
-        return bool(self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None) > 0)
+        return backend.any_replica(self.strategy, flag)

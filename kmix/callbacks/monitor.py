@@ -7,14 +7,14 @@ import os
 
 import numpy as np
 
-from kmix import _backend, _event_writer, tags
-from kmix._checks import check_choice, check_int
-from kmix.callbacks._base import StepCallback, warn_user
+from kmix import backend as _backend
+from kmix import tags
+from kmix._checks import WarnOnce, check_choice, check_int
+from kmix.callbacks._base import StepCallback
 from kmix.callbacks._batch import SummaryBatch
 from kmix.callbacks._forecast import HeadroomForecast, headroom_series
 from kmix.callbacks._layout import layout
 from kmix.callbacks._monitor_begin import (
-    NOT_FLOAT16_NOTE,
     absence_notes,
     check_log_dir,
     policy_record,
@@ -22,9 +22,7 @@ from kmix.callbacks._monitor_begin import (
 )
 from kmix.callbacks._prior_runs import another_run_warning, begins_in, resumed_run
 from kmix.precision_plan import Float16Share, PrecisionMove, float16_share, layer_costs
-from kmix.snapshot import Snapshot
-
-_NOT_FLOAT16_NOTE = NOT_FLOAT16_NOTE  # kmix.demo matches the note's words
+from kmix.record import Snapshot
 
 _OWNER = "kmix.callbacks.MixedPrecisionMonitor"
 
@@ -135,8 +133,9 @@ class MixedPrecisionMonitor(StepCallback):
         self.update_freq = update_freq
         self.histogram_freq = histogram_freq
         self.verbose = int(check_choice(_OWNER, "verbose", verbose, {0: "quiet", 1: "print"}))
-        self._writer: _event_writer.EventWriter | None = None
-        self._warned: set[str] = set()
+        self._writer: tags.EventWriter | None = None
+        self._said = WarnOnce()  # notes and warnings, each said once per monitor
+        self._share_noted = False
         self._forecast = HeadroomForecast()
         self._batch = SummaryBatch(tags.description)  # one write per step per read
         self._told_origins: set[str] = set()  # layers a forward overflow was printed for
@@ -158,7 +157,7 @@ class MixedPrecisionMonitor(StepCallback):
             return
         train_dir = os.path.join(self.log_dir, tags.TRAIN_DIR)
         try:
-            _event_writer.makedirs(train_dir)
+            tags.makedirs(train_dir)
         except OSError as error:
             self.finish(tags.EXCEPTION, str(error))
             raise ValueError(
@@ -177,18 +176,13 @@ class MixedPrecisionMonitor(StepCallback):
         self._health_step = state.health_step
         self._histogram_step = state.histogram_step
         self._scale_step = state.attempted_steps
-        self._writer = _event_writer.EventWriter(train_dir)  # finish() can end the run now
+        self._writer = tags.EventWriter(train_dir)  # finish() can end the run now
         notes = absence_notes(self.model, self._source)
-        for note in notes:
-            if note not in self._warned:
-                self._warned.add(note)
-                warn_user(note)
+        for note, category in notes:
+            self._said(note, category)
         if resumed is None and prior:
-            warning = another_run_warning(self.log_dir, prior, state.attempted_steps)
-            if warning not in self._warned:
-                self._warned.add(warning)
-                warn_user(warning)
-        self._write_begin(state, notes)
+            self._said(another_run_warning(self.log_dir, prior, state.attempted_steps))
+        self._write_begin(state, [note for note, _ in notes])
         self._writer.flush()
         if self.verbose:
             print(
@@ -253,8 +247,8 @@ class MixedPrecisionMonitor(StepCallback):
             step=step,
             description=tags.description(tags.FLOAT16_SHARE),
         )
-        if share.by_parameters and "share" not in self._warned:
-            self._warned.add("share")
+        if share.by_parameters and not self._share_noted:
+            self._share_noted = True
             self._writer.text(tags.NOTES, f"kmix/float16_share: {share.words()}.", step=step)
 
     def write_precision_moves(self, moves: list[PrecisionMove], share: Float16Share) -> None:

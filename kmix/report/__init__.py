@@ -16,13 +16,13 @@ One module per concern:
 
 * :mod:`kmix.report.read`: event files (or TensorBoard's data provider, through
   :func:`build_logs`) -> one :class:`KmixLog` per run; its scale events from their
-  structured records (:func:`kmix.report.read.read_events`);
+  structured records (:func:`kmix.report.read.scale_events_of`);
 * :mod:`kmix.report.runs`: the runs of one log dir told apart (a script run twice
   into one ``log_dir``), :class:`RunInfo`;
 * :mod:`kmix.report.values`: the typed values, :class:`Summary` (JSON via
   :meth:`Summary.to_dict`), its parts and :class:`Finding`;
 * :mod:`kmix.report.summary`: :class:`KmixLog` -> :class:`Summary`;
-* :mod:`kmix.report.findings`: the :data:`RULES` table over a :class:`Summary`,
+* :mod:`kmix.report.finding_rules`: the :data:`RULES` table over a :class:`Summary`,
   and its thresholds; :mod:`kmix.report.advice`: what would skip fewer steps,
   from the kinds of skipped steps recorded and kmix's scale rule;
 * :mod:`kmix.report.whatif`: what the recorded exponent histograms would lose in
@@ -33,11 +33,11 @@ One module per concern:
 print nor import matplotlib: the TensorBoard plugin reuses them. They import one way:
 ``summary`` uses ``read``, ``findings``, ``values`` and ``whatif``; ``findings`` uses
 ``advice`` and ``values``, never ``summary``. (The name ``findings`` in this
-package is the function; the module is ``sys.modules["kmix.report.findings"]``.)
+package is the function; the module is ``sys.modules["kmix.report.finding_rules"]``.)
 """
 
 from kmix._words import format_scale
-from kmix.report.findings import (
+from kmix.report.finding_rules import (
     HEADROOM_TIGHT_BITS,
     HEADROOM_WARN_BITS,
     RECENT_SKIP_RATE_WARN,
@@ -46,9 +46,10 @@ from kmix.report.findings import (
     UNDERFLOW_WARN_FRACTION,
     Finding,
 )
-from kmix.report.findings import findings as findings  # the function shadows the module
+from kmix.report.finding_rules import findings as findings  # the function shadows the module
 from kmix.report.plots import PLOT_FILES, write_plots
 from kmix.report.read import (
+    EventLog,
     KmixLog,
     ReportError,
     Series,
@@ -58,8 +59,9 @@ from kmix.report.read import (
     find_logdirs,
     read_log,
     read_runs,
+    scale_events_of,
 )
-from kmix.report.runs import RunInfo
+from kmix.report.runs import RunInfo, runs_message
 from kmix.report.summary import (
     ExponentShares,
     Forecast,
@@ -67,12 +69,13 @@ from kmix.report.summary import (
     Note,
     Summary,
     Trend,
+    begin_scale,
     compute_dtype,
     exponent_shares,
     forecast_zero_crossing,
     summarize,
 )
-from kmix.report.text import format_logdirs, format_summary, logdirs_json, to_json
+from kmix.report.text import format_logdirs, format_summary, logdirs_json, scale_caveat, to_json
 from kmix.report.whatif import FORMATS, FormatShares, PrecisionWhatIf
 
 __all__ = [
@@ -84,6 +87,7 @@ __all__ = [
     "RULES",
     "SKIP_RATE_WARN",
     "UNDERFLOW_WARN_FRACTION",
+    "EventLog",
     "ExponentShares",
     "Finding",
     "Forecast",
@@ -98,6 +102,7 @@ __all__ = [
     "Summary",
     "Trend",
     "avoid_tensorflow",
+    "begin_scale",
     "build_log",
     "build_logs",
     "compute_dtype",
@@ -111,6 +116,9 @@ __all__ = [
     "logdirs_json",
     "read_log",
     "read_runs",
+    "runs_message",
+    "scale_caveat",
+    "scale_events_of",
     "summarize",
     "to_json",
     "write_plots",

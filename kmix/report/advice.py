@@ -1,8 +1,8 @@
 """What would skip fewer steps, from the kinds of skipped steps a run recorded.
 
-Free of printing and matplotlib, like :mod:`kmix.report.findings`, whose skip-rate
+Free of printing and matplotlib, like :mod:`kmix.report.finding_rules`, whose skip-rate
 rule words its advice with :func:`skip_advice`. The advice follows kmix's scale rule
-(:mod:`kmix.scaling`), never a rule of thumb: under it every gradient overflow is
+(:mod:`kmix.record.scaling`), never a rule of thumb: under it every gradient overflow is
 skipped whatever the hysteresis, and a forward overflow or an overflow at
 ``min_scale`` is skipped whatever the scale.
 """
@@ -21,7 +21,7 @@ __all__ = ["skip_advice"]
 def skip_advice(summary: Summary) -> str:
     """What the recorded skipped steps were, kind by kind, and what would skip fewer.
 
-    The advice follows kmix's scale rule (:mod:`kmix.scaling`): every gradient
+    The advice follows kmix's scale rule (:mod:`kmix.record.scaling`): every gradient
     overflow is skipped whatever the hysteresis (a higher hysteresis only delays
     the backoff, so the scale that overflows is kept longer); a forward overflow
     and an overflow at ``min_scale`` are skipped whatever the scale. So:

@@ -9,8 +9,8 @@ import numpy as np
 
 from kmix import tags
 from kmix._words import plural
-from kmix.report.findings import HEADROOM_WARN_BITS, UNDERFLOW_WARN_FRACTION
-from kmix.report.read import KmixLog, read_events
+from kmix.report.finding_rules import HEADROOM_WARN_BITS, UNDERFLOW_WARN_FRACTION
+from kmix.report.read import KmixLog, scale_events_of
 from kmix.report.summary import TREND_TAGS, Summary
 
 PLOT_FILES = ("loss_scale.png", "health.png", "grad_exponents.png", "activations.png")
@@ -124,7 +124,7 @@ def _plot_loss_scale(figure: Any, log: KmixLog, summary: Summary) -> bool:
                 label=label,
                 zorder=3,
             )
-    for k, (first, last) in enumerate(read_events(log).unknown_scale()):
+    for k, (first, last) in enumerate(scale_events_of(log).unknown_scale()):
         ax.axvspan(
             first,
             last,

@@ -2,7 +2,7 @@
 
 Free of printing and matplotlib: the TensorBoard plugin reuses it, building its
 :class:`KmixLog` from TensorBoard's data provider through :func:`build_logs`.
-:func:`read_events` reads a log's scale events from their structured records. A log
+:func:`scale_events_of` reads a log's scale events from their structured records. A log
 dir written by several runs (a script run twice into one ``log_dir``) gives one
 :class:`KmixLog` per run (:mod:`kmix.report.runs`); :func:`read_log` returns the latest.
 """
@@ -79,10 +79,9 @@ def avoid_tensorflow() -> None:
 
 def _avoid_tensorflow_off_its_backend() -> None:
     """:func:`avoid_tensorflow` in a process whose Keras runs on another backend (JAX):
-    kmix writes no summary with TensorFlow there."""
-    keras = sys.modules.get("keras")
-    backend = getattr(getattr(keras, "backend", None), "backend", None)
-    if callable(backend) and backend() != "tensorflow":
+    kmix writes no summary with TensorFlow there. (On Keras's TensorFlow backend,
+    importing Keras imported TensorFlow, and :func:`avoid_tensorflow` does nothing.)"""
+    if "keras" in sys.modules:
         avoid_tensorflow()
 
 
@@ -337,7 +336,7 @@ class EventLog:
         ]
 
 
-def read_events(log: KmixLog) -> EventLog:
+def scale_events_of(log: KmixLog) -> EventLog:
     """Reads the scale events of a log: the records when it has any, else the lines.
 
     A run resumed with ``BackupAndRestore`` writes the events before the resume

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from kmix import tags
-from kmix.report.findings import HEADROOM_WARN_BITS, findings
-from kmix.report.read import EventLog, KmixLog, Series, read_events
+from kmix.report.finding_rules import HEADROOM_WARN_BITS, findings
+from kmix.report.read import EventLog, KmixLog, Series, scale_events_of
 from kmix.report.values import (
     ExponentShares,
     Finding,
@@ -86,7 +86,7 @@ def summarize(log: KmixLog) -> Summary:
     Returns:
         The :class:`Summary`, its ``findings`` filled in.
     """
-    read = read_events(log)
+    read = scale_events_of(log)
     events, notes, lost = _events_and_notes(log, read)
     scale = log.scalars.get(tags.LOSS_SCALE)
     recent = log.scalars.get(tags.SKIP_RATE)
@@ -212,7 +212,7 @@ def _measured(other: dict[str, str], log: KmixLog) -> dict[str, str]:
 def _events_and_notes(log: KmixLog, read: EventLog) -> tuple[list[ScaleEvent], list[Note], int]:
     """Events (each once, in step order), notes, and how many events were said lost.
 
-    The events are :func:`kmix.report.read.read_events`'s (``read``); the notes are
+    The events are :func:`kmix.report.read.scale_events_of`'s (``read``); the notes are
     its lines beside the events (lost-event notes) and the writer's ``kmix/notes``,
     in step order.
     """

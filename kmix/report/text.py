@@ -8,7 +8,7 @@ import json
 
 from kmix import tags
 from kmix._words import format_scale, percent, plural
-from kmix.report.findings import RUN_END_WORDS
+from kmix.report.finding_rules import RUN_END_WORDS
 from kmix.report.runs import RunInfo, run_words
 from kmix.report.values import Summary, Trend, _jsonable
 from kmix.report.whatif import FORMATS

@@ -1,7 +1,7 @@
 """The typed values of a report: a :class:`Summary` of a run, its parts, and :class:`Finding`.
 
 Plain frozen dataclasses, computed elsewhere: :mod:`kmix.report.summary` builds the
-:class:`Summary` from a log and :mod:`kmix.report.findings` the :class:`Finding` list
+:class:`Summary` from a log and :mod:`kmix.report.finding_rules` the :class:`Finding` list
 from a :class:`Summary`. Both import this module, and this module imports neither,
 so the report's modules import in one direction. JSON through :meth:`Summary.to_dict`
 (the contract of ``kmix report --json``).

@@ -206,7 +206,7 @@ class KmixPlugin(base_plugin.TBPlugin):
 
     @wrappers.Request.application
     def _serve_comparison(self, request: Any) -> Any:
-        from kmix._compare_values import CompareError, comparison_from_dict
+        from kmix.compare import CompareError, comparison_from_dict
 
         ctx, experiment = self._where(request)
         shown = []

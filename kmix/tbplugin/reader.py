@@ -6,7 +6,7 @@ points are turned into a :class:`kmix.report.KmixLog` by the report's own reader
 so the tab and ``kmix report`` share one source of truth: scale events come from
 their ``kmix/event_record`` records (a text tag, read with the others), and from the
 ``kmix/events`` lines only in runs that have no record
-(:func:`kmix.report.read.read_events`). Every point keeps the wall time it was written
+(:func:`kmix.report.read.scale_events_of`). Every point keeps the wall time it was written
 at, which tells apart the kmix runs a script wrote into one log dir
 (:mod:`kmix.report.runs`).
 """

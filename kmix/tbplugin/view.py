@@ -13,10 +13,7 @@ from typing import Any
 import numpy as np
 
 from kmix import report, tags
-from kmix.report.read import read_events
-from kmix.report.runs import runs_message
-from kmix.report.summary import begin_scale
-from kmix.report.text import scale_caveat
+from kmix.report import begin_scale, runs_message, scale_caveat, scale_events_of
 from kmix.tbplugin.reader import TEXT_SAMPLES_DEFAULT, RunPoints
 
 DEFAULT_POINTS = 1000
@@ -383,7 +380,7 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
         "scale_caveat": scale_caveat(typed),
         "runs_note": runs_message(typed.run, typed.runs),
         "loss_scale_begin": _begin(log),
-        "events_lost_between": [list(pair) for pair in read_events(log).unknown_scale()],
+        "events_lost_between": [list(pair) for pair in scale_events_of(log).unknown_scale()],
         "activation_headroom": _activation_grid(log, MAX_HEADROOM_STEPS),
         "float16": {
             "min_subnormal_exponent": tags.FLOAT16_MIN_SUBNORMAL_EXPONENT,

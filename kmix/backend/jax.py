@@ -1,0 +1,190 @@
+"""kmix's primitives on Keras's JAX backend (the names every backend module has).
+
+JAX is imported here when this module is (Keras's JAX backend has imported it already);
+nothing here imports TensorFlow.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+from jax import lax
+from keras import ops
+
+USES_TENSORFLOW = False
+"""Keras utilities that import TensorFlow (its TensorBoard callback, its seeding) would
+load it only for them: kmix avoids them here."""
+
+NOTES_CASTS = True
+"""JAX has no graph to read a cast's input back from: the tap notes each cast down to
+float16 as it is made (:func:`as_arrived` then returns what it is given)."""
+
+STACK_LIMIT = 1 << 16
+"""Columns with fewer elements than this are stacked before they are reduced
+(:func:`reduce_rows`); larger ones are read by one variadic reduction (no copy)."""
+
+
+def is_first_process() -> bool:
+    """False only in a process other than process 0 of a multi-process run.
+
+    Under ``keras.distribution`` the step is one program over every process: each
+    decides the same, and only process 0 writes files.
+    """
+    return jax.process_index() == 0
+
+
+def reachable(value: Any) -> bool:
+    """True if ``value`` can be used where the step is being built now.
+
+    A tracer is usable while the trace that made it runs (a value noted by ``scale_loss``
+    inside ``jax.value_and_grad`` is the enclosing ``jit``'s tracer, still live when
+    ``stateless_apply`` runs); a concrete array always is. JAX has no public test for
+    this: the tracer's ``_trace`` is asked whether it is still valid, and a value without
+    one counts as usable.
+    """
+    trace = getattr(value, "_trace", None)
+    is_valid = getattr(trace, "is_valid", None)
+    return trace is None or is_valid is None or bool(is_valid())
+
+
+def rare_cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
+    """``lax.cond`` under ``jit`` runs only the branch taken; the branches return values."""
+    return ops.cond(pred, true_fn, false_fn)
+
+
+def retrace_all(model: Any) -> None:
+    """Makes ``model``'s train, evaluate and predict functions trace again at their next call.
+
+    ``jax.jit`` caches traces by function identity, and Keras's functions jit the same
+    methods again: JAX's caches are cleared (every jit in the process compiles again at
+    its next call; kmix does this only when it moves a layer).
+    """
+    jax.clear_caches()
+    model.make_train_function(force=True)
+    model.test_function = model.predict_function = None
+
+
+def host_value(variable: Any) -> np.ndarray:
+    """A Keras variable's value on the host."""
+    return np.asarray(ops.convert_to_numpy(variable))
+
+
+def int64_dtype() -> str:
+    """The dtype kmix declares its int64 variables with: ``"int32"`` without x64.
+
+    JAX without ``jax_enable_x64`` holds int64 values as int32 and warns at every
+    creation, assignment and state sync, so kmix declares them int32 there. kmix's record
+    computes in the dtype it is given and saturates at its end
+    (:func:`kmix.record.step_record.int_max`); ``.keras`` files load across the two.
+    """
+    return "int64" if jax.config.read("jax_enable_x64") else "int32"
+
+
+def exact_exponent(x: Any) -> Any:
+    """``floor(log2(x))`` of positive finite float32 values, from their exponent bits."""
+    bits = lax.bitcast_convert_type(ops.cast(x, "float32"), "int32")
+    return lax.shift_right_arithmetic(bits, np.int32(23)) - np.int32(127)
+
+
+def summed_rows(indices: Any, values: Any) -> Any:
+    """Never called: gradients are dense on JAX (sparse slices are TensorFlow's)."""
+    raise NotImplementedError("sparse gradient slices exist only on the TensorFlow backend")
+
+
+def reduce_rows(columns: Sequence[Any], kinds: Sequence[str]) -> list[Any]:
+    """Reduces ``[k, n]`` matrices along their rows in few reductions.
+
+    A small stack's columns of one kind and dtype are stacked and reduced together (two
+    reductions for XLA's runtime to set up, the copy under :data:`STACK_LIMIT`
+    elements); a larger stack's are read in one pass by one variadic reduction (no copy;
+    its reducer has a buffer per column and operand).
+    """
+
+    def combine(a: tuple, b: tuple) -> tuple:
+        return tuple(
+            x + y if kind == "sum" else jax.numpy.maximum(x, y)
+            for x, y, kind in zip(a, b, kinds, strict=True)
+        )
+
+    # Statistics are never differentiated; JAX's derivative of a variadic reduction fails
+    # where one is traced inside ``jax.value_and_grad`` (the forward pass's).
+    columns = tuple(lax.stop_gradient(c) for c in columns)
+    if math.prod(columns[0].shape) * len(columns) < STACK_LIMIT:
+        return _stacked(columns, kinds)
+    zeros = tuple(jax.numpy.zeros((), c.dtype) for c in columns)
+    return list(lax.reduce(columns, zeros, combine, (1,)))
+
+
+def _stacked(columns: Sequence[Any], kinds: Sequence[str]) -> list[Any]:
+    """:func:`reduce_rows` of small columns: those of one kind and dtype stacked, reduced
+    at once."""
+    out: list[Any] = [None] * len(columns)
+    together: dict[tuple, list[int]] = {}
+    for i, (column, kind) in enumerate(zip(columns, kinds, strict=True)):
+        together.setdefault((kind, keras.backend.standardize_dtype(column.dtype)), []).append(i)
+    for (kind, _), members in together.items():
+        stack = ops.stack([columns[i] for i in members], axis=1)  # [k, m, n]
+        reduced = ops.sum(stack, axis=2) if kind == "sum" else ops.max(stack, axis=2, initial=0)
+        for j, i in enumerate(members):
+            out[i] = reduced[:, j]
+    return out
+
+
+def trace_root(outputs: Any) -> Any:
+    """The outermost JAX trace ``outputs`` belong to (the ``jit``'s), or None if concrete.
+
+    A forward pass traced under ``jax.value_and_grad`` inside ``jax.jit`` makes tracers of
+    the gradient's trace, whose ``parent_trace`` chain ends at the ``jit``'s trace and
+    then at JAX's evaluation trace; the last trace before that one names the step.
+    """
+    for x in keras.tree.flatten(outputs):
+        trace = getattr(x, "_trace", None)
+        if trace is None:
+            continue
+        while getattr(getattr(trace, "parent_trace", None), "parent_trace", None) is not None:
+            trace = trace.parent_trace
+        return trace
+    return None
+
+
+def is_traced(outputs: Any) -> bool:
+    """True when ``outputs`` are tracers of a live trace."""
+    return trace_root(outputs) is not None
+
+
+def as_arrived(tensor: Any) -> Any:
+    """``tensor``: on JAX the tap notes casts as they are made (:data:`NOTES_CASTS`)."""
+    return tensor
+
+
+def set_random_seed(seed: int) -> None:
+    """Seeds Python, NumPy and Keras as ``keras.utils.set_random_seed`` does, without
+    importing TensorFlow (Keras's function seeds TensorFlow too, for ``tf.data``).
+
+    Keras's lazy handle on TensorFlow is told, for the call, that TensorFlow is absent;
+    once TensorFlow is imported anyway, or where that handle is not as expected (another
+    Keras version), Keras's function runs as is.
+    """
+    import sys
+
+    if "tensorflow" in sys.modules:
+        keras.utils.set_random_seed(seed)
+        return
+    try:
+        from keras.src.utils import rng_utils
+
+        handle = rng_utils.tf
+        was = handle._available
+    except (ImportError, AttributeError):
+        keras.utils.set_random_seed(seed)
+        return
+    handle._available = False
+    try:
+        keras.utils.set_random_seed(seed)
+    finally:
+        handle._available = was

@@ -1,0 +1,7 @@
+"""``python -m kmix.cli``: the ``kmix`` command."""
+
+import sys
+
+from kmix.cli import main
+
+sys.exit(main())

@@ -1,0 +1,177 @@
+"""One attempted step applied to the whole step record, as values in and values out.
+
+:mod:`kmix.record.step_record` says what a step does to the scale, the counters and the event ring;
+this module adds what is measured at the step (gradient health and exponent histograms
+when due, the forward pass's activation statistics and origin) and returns every field's
+new value. Nothing is assigned, so it runs where variables cannot be written (the
+branches of JAX's ``lax.cond`` inside ``model.fit``'s ``jit`` step)::
+
+    new, outcome = record.advance(...)                   # the rule, the counters
+    health, per-variable fractions  <- measured when health is due, else kept
+    histograms                      <- measured when due, else kept
+    activations                     <- the forward pass's, when health is due
+    ring                            <- the step's event written, when there is one
+
+The event carries the health measured at its step and the forward origin, exactly as
+on TensorFlow (:class:`kmix.optimizer.recorder.StepRecorder`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+from keras import ops
+
+from kmix.backend import rare_cond
+from kmix.record import health, scaling
+from kmix.record import step_record as record
+from kmix.record.activations import ACTIVATION_CAPACITY, ACTIVATION_FIELDS
+from kmix.record.step_record import HEALTH_FIELDS
+
+__all__ = ["FIELDS", "RecordValues", "Statistics", "advance_record", "loss_state_of"]
+
+FIELDS = (
+    "scale",
+    "counters",
+    "health",
+    "underflow_per_variable",
+    "subnormal_per_variable",
+    "exponent_histograms",
+    "activation_stats",
+    "event_ints",
+    "event_floats",
+)
+"""The step recorder's variables, in :class:`RecordValues`' order (attribute names)."""
+
+
+class RecordValues(NamedTuple):
+    """The step record's values: one per :data:`FIELDS` entry, in that order."""
+
+    scale: Any
+    counters: Any
+    health: Any
+    underflow_per_variable: Any
+    subnormal_per_variable: Any
+    exponent_histograms: Any
+    activation_stats: Any
+    event_ints: Any
+    event_floats: Any
+
+
+class Statistics(NamedTuple):
+    """What decides which statistics a step measures.
+
+    Attributes:
+        health_every: steps between gradient health measurements (>= 1).
+        histogram_every: steps between exponent histograms (0: never).
+        float16_mask: 1.0 per variable whose layer computes in float16.
+    """
+
+    health_every: Any
+    histogram_every: Any
+    float16_mask: Any
+
+    def due(self, counters: Any) -> Any:
+        """``[health_due, histogram_due]`` at the step after ``counters`` (packed)."""
+        return record.due_now(counters, ops.stack([self.health_every, self.histogram_every]))
+
+
+def loss_state_of(flags: Any, n: int) -> Any:
+    """``record.LOSS_*`` from the step's flags: ``n`` gradient flags, then the loss's two."""
+    return ops.where(
+        flags[n] > 0,
+        record.LOSS_NONFINITE,
+        ops.where(flags[n + 1] > 0, record.LOSS_UNKNOWN, record.LOSS_FINITE),
+    )
+
+
+def _health(grads: list, scale: Any, mask: Any) -> tuple[Any, Any, Any]:
+    stats = health.gradient_health(grads, scale, mask)
+    vector = ops.stack([ops.cast(getattr(stats, f), "float32") for f in HEALTH_FIELDS])
+    return vector, stats.underflow_per_variable, stats.subnormal_per_variable
+
+
+def advance_record(
+    old: RecordValues,
+    grads: list,
+    flags: Any,
+    statistics: Statistics,
+    forward: tuple[Any, Any] | None,
+    rule: scaling.ScaleConfig,
+) -> tuple[RecordValues, record.StepOutcome]:
+    """The record after one attempted step (pure; statistics only where due).
+
+    Args:
+        old: the record's values before the step (the counters packed as
+            :func:`kmix.record.step_record.pack` lays them out, in their own dtype).
+        grads: the scaled gradients, one per tracked variable.
+        flags: float vector: per gradient non-finite, then loss non-finite, then loss
+            unknown.
+        statistics: what is measured and when.
+        forward: ``(origin, stats)`` of :func:`kmix.record.activations.measure_forward`, or
+            None without a tapped forward pass.
+        rule: the scale rule's constants.
+
+    Returns:
+        ``(values, outcome)``: the record's values after the step (those not due as
+        given) and what the step was (:class:`kmix.record.step_record.StepOutcome`).
+    """
+    n = len(grads)
+    var_bad = flags[:n] > 0
+    loss_state = loss_state_of(flags, n)
+    int_dtype = record.int_dtype_of(old.counters)
+    new, outcome = record.advance(
+        record.StepRecord(old.scale, record.unpack(old.counters)),
+        ops.logical_not(ops.any(var_bad)),
+        loss_state,
+        rule,
+        statistics.health_every,
+        statistics.histogram_every,
+    )
+    unmeasured = ops.full((len(HEALTH_FIELDS),), np.nan, "float32")
+    # Called conditionals (TensorFlow: kept out of the steps that do not take them).
+    measured, underflow, subnormal = rare_cond(
+        outcome.statistics_due,
+        lambda: _health(grads, old.scale, statistics.float16_mask),
+        lambda: (unmeasured, old.underflow_per_variable, old.subnormal_per_variable),
+    )
+    due = outcome.health_due
+    histograms = rare_cond(
+        outcome.histogram_due,
+        lambda: ops.cast(health.exponent_histograms(grads), old.exponent_histograms.dtype),
+        lambda: old.exponent_histograms,
+    )
+    activations, origin = old.activation_stats, record.NO_ORIGIN
+    if forward is not None:
+        rows = ops.shape(forward[1])[0]
+        padded = ops.concatenate(
+            [forward[1], ops.full((ACTIVATION_CAPACITY - rows, len(ACTIVATION_FIELDS)), np.nan)]
+        )
+        activations = ops.where(due, padded, activations)
+        origin = record.EventOrigin(*ops.unstack(forward[0]))
+    ints, floats = record.encode_event(
+        outcome.step,
+        outcome.event,
+        (old.scale, new.scale),
+        var_bad,
+        loss_state,
+        measured,
+        origin,
+        int_dtype=record.int_dtype_of(old.event_ints),
+    )
+    ring = record.EventRing(old.event_ints, old.event_floats)
+    written = record.write_event(ring, new.counters.event_count, ints, floats)
+    happened = ops.not_equal(outcome.event, scaling.NONE)
+    values = RecordValues(
+        scale=new.scale,
+        counters=record.pack(new.counters, int_dtype),
+        health=ops.where(due, measured, old.health),
+        underflow_per_variable=ops.where(due, underflow, old.underflow_per_variable),
+        subnormal_per_variable=ops.where(due, subnormal, old.subnormal_per_variable),
+        exponent_histograms=histograms,
+        activation_stats=activations,
+        event_ints=ops.where(happened, written.ints, ring.ints),
+        event_floats=ops.where(happened, written.floats, ring.floats),
+    )
+    return values, outcome
