@@ -46,7 +46,6 @@ __all__ = [
     "check_at_creation",
     "protect_forward_state",
     "stateless_apply",
-    "statistics_of",
 ]
 
 _said = WarnOnce()
@@ -66,26 +65,6 @@ class JaxStep(NamedTuple):
     applies: Any
     loss_nonfinite: Any
     finish: Callable[[tuple[Any, Any] | None], list]
-
-
-def statistics_of(recorder: Any) -> record.Statistics:
-    """The statistics settings in force, as constants of the step being traced.
-
-    Settings are not training state: ``fit`` does not pass them into its ``jit`` step,
-    so their values are baked into it, and a change retraces (:func:`protect_forward_state`).
-
-    Args:
-        recorder: the optimizer's :class:`kmix.optimizer.recorder.StepRecorder`.
-
-    Returns:
-        The health and histogram steps and the float16 mask.
-    """
-    settings = recorder.settings.variables
-    return record.Statistics(
-        settings["health_every"].value,
-        settings["histogram_every"].value,
-        settings["float16_mask"].value,
-    )
 
 
 def stateless_apply(
@@ -152,20 +131,22 @@ def stateless_apply(
         return list(trainable_variables), list(inner_values)
 
     new_trainable, new_inner = ops.cond(applies, apply_inner, skip)
-    statistics = statistics_of(recorder)
+    statistics = recorder.statistics()
 
     rule = optimizer.config.rule
-    quiet = record.is_quiet(old.counters, flags, statistics.due(old.counters), rule)
+    due = statistics.due(old.counters)
 
     def finish(forward: tuple[Any, Any] | None) -> list:
-        def quiet_step() -> record.RecordValues:  # the common step: one constant added
-            delta = ops.cast(record.QUIET_DELTA, old.counters.dtype)
-            return old._replace(counters=old.counters + delta)
-
-        def full_step() -> record.RecordValues:
-            return record.advance_record(old, grads, flags, statistics, forward, rule)[0]
-
-        new = ops.cond(quiet, quiet_step, full_step)
+        new = record.record_step(
+            old.counters,
+            due,
+            flags,
+            rule,
+            count=lambda delta: old._replace(counters=old.counters + delta),
+            advance=lambda: record.advance_record(old, grads, flags, statistics, forward, rule),
+            write=lambda values, outcome: values,
+            cond=ops.cond,
+        )
         out = list(values[:own])
         for slot, value in zip(slots, new, strict=True):
             out[slot] = value
@@ -289,7 +270,7 @@ def _measure_forward(optimizer: Any, unscaled_loss: Any, optimizer_values: list)
     if not hooks.tapping or not measuring(optimizer):
         return None
     counters = optimizer_values[[id(v) for v in optimizer.variables].index(id(recorder.counters))]
-    due = statistics_of(recorder).due(counters)
+    due = recorder.statistics().due(counters)
     nonfinite = ops.logical_not(ops.all(ops.isfinite(unscaled_loss)))
     forward = hooks.forward_statistics(nonfinite, due[0])
     recorder.layers = hooks.layers

@@ -136,7 +136,7 @@ class StepRecorder:
     def before_step(self) -> Before:
         """The counters before this step and what is due at it, read once per step."""
         packed = ops.copy(self.counters)
-        return Before(packed, self._statistics().due(packed))
+        return Before(packed, self.statistics().due(packed))
 
     def record(
         self,
@@ -163,27 +163,41 @@ class StepRecorder:
                 assigned), or None.
         """
 
-        def quiet() -> None:  # the common step: one constant added, nothing else moves
-            self.counters.assign_add(np.asarray(record.QUIET_DELTA, "int64"))
+        fields = [getattr(self, field) for field in record.RECORD_FIELDS]
 
-        def full() -> None:  # the pure step over the record's values, then assigned
-            fields = [getattr(self, field) for field in record.RECORD_FIELDS]
+        def advance() -> tuple[record.RecordValues, Any]:  # the pure step, in the branch
             old = record.RecordValues(  # the counters as read before the step
                 *(before.packed if v is self.counters else ops.copy(v) for v in fields)
             )
-            new, outcome = record.advance_record(
-                old, aligned, flags, self._statistics(), forward, self.config.rule
-            )
+            rule = self.config.rule
+            return record.advance_record(old, aligned, flags, self.statistics(), forward, rule)
+
+        def count(delta: np.ndarray) -> None:  # the common step: nothing else moves
+            self.counters.assign_add(delta)
+
+        def write(new: record.RecordValues, outcome: Any) -> None:
             for variable, value in zip(fields, new, strict=True):
                 variable.assign(ops.cast(value, variable.dtype))
             if on_skip is not None:  # the batch never happened
                 ops.cond(outcome.skipped, on_skip, _noop)
 
-        quiet_step = record.is_quiet(before.packed, flags, before.due, self.config.rule)
-        rare_cond(quiet_step, quiet, full)
+        record.record_step(
+            before.packed,
+            before.due,
+            flags,
+            self.config.rule,
+            count=count,
+            advance=advance,
+            write=write,
+            cond=rare_cond,
+        )
 
-    def _statistics(self) -> record.Statistics:
-        """The settings in force, read in the graph being built."""
+    def statistics(self) -> record.Statistics:
+        """The statistics settings in force, read once in the step being built.
+
+        On JAX they are constants of the compiled step (``fit`` passes no settings into
+        its ``jit``), so a change retraces it.
+        """
         settings = self.settings.variables
         return record.Statistics(
             *(settings[name].value for name in ("health_every", "histogram_every", "float16_mask"))

@@ -29,7 +29,7 @@ from kmix.record.health import NUM_EXPONENT_BINS, nonfinite_flags
 from kmix.record.host_read import Snapshot, snapshot
 from kmix.record.scaling import ScaleConfig
 from kmix.record.step import FIELDS as RECORD_FIELDS
-from kmix.record.step import RecordValues, Statistics, advance_record
+from kmix.record.step import RecordValues, Statistics, advance_record, record_step
 from kmix.record.step_record import (
     EVENT_FLOAT_FIELDS,
     EVENT_INT_FIELDS,
@@ -69,5 +69,6 @@ __all__ = [
     "measure_origin",
     "no_origin",
     "nonfinite_flags",
+    "record_step",
     "snapshot",
 ]

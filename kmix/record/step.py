@@ -18,8 +18,10 @@ on TensorFlow (:class:`kmix.optimizer.recorder.StepRecorder`).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -29,7 +31,14 @@ from kmix.record import step_record as record
 from kmix.record.activations import ACTIVATION_CAPACITY, ACTIVATION_FIELDS
 from kmix.record.step_record import HEALTH_FIELDS
 
-__all__ = ["FIELDS", "RecordValues", "Statistics", "advance_record", "loss_state_of"]
+__all__ = [
+    "FIELDS",
+    "RecordValues",
+    "Statistics",
+    "advance_record",
+    "loss_state_of",
+    "record_step",
+]
 
 FIELDS = (
     "scale",
@@ -175,3 +184,47 @@ def advance_record(
         event_floats=ops.where(happened, written.floats, ring.floats),
     )
     return values, outcome
+
+
+T = TypeVar("T")
+
+
+def record_step(
+    counters: Any,
+    due: Any,
+    flags: Any,
+    rule: scaling.ScaleConfig,
+    *,
+    count: Callable[[np.ndarray], T],
+    advance: Callable[[], tuple[RecordValues, record.StepOutcome]],
+    write: Callable[[RecordValues, record.StepOutcome], T],
+    cond: Callable[[Any, Callable[[], T], Callable[[], T]], T],
+) -> T:
+    """One attempted step recorded: the choice every backend's step makes, made here once.
+
+    A quiet step (:func:`kmix.record.step_record.is_quiet`: finite, nothing due, no
+    event) adds one constant to the counters; any other runs :func:`advance_record`.
+    The backend's step says only what "adds" and "writes" mean there: TensorFlow
+    assigns the variables inside the branch, JAX returns the values.
+
+    Args:
+        counters: the packed counters before the step.
+        due: what is due at this step (:meth:`Statistics.due` of ``counters``).
+        flags: the step's non-finite flags (per gradient, loss non-finite, loss unknown).
+        rule: the scale rule's constants.
+        count: the quiet step: takes the constant to add to the counters (NumPy, in
+            their dtype).
+        advance: the full step's values: :func:`advance_record` over the record.
+        write: the full step: takes its values and outcome.
+        cond: the backend's conditional for a branch that seldom runs
+            (:func:`kmix.backend.rare_cond`, or ``keras.ops.cond``).
+
+    Returns:
+        What the branch taken returns.
+    """
+    delta = np.asarray(record.QUIET_DELTA, keras.backend.standardize_dtype(counters.dtype))
+    return cond(
+        record.is_quiet(counters, flags, due, rule),
+        lambda: count(delta),
+        lambda: write(*advance()),
+    )
