@@ -308,7 +308,8 @@ def test_float32_layers_do_not_count_against_float16_headroom():
     # zero (head's zero kernel sends none back).
     model.fit(x, y, verbose=0, epochs=1)
     assert opt.float16_mask.tolist() == [1.0, 1.0, 0.0, 0.0]
-    assert opt.watch_float16_layers(model) == ["net/body/kernel", "net/body/bias"]
+    with pytest.warns(kmix.KmixDeprecationWarning, match="watch_float16_layers is deprecated"):
+        assert opt.watch_float16_layers(model) == ["net/body/kernel", "net/body/bias"]
     model.fit(x, y, verbose=0, epochs=1)
     state = opt.read_state()
     assert state["skipped_steps"] == 0 and state["max_abs_scaled"] == 0.0
@@ -321,7 +322,7 @@ def test_float32_layers_do_not_count_against_float16_headroom():
 
     # Told before it is built (as the monitor does when fit builds it lazily):
     fresh = kmix.LossScaleOptimizer("sgd")
-    assert fresh.watch_float16_layers(model) == ["net/body/kernel", "net/body/bias"]
+    assert fresh.watch(model) == ["net/body/kernel", "net/body/bias"]
     fresh.build(model.trainable_variables)
     assert fresh.float16_mask.tolist() == [1.0, 1.0, 0.0, 0.0]
 

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from kmix import KmixDeprecationWarning
 from kmix.callbacks import _source, _trip
 from kmix.callbacks._trip import (
     NonfiniteLoss,
@@ -32,7 +33,8 @@ def test_the_guard_module_keeps_its_public_names():
 
     assert guard.first_possible_trip is first_possible_trip
     assert guard.first_window_over is first_window_over
-    assert guard.STOCK_MIN_SCALE is _source.STOCK_MIN_SCALE == 1.0
+    with pytest.warns(KmixDeprecationWarning, match="STOCK_MIN_SCALE is deprecated"):
+        assert guard.STOCK_MIN_SCALE is _source.STOCK_MIN_SCALE == 1.0
     assert _trip.TRIP_REASONS == ("nonfinite_loss", "overflow_at_floor", "skip_rate")
 
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import collections
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kmix import tags
-from kmix._checks import KmixWarning, check_choice, check_int, check_real
+from kmix._checks import KmixDeprecationWarning, KmixWarning, check_choice, check_int, check_real
 from kmix._runs import OPEN
+from kmix.callbacks import _source
 from kmix.callbacks._base import StepCallback, end_run, warn_user
 from kmix.callbacks._diagnosis import diagnosis, moves_text
 from kmix.callbacks._forecast import HeadroomForecast, headroom_series
-from kmix.callbacks._source import STOCK_MIN_SCALE
 from kmix.callbacks._trip import (
     Point,
     Rules,
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MODES",
-    "STOCK_MIN_SCALE",  # the 0.1.0 name
     "LossScaleGuard",
     "LossScaleGuardError",
     "first_possible_trip",
@@ -44,6 +43,21 @@ __all__ = [
 ]
 
 _OWNER = "kmix.callbacks.LossScaleGuard"
+
+
+def __getattr__(name: str) -> Any:
+    """``STOCK_MIN_SCALE``, deprecated here: it is ``kmix.callbacks._source``'s."""
+    if name == "STOCK_MIN_SCALE":
+        warnings.warn(
+            "kmix.callbacks.guard.STOCK_MIN_SCALE is deprecated and removed in kmix 0.2: "
+            "the stock Keras optimizer's floor is 1.0.",
+            KmixDeprecationWarning,
+            stacklevel=2,
+        )
+        return _source.STOCK_MIN_SCALE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 MODES = {"stop": "set model.stop_training", "raise": "raise LossScaleGuardError"}
 
 

@@ -258,7 +258,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         return _error("demo", str(error))
     except OSError as error:
         return _error("demo", _cannot_write(args.logdir, error))
-    if backend == "tensorflow":  # oneDNN's float16 (issue 23) is TensorFlow's
+    if backend == "tensorflow":  # oneDNN's float16 is TensorFlow's
         from kmix.policy import avoid_slow_float16_path
 
         note = avoid_slow_float16_path(args.policy)

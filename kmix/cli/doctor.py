@@ -40,7 +40,7 @@ ON_JAX = (
     "MixedPrecisionMonitor, LossScaleGuard, PrecisionAutopilot and kmix report; not "
     "LoopDriver (it drives tf.distribute: TensorFlow only)"
 )
-"""What kmix runs on Keras's JAX backend (issue 24), as ``kmix doctor`` says it."""
+"""What kmix runs on Keras's JAX backend, as ``kmix doctor`` says it."""
 
 
 def package_versions(names: Sequence[str] = PACKAGES) -> dict[str, str | None]:

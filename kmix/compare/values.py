@@ -13,6 +13,8 @@ import dataclasses
 import math
 from typing import Any
 
+from kmix._json import json_ready
+
 __all__ = [
     "MEASURED",
     "OUT_OF_MEMORY",
@@ -182,7 +184,7 @@ class PolicyComparison:
         Returns:
             A JSON-ready dict; :func:`comparison_from_dict` reads it back.
         """
-        return _json_ready(dataclasses.asdict(self))
+        return json_ready(dataclasses.asdict(self))
 
     def to_markdown(self) -> str:
         """The table, the noise floor and the recommendation as markdown.
@@ -235,14 +237,3 @@ def _fields(cls: type, data: dict[str, Any], skip: tuple[str, ...] = ()) -> Any:
     if "loss_curve" in values:
         values["loss_curve"] = tuple(math.nan if v is None else v for v in values["loss_curve"])
     return cls(**values)
-
-
-def _json_ready(value: Any) -> Any:
-    """Tuples as lists, non-finite floats as None (JSON has neither)."""
-    if isinstance(value, dict):
-        return {key: _json_ready(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_ready(item) for item in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value

@@ -2,8 +2,8 @@
 
 XLA's CPU runtime sets up every buffer of a compiled step at every execution, those of
 conditional branches not taken included, and the activations a conditional measures
-are its operands: made and kept at every step, measured or not (bench/README, issue 24's
-fourth run). So the step is traced twice:
+are its operands: made and kept at every step, measured or not (measured: bench/history,
+the JAX passes). So the step is traced twice:
 
 * *measuring*: the step measures its own forward pass (origin and statistics), as on
   TensorFlow;

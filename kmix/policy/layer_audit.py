@@ -17,8 +17,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from kmix._json import json_ready
 from kmix._layers import own_variables, walk_layers
-from kmix.policy.machine import json_ready
 from kmix.tags import AuditFinding
 
 SEVERITIES = ("error", "warning", "info")

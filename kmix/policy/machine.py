@@ -20,6 +20,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from kmix._json import json_ready
+
 # Where the CPU flags are read from; tests pass another file to ``hardware()``.
 CPUINFO_PATH = "/proc/cpuinfo"
 
@@ -225,15 +227,6 @@ def read_cpuinfo(path: str = CPUINFO_PATH) -> tuple[str, tuple[str, ...]]:
             fields.setdefault(key.strip(), value.strip())
     flags = set(fields.get("flags", "").split())
     return fields.get("model name", ""), tuple(sorted(flags.intersection(CPU_FLAGS)))
-
-
-def json_ready(value: Any) -> Any:
-    """Turns tuples into lists, recursively, so ``json`` round-trips the value."""
-    if isinstance(value, dict):
-        return {key: json_ready(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_ready(item) for item in value]
-    return value
 
 
 def _local_jax_devices(jax: Any) -> list[Any]:

@@ -7,10 +7,11 @@ import dataclasses
 import json
 
 from kmix import tags
+from kmix._json import json_ready
 from kmix._words import format_scale, percent, plural
 from kmix.report.finding_rules import RUN_END_WORDS
 from kmix.report.runs import RunInfo, run_words
-from kmix.report.values import Summary, Trend, _jsonable
+from kmix.report.values import Summary, Trend
 from kmix.report.whatif import FORMATS
 
 _HEALTH_NAMES = {
@@ -273,7 +274,7 @@ def logdirs_json(parent: str, found: list[tuple[str, tuple[RunInfo, ...]]]) -> s
             for logdir, runs in found
         ],
     }
-    return json.dumps(_jsonable(data), indent=2, allow_nan=False)
+    return json.dumps(json_ready(data), indent=2, allow_nan=False)
 
 
 def scale_caveat(summary: Summary) -> str:

@@ -10,11 +10,9 @@ so the report's modules import in one direction. JSON through :meth:`Summary.to_
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-import numpy as np
-
+from kmix._json import json_ready
 from kmix.precision_plan import PrecisionMove, PrecisionPlan
 from kmix.report.runs import RunInfo
 from kmix.report.whatif import PrecisionWhatIf
@@ -224,7 +222,7 @@ class Summary:
         Returns:
             A dict with one key per field.
         """
-        data = _jsonable(dataclasses.asdict(self))
+        data = json_ready(dataclasses.asdict(self))
         for event in data["events"]:
             del event["index"]
         data["precision_plan"] = dict(self.precision_plan.policies)  # {} without moves
@@ -233,15 +231,3 @@ class Summary:
     def __getitem__(self, key: str) -> Any:
         """``summary["skipped_steps"]``: kmix 0.1.0 returned the dict :meth:`to_dict` gives."""
         return self.to_dict()[key]
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _jsonable(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(item) for item in value]
-    if isinstance(value, float | np.floating):
-        return float(value) if math.isfinite(value) else None
-    if isinstance(value, np.integer):
-        return int(value)
-    return value

@@ -30,6 +30,7 @@ from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
 from kmix import tags
+from kmix._json import json_ready
 from kmix.tbplugin import reader, view
 
 PLUGIN_NAME = "kmix"
@@ -202,7 +203,7 @@ class KmixPlugin(base_plugin.TBPlugin):
                 )
         except BadRequest as error:
             return _json(request, {"error": str(error)}, code=400)
-        return _json(request, view.json_safe(view.heatmap(rows, step)))
+        return _json(request, json_ready(view.heatmap(rows, step)))
 
     @wrappers.Request.application
     def _serve_comparison(self, request: Any) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from kmix import report, tags
+from kmix._json import json_ready
 from kmix.report import begin_scale, runs_message, scale_caveat, scale_events_of
 from kmix.tbplugin.reader import TEXT_SAMPLES_DEFAULT, RunPoints
 
@@ -83,28 +84,6 @@ def event_lines(summary: report.Summary) -> list[str]:
     return [tags.format_event(event) for event in summary.events]
 
 
-def json_safe(value: Any) -> Any:
-    """Replaces non-finite floats (also inside containers) by None, numpy by Python.
-
-    Args:
-        value: a JSON-like value.
-
-    Returns:
-        A value ``json.dumps(..., allow_nan=False)`` accepts.
-    """
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    if isinstance(value, np.ndarray):
-        return json_safe(value.tolist())
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 def downsample(steps: np.ndarray, values: np.ndarray, limit: int) -> np.ndarray:
     """Picks at most about ``limit`` indices that keep a series' shape, spikes included.
 
@@ -166,7 +145,7 @@ def _series(series: report.Series | None, limit: int, steplike: bool) -> dict[st
     index = index[picked]
     return {
         "steps": series.steps[index].tolist(),
-        "values": json_safe(series.values[index].tolist()),
+        "values": json_ready(series.values[index].tolist()),
         "points": int(series.steps.size),
     }
 
@@ -277,7 +256,7 @@ def _activation_grid(log: report.KmixLog, limit: int) -> dict[str, Any] | None:
         by_step = dict(zip(series.steps.tolist(), series.values.tolist(), strict=True))
         grid.append([by_step.get(step) for step in steps])
     names = [t[len(ACTIVATION_HEADROOM) :] for t in layers]
-    return {"steps": steps, "names": names, "bits": json_safe(grid)}
+    return {"steps": steps, "names": names, "bits": json_ready(grid)}
 
 
 def _begin(log: report.KmixLog) -> dict[str, Any] | None:
@@ -392,4 +371,4 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
             "bins": tags.NUM_EXPONENT_BINS,
         },
     }
-    return json_safe(payload)
+    return json_ready(payload)
