@@ -2,9 +2,9 @@
 
 Times the plugin's ``/run`` route (read through a data provider that holds 100,000 steps
 of scalars and the run's events, downsampled for the page) in this process, the way
-``tests/test_tbplugin.py`` serves it; the tests check what is served, this script how
+``tests/tbplugin/test_tbplugin.py`` serves it; the tests check what is served, this script how
 fast. The browser's drawing time of the same payload is shown in the tab's status line
-("Drawn in N ms"; ``tests/test_tbplugin_browser.py`` loads it).
+("Drawn in N ms"; ``tests/tbplugin/test_tbplugin_browser.py`` loads it).
 
 Usage: ``python bench/bench_tab.py [--repeat 7]``
 """

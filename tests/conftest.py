@@ -28,9 +28,21 @@ from __future__ import annotations
 
 import gc
 import os
+import pathlib
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+# The tests mirror kmix's folders (tests/<folder>/test_<module>.py); a test module may
+# import helpers from another folder's (``from test_report import hand_log``), so every
+# folder is on the path, as pytest puts each test file's own.
+_TESTS = pathlib.Path(__file__).resolve().parent
+sys.path[1:1] = [
+    str(p)
+    for p in sorted(_TESTS.iterdir())
+    if p.is_dir() and p.name not in ("data", "scripts", "__pycache__")
+]
 
 import keras  # noqa: E402
 import pytest  # noqa: E402

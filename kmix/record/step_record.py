@@ -3,7 +3,7 @@
 The optimizer keeps one variable per field below and does nothing else with them
 than ``read -> pure update -> assign``. Everything here is a pure function of
 keras.ops tensors (no control flow on tensors, no host sync), tested step by step
-against plain Python in ``tests/test_record.py``.
+against plain Python in ``tests/record/test_step_record.py``.
 
 Per step (every step, one assignment of the packed counters)::
 
@@ -281,7 +281,7 @@ def is_quiet(packed: Any, flags: Any, due_vector: Any, config: scaling.ScaleConf
 
     A quiet step is clean (every flag 0: gradients finite, the loss finite and known),
     lies inside :func:`quiet_bounds` and is not a statistics step. The optimizer then
-    adds one constant vector instead of running the whole rule (``tests/test_record.py``
+    adds one constant vector instead of running the whole rule (``tests/record/test_step_record.py``
     checks the two agree).
 
     Args:

@@ -1,8 +1,9 @@
 """Writes tests/data/optimizer_643f46e.keras and its expected state (run once, at 643f46e).
 
 The file is a model saved with kmix's optimizer by main at commit 643f46e, before the
-optimizer's record moved into ``kmix.optimizer.recorder``; ``tests/test_optimizer.py`` loads it
-with today's code and checks the variable names, their order and every value.
+optimizer's record moved into ``kmix.optimizer.recorder``;
+``tests/optimizer/test_loss_scale_optimizer.py`` loads it with today's code and checks
+the variable names, their order and every value.
 Run from the repository root: ``python tests/data/make_saved_optimizer.py``.
 """
 

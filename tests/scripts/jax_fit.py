@@ -1,6 +1,6 @@
 """kmix.LossScaleOptimizer in model.fit on Keras's JAX backend; prints what it observed as JSON.
 
-Run by tests/test_jax_backend.py in a subprocess (the test process has TensorFlow's
+Run by tests/optimizer/test_jax_step.py in a subprocess (the test process has TensorFlow's
 Keras loaded): ``python jax_fit.py fit DIR`` or ``python jax_fit.py data_parallel DIR``
 (the latter with ``XLA_FLAGS=--xla_force_host_platform_device_count=2``). Nothing here
 decides what is right: the test compares the observations with its own reference.

@@ -19,7 +19,9 @@ from test_health import reference_bins
 import kmix
 from kmix.record import step_record as record
 
-SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
+
+SCRIPTS = os.path.join(TESTS, "scripts")
 
 
 class GradientFault(keras.layers.Layer):
@@ -573,7 +575,7 @@ def test_keras_file_restores_scale_and_counters(tmp_path):
 def test_a_keras_file_saved_before_the_step_recorder_loads_unchanged():
     """tests/data/optimizer_643f46e.keras was saved by main at 643f46e (before the record
     moved into kmix.optimizer.recorder): same variable names, order and values, same state."""
-    data = os.path.join(os.path.dirname(__file__), "data")
+    data = os.path.join(TESTS, "data")
     with open(os.path.join(data, "optimizer_643f46e.json")) as f:
         expected = json.load(f)
     keras.mixed_precision.set_global_policy("mixed_float16")

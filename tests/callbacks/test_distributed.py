@@ -21,9 +21,11 @@ from tensorboard.backend.event_processing import event_accumulator
 
 from kmix import tags
 
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
+
 pytestmark = pytest.mark.slow  # two worker processes per test
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "multiworker.py")
+SCRIPT = os.path.join(TESTS, "scripts", "multiworker.py")
 WORKER_TIMEOUT = 120
 BAD_STEP, PATIENCE, STEPS = 3, 3, 8  # as in the script
 

@@ -23,6 +23,8 @@ from tensorboard.util.tensor_util import make_ndarray
 import kmix
 from kmix import tags
 
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
+
 pytestmark = pytest.mark.slow  # every test fits a model
 
 X = np.ones((48, 8), "float32")
@@ -336,7 +338,7 @@ MIRRORED = textwrap.dedent(
 def test_mirrored_strategy_every_replica_moves_the_same_layers():
     import json
 
-    script = MIRRORED.format(tests=os.path.dirname(__file__))
+    script = MIRRORED.format(tests=TESTS)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "3"}
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=180, env=env

@@ -150,7 +150,7 @@ def test_the_stretch_whose_events_were_lost_is_shaded():
 
 def test_the_plots_of_a_log_dir_written_twice_say_which_run_they_draw(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
-    from test_report_runs import write_twice
+    from test_runs import write_twice
 
     write_twice(str(tmp_path))
     log = report.read_log(str(tmp_path))

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from test_report import assert_png, write_run
-from test_speed_probe import XEON
+from test_speed import XEON
 
 import kmix.demo as kmix_demo
 import kmix.policy as kmix_policy
@@ -350,7 +350,7 @@ def test_report_empty_logdir(kmix_here):
 
 def test_report_of_a_directory_of_log_dirs_lists_their_runs(kmix_here, tmp_path):
     """`kmix report runs` on runs/a/train, runs/b/train: was 'no kmix data in runs'."""
-    from test_report_runs import write_small_run, write_twice
+    from test_runs import write_small_run, write_twice
 
     parent = tmp_path / "runs"
     write_small_run(str(parent / "a"), "20250101-090000-cccccc", scale=8.0, skips=(3,), steps=5)
@@ -393,7 +393,7 @@ def test_report_of_a_directory_without_kmix_data_under_it_is_still_an_error(kmix
 
 
 def test_report_run_picks_a_run_of_a_log_dir_written_twice(kmix_here, tmp_path):
-    from test_report_runs import write_twice
+    from test_runs import write_twice
 
     logdir = str(tmp_path / "twice")
     write_twice(logdir)

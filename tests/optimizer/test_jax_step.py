@@ -24,7 +24,9 @@ from kmix.record import step as step_values
 from kmix.record import step_record as record
 from kmix.record.activations import ACTIVATION_CAPACITY, ACTIVATION_FIELDS
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "jax_fit.py")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
+
+SCRIPT = os.path.join(TESTS, "scripts", "jax_fit.py")
 TIMEOUT = 120
 # As in the script (kept in step by test_the_reference_reads_the_scripts_settings).
 KINDS = ["ok", "ok", "forward", "ok", *["gradient"] * 4, *["ok"] * 8]
@@ -486,7 +488,7 @@ def test_int32_counters_are_quiet_up_to_their_own_end():
 @pytest.mark.parametrize("backend", ["tensorflow", pytest.param("jax", marks=needs_jax)])
 def test_a_saved_kmix_model_loads_after_a_plain_import_kmix_on_either_backend(backend):
     """The fixture was saved on TensorFlow (int64 counters); JAX without x64 holds int32."""
-    data = os.path.join(os.path.dirname(__file__), "data", "optimizer_643f46e.keras")
+    data = os.path.join(TESTS, "data", "optimizer_643f46e.keras")
     code = (
         "import keras, kmix\n"
         f"opt = keras.models.load_model({data!r}).optimizer\n"

@@ -736,7 +736,7 @@ def test_fake_a_fresh_optimizer_after_a_run_with_the_same_monitor_is_a_new_run(t
 
 def test_fake_resuming_a_run_written_before_run_ids_keeps_it_one_run(tmp_path):
     """A log of an earlier version has no id: its resume writes none, so it stays one run."""
-    from test_report_runs import write_small_run
+    from test_runs import write_small_run
 
     write_small_run(str(tmp_path), None, scale=1024.0, steps=4)
     optimizer = FakeRecorder(initial_scale=1024, min_scale=1)
@@ -751,7 +751,7 @@ def test_fake_resuming_a_run_written_before_run_ids_keeps_it_one_run(tmp_path):
 
 
 def test_fake_a_new_run_after_a_run_written_before_run_ids_warns(tmp_path):
-    from test_report_runs import write_small_run
+    from test_runs import write_small_run
 
     write_small_run(str(tmp_path), None, scale=1024.0, steps=4)
     monitor = MixedPrecisionMonitor(tmp_path, verbose=0)

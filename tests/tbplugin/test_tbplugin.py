@@ -225,7 +225,7 @@ def test_events_sampled_away_by_tensorboard_are_told(tmp_path):
 
 def test_a_directory_written_by_two_runs_shows_the_latest_and_says_so(tmp_path):
     """A script run twice into one log dir: the tab draws the latest run, as kmix report."""
-    from test_report_runs import write_twice
+    from test_runs import write_twice
 
     write_twice(str(tmp_path / "twice"))
     client = serve(default_provider(tmp_path))
