@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=BACKENDS,
         help=(
             "the Keras backend to train on (default: KERAS_BACKEND if set, else tensorflow); "
-            'jax needs pip install "kmix[jax]"'
+            'jax needs JAX: pip install ".[jax]" from the root of kmix\'s checkout'
         ),
     )
     demo.add_argument(
@@ -298,7 +298,7 @@ def choose_backend(requested: str | None, environ: Mapping[str, str]) -> str:
     if backend == "jax" and not jax_installed():
         raise ValueError(
             f"--backend jax{source} needs JAX, which is not installed: "
-            'pip install "kmix[jax]", or use --backend tensorflow'
+            'pip install ".[jax]" from the root of kmix\'s checkout, or use --backend tensorflow'
         )
     loaded = loaded_backend()
     if loaded is not None and loaded != backend:

@@ -150,8 +150,8 @@ VERSION_RULES: tuple[tuple[Callable[[VersionFacts], bool], Callable[[VersionFact
     (
         lambda f: f.backend == "jax" and (f.missing("jax") or f.missing("jaxlib")),
         lambda f: (
-            "the Keras backend is 'jax' but JAX is not installed: pip install \"kmix[jax]\" "
-            "(or set KERAS_BACKEND=tensorflow)"
+            "the Keras backend is 'jax' but JAX is not installed: pip install \".[jax]\" "
+            "from the root of kmix's checkout (or set KERAS_BACKEND=tensorflow)"
         ),
     ),
     (
@@ -288,7 +288,10 @@ def backend_section(
         if backend != "jax":
             jax += " (KERAS_BACKEND=jax trains on it; kmix demo --backend jax shows it)"
     else:
-        jax = 'not installed (pip install "kmix[jax]" for KERAS_BACKEND=jax)'
+        jax = (
+            'not installed (pip install ".[jax]" from the root of kmix\'s checkout, '
+            "for KERAS_BACKEND=jax)"
+        )
     return lines + [f"  JAX: {jax}", f"  kmix on JAX: {ON_JAX}"]
 
 

@@ -647,7 +647,8 @@ def test_doctor_backend_section():
         "--backend jax shows it)",
     ]
     assert _cli_doctor.backend_section("tensorflow", {}, {"jax": None})[1] == (
-        '  JAX: not installed (pip install "kmix[jax]" for KERAS_BACKEND=jax)'
+        '  JAX: not installed (pip install ".[jax]" from the root of kmix\'s checkout, '
+        "for KERAS_BACKEND=jax)"
     )
     # What kmix runs on JAX, and what not: LoopDriver is tf.distribute's.
     assert "not LoopDriver (it drives tf.distribute: TensorFlow only)" in _cli_doctor.ON_JAX
