@@ -100,6 +100,9 @@ class DemoResult:
         summary: the :class:`kmix.report.Summary` of the run.
         plots: the PNG files written (empty without matplotlib).
         seconds: wall time of the whole demo.
+        mixed_step_s: the mixed-precision run's median time of a training step, in
+            seconds (None when not measured).
+        float32_step_s: the float32 run's, or None.
     """
 
     logdir: str
@@ -110,6 +113,8 @@ class DemoResult:
     summary: Any  # a kmix.report.Summary (imported lazily: no TensorBoard at import)
     plots: list[str]
     seconds: float
+    mixed_step_s: float | None = None
+    float32_step_s: float | None = None
 
 
 def load_digits() -> tuple[np.ndarray, np.ndarray]:
@@ -174,11 +179,13 @@ class Trained(NamedTuple):
         model: the trained ``keras.Model``.
         policy: its dtype policy and why it was chosen, as ``str(PolicyChoice)``.
         accuracy: its test accuracy.
+        step_s: its median time of a training step, in seconds (None: not measured).
     """
 
     model: Any
     policy: str
     accuracy: float
+    step_s: float | None = None
 
 
 def _train(
@@ -216,7 +223,9 @@ def _train(
 
     import kmix
     from kmix import backend
+    from kmix.demo.steps import StepClock
 
+    clock = StepClock()
     backend.set_random_seed(seed)  # on JAX without importing TensorFlow
     with contextlib.ExitStack() as stack:
         with warnings.catch_warnings():  # the choice's reason says when float16 is slow here
@@ -246,11 +255,11 @@ def _train(
                 batch_size=BATCH_SIZE,
                 epochs=epochs,
                 validation_data=(x_test, y_test) if logged else None,
-                callbacks=callbacks,
+                callbacks=[clock, *callbacks],  # first: it times the step alone
                 verbose=verbose,
             )
         _, accuracy = model.evaluate(x_test, y_test, batch_size=256, verbose=0)
-    return Trained(model=model, policy=str(choice), accuracy=float(accuracy))
+    return Trained(model, str(choice), float(accuracy), clock.median_step_s)
 
 
 def _compute_dtype(policy: str) -> str:
@@ -352,9 +361,9 @@ def _train_and_report(
         verbose=verbose,
         detected=detected,
     )
-    float32_accuracy = None
+    reference = None
     if compare_float32:
-        float32_accuracy = _train(
+        reference = _train(
             "float32",
             data,
             epochs=epochs,
@@ -364,7 +373,7 @@ def _train_and_report(
             verbose=0,
             logged=False,
             detected=detected,
-        ).accuracy
+        )
     log = report.read_log(logdir)
     summary = report.summarize(log)
     try:
@@ -375,11 +384,13 @@ def _train_and_report(
         logdir=logdir,
         policy=mixed.policy,
         mixed_accuracy=mixed.accuracy,
-        float32_accuracy=float32_accuracy,
+        float32_accuracy=None if reference is None else reference.accuracy,
         guard_diagnosis=guard.diagnosis,
         summary=summary,
         plots=plots,
         seconds=0.0,
+        mixed_step_s=mixed.step_s,
+        float32_step_s=None if reference is None else reference.step_s,
     )
 
 
@@ -471,6 +482,10 @@ def main(
     print(f"test accuracy, {name} with kmix: {result.mixed_accuracy:.4f}")
     if result.float32_accuracy is not None:
         print(f"test accuracy, same model in float32: {result.float32_accuracy:.4f}")
+    if result.mixed_step_s is not None and result.float32_step_s is not None:
+        from kmix.policy import demo_step_line
+
+        print(demo_step_line(name, result.mixed_step_s, result.float32_step_s))
     print()
     print(report.format_summary(result.summary))
     print()

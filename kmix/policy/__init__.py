@@ -21,7 +21,7 @@ from kmix.policy.choice import (
 )
 from kmix.policy.layer_audit import AuditReport, audit
 from kmix.policy.machine import GPU, Hardware, hardware
-from kmix.policy.speed import doctor_lines, onednn_fix_applies
+from kmix.policy.speed import demo_step_line, doctor_lines, onednn_fix_applies
 from kmix.policy.timing import avoid_slow_float16_path, measure, measure_in_subprocess
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "audit",
     "avoid_slow_float16_path",
     "choose_auto",
+    "demo_step_line",
     "doctor_lines",
     "float16_slow_reason",
     "hardware",

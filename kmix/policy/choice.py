@@ -147,9 +147,9 @@ def use(
         name, reason = policy, f"{policy!r} was requested explicitly"
         if policy in ("mixed_float16", "float16"):
             if measured is None and not detected.gpus and not detected.tpus:
-                from kmix.policy.timing import float16_matmul_probe
+                from kmix.policy.timing import float16_probe
 
-                measured = float16_matmul_probe()
+                measured = float16_probe()
             slow = float16_slow_reason(detected, measured)
             if slow:
                 reason += f"; float16 is not fast here: {slow}"

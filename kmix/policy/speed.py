@@ -1,8 +1,11 @@
 """Speed measured, not claimed: the values, rules and words of kmix's speed probe.
 
-``kmix doctor`` times a matmul and a convolution in float32, float16 and bfloat16 on the
-CPU (about a second) and ``kmix.use("mixed_float16")`` times the float32 and float16
-matmul once per process (a fraction of a second) on machines without a GPU or TPU;
+One probe answers "is float16 fast here?" for every kmix tool: ``kmix doctor`` times a
+matmul and a convolution, each forward and backward as training runs them, in float32,
+float16 and bfloat16 on the CPU (about a second); ``kmix.use("mixed_float16")`` times the
+same in float32 and float16 once per process on machines without a GPU or TPU, and
+``kmix demo`` in a fresh process before TensorFlow starts; each judges with
+:func:`float16_cpu_finding` (the slowest op decides: training runs them all);
 ``kmix/policy/timing.py`` takes the times with the Keras backend's own library (the only
 part that touches TensorFlow or JAX: TensorFlow's eager CPU kernels, or on Keras's JAX
 backend XLA's, jit-compiled) and this module judges them, pure functions over typed
@@ -32,8 +35,11 @@ BACKENDS = ("tensorflow", "jax")
 DTYPES = ("float32", "float16", "bfloat16")
 """The dtypes timed; float32 is the reference of every ratio."""
 
-SHAPES = {"matmul": "128x512 @ 512x512", "conv2d": "8x32x32x32 (NHWC), 3x3 kernel, 32 filters"}
-"""The size of each op, as printed."""
+SHAPES = {
+    "matmul": "128x512 @ 512x512, forward and backward",
+    "conv2d": "8x32x32x32 (NHWC), 3x3 kernel, 32 filters, forward and backward",
+}
+"""The size of each op, as printed: each is timed as training runs it."""
 
 
 PATHOLOGICAL = 10.0
@@ -418,6 +424,34 @@ def demo_onednn_note(measured: SpeedMeasurement) -> str | None:
     )
 
 
+def demo_step_line(policy: str, policy_step_s: float, float32_step_s: float) -> str:
+    """What ``kmix demo`` says of its own step times: the policy's run against float32's.
+
+    The two runs differ in more than the dtype (the policy's run takes one step a call,
+    with kmix's callbacks; float32's a whole epoch a call, with none), so only a ratio of
+    :data:`PATHOLOGICAL` or more is called slow: no overhead of that kind explains it.
+
+    Args:
+        policy: the policy of the logged run, e.g. ``"mixed_float16"``.
+        policy_step_s: its median time of a training step, in seconds.
+        float32_step_s: the float32 run's.
+
+    Returns:
+        One line, e.g. ``"step time: mixed_float16 4.10 ms, float32 3.02 ms (1.36x)"``.
+    """
+    ratio = policy_step_s / float32_step_s
+    line = (
+        f"step time: {policy} {_ms(policy_step_s)} (one step a call, with kmix's callbacks), "
+        f"float32 {_ms(float32_step_s)} (an epoch a call): {_times(ratio)}"
+    )
+    if ratio >= PATHOLOGICAL:
+        line += (
+            f"; {policy} is pathologically slow on this machine: kmix doctor times each "
+            "op in each dtype and says what helps"
+        )
+    return line
+
+
 def _effect_lines(before: SpeedMeasurement, after: SpeedMeasurement) -> list[str]:
     """Each float16 op's time before and after oneDNN was turned off, e.g.
     ``effect: float16 matmul 400 ms -> 0.746 ms a call (400x -> 1.04x float32's time)``."""
@@ -434,18 +468,37 @@ def _effect_lines(before: SpeedMeasurement, after: SpeedMeasurement) -> list[str
     return lines
 
 
-def float16_cpu_finding(measured: SpeedMeasurement) -> tuple[str, bool]:
-    """What ``kmix.use`` says of float16 on a machine without a GPU or TPU.
+def deciding_ratio(measured: SpeedMeasurement, dtype: str = "float16") -> Ratio | None:
+    """The ratio that answers "is ``dtype`` fast here?": the slowest op's.
+
+    A training step runs every op; one op pathologically slow in a dtype makes its steps
+    slow, however fast the others are.
 
     Args:
-        measured: a measurement holding at least the float32 and float16 matmul.
+        measured: the measurement.
+        dtype: the half-precision dtype.
 
     Returns:
-        ``(sentence, slow)``: the measured ratio in words (or why it is not known), and
-        whether float16 measured slower than float32 beyond the noise floor and by
-        :data:`WORTH_A_WARNING` or more.
+        The largest of ``dtype``'s ratios, or None when none was measured.
     """
-    ratio = next((r for r in speed_ratios(measured) if r.dtype == "float16"), None)
+    ratios = [r for r in speed_ratios(measured) if r.dtype == dtype]
+    return max(ratios, key=lambda r: r.ratio, default=None)
+
+
+def float16_cpu_finding(measured: SpeedMeasurement) -> tuple[str, bool]:
+    """Whether float16 is fast on this CPU, in words: the one answer every kmix tool gives
+    (``kmix.use``, ``kmix doctor``, ``kmix demo``) on a machine without a GPU or TPU.
+
+    Args:
+        measured: a measurement holding float32 and float16 (every op, forward and
+            backward).
+
+    Returns:
+        ``(sentence, slow)``: the deciding ratio (:func:`deciding_ratio`) in words (or
+        why it is not known), and whether float16 measured slower than float32 beyond
+        the noise floor and by :data:`WORTH_A_WARNING` or more.
+    """
+    ratio = deciding_ratio(measured)
     if ratio is None:
         why = "; ".join(f"{m.dtype} {m.op}: {m.why}" for m in measured.missing)
         return f"float16's speed on this CPU was not measured ({why or 'no timing'})", False

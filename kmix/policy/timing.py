@@ -1,10 +1,14 @@
-"""Times small float32, float16 and bfloat16 ops on this machine's CPU (thin glue).
+"""Times what training runs, in float32, float16 and bfloat16, on this machine's CPU (glue).
 
-The kernels timed are those the Keras backend runs: TensorFlow's eager CPU kernels, or on
-Keras's JAX backend XLA's, each op a ``jax.jit``-compiled function (and then TensorFlow is
-never imported). What the times mean is judged in ``kmix/policy/speed.py``. How they are
-taken (:func:`measure`): every cell (op, dtype) is run once untimed (kernel set-up or
-compilation), once timed to size its rounds, then the cells take turns in :data:`ROUNDS`
+Each op (a matmul, a convolution) is timed forward and backward, as a training step runs
+it: the forward pass alone hides where half precision is slow (oneDNN's float16
+convolution on Xeons with AVX512_FP16: forward 2.7x float32's time, forward and backward
+over 100x). The kernels timed are those the Keras backend runs: TensorFlow's, in a
+``tf.function``, or on Keras's JAX backend XLA's, each step a ``jax.jit``-compiled
+function (and then TensorFlow is never imported). What the times mean is judged in
+``kmix/policy/speed.py``. How they are taken (:func:`measure`): every cell (op, dtype) is
+run once untimed (kernel set-up or compilation), once timed to size its rounds, then the
+cells take turns in :data:`ROUNDS`
 rounds of about :data:`ROUND_SECONDS` each; a round's time is its fastest call (on a
 machine shared with other jobs, the one they disturbed least), a JAX call's time ending
 when its result is ready (``block_until_ready``). A call slower than :data:`SLOW_CALL_S`
@@ -199,22 +203,21 @@ def backend_without_importing(modules: Mapping[str, Any], environ: Mapping[str, 
     return "jax" if name == "jax" else "tensorflow"
 
 
-_float16_matmul: list[SpeedMeasurement] = []
+_float16_probe: list[SpeedMeasurement] = []
 
 
-def float16_matmul_probe() -> SpeedMeasurement:
-    """The float32 and float16 matmul timed once per process (5 short rounds, ~0.1 s).
+def float16_probe() -> SpeedMeasurement:
+    """float32 and float16 training (every op, forward and backward) timed once per process
+    (5 short rounds, a fraction of a second where float16 is not pathological).
 
     Returns:
         The measurement, of the Keras backend's kernels (:func:`measuring_backend`); the
         same value on later calls (Keras keeps its backend, and TensorFlow its oneDNN
         state, until the process ends).
     """
-    if not _float16_matmul:
-        _float16_matmul.append(
-            measure(("matmul",), ("float32", "float16"), rounds=5, round_seconds=0.01)
-        )
-    return _float16_matmul[0]
+    if not _float16_probe:
+        _float16_probe.append(measure(OPS, ("float32", "float16"), rounds=5, round_seconds=0.01))
+    return _float16_probe[0]
 
 
 def avoid_slow_float16_path(policy: str) -> str | None:
@@ -239,7 +242,7 @@ def avoid_slow_float16_path(policy: str) -> str | None:
     if not demo_should_check_onednn(policy, flags, os.environ, "tensorflow" in sys.modules):
         return None
     try:
-        measured = measure_in_subprocess({}, ("matmul",))
+        measured = measure_in_subprocess({}, OPS)
     except RuntimeError as error:
         return f"kmix demo: oneDNN's float16 speed could not be checked ({error}); oneDNN stays on"
     note = demo_onednn_note(measured)
@@ -275,30 +278,53 @@ def _inputs(op: str) -> tuple[np.ndarray, ...]:
 
 
 def _tf_op_call(tf: Any, op: str, dtype: str) -> Callable[[], Any]:
-    """A function running ``op`` once in ``dtype`` with TensorFlow's eager kernels."""
+    """A function running ``op`` forward and backward once in ``dtype``, as training does.
+
+    The step is a ``tf.function`` (a graph, as ``fit``'s), given its inputs as arguments
+    so that nothing is folded into constants; the backward pass is the gradient with
+    respect to both inputs, for an upstream gradient of ones.
+    """
     a, b = (tf.cast(tf.constant(x), dtype) for x in _inputs(op))
-    if op == "matmul":
-        return lambda: tf.linalg.matmul(a, b)
-    return lambda: tf.nn.conv2d(a, b, strides=1, padding="SAME")
+
+    def forward(x: Any, y: Any) -> Any:
+        if op == "matmul":
+            return tf.linalg.matmul(x, y)
+        return tf.nn.conv2d(x, y, strides=1, padding="SAME")
+
+    @tf.function(autograph=False)
+    def train(x: Any, y: Any) -> Any:
+        with tf.GradientTape() as tape:
+            tape.watch([x, y])
+            out = forward(x, y)
+        return tape.gradient(out, [x, y], output_gradients=tf.ones_like(out))
+
+    return lambda: train(a, b)
 
 
 def _jax_op_call(jax: Any, op: str, dtype: str) -> Callable[[], Any]:
-    """A function running ``op`` once in ``dtype``, jit-compiled, on JAX's CPU device.
+    """A function running ``op`` forward and backward once in ``dtype``, jit-compiled, on
+    JAX's CPU device, as training does (the backward pass: the gradient with respect to
+    both inputs, for an upstream gradient of ones).
 
     The inputs are committed to the CPU, so the compiled function runs there whatever
     JAX's default device; a call returns when its result is ready.
     """
     cpu = jax.local_devices(backend="cpu")[0]
     a, b = (jax.device_put(x, cpu).astype(dtype) for x in _inputs(op))
-    if op == "matmul":
-        compiled = jax.jit(lambda x, y: x @ y)
-    else:
-        compiled = jax.jit(
-            lambda x, k: jax.lax.conv_general_dilated(
-                x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
-            )
+
+    def forward(x: Any, k: Any) -> Any:
+        if op == "matmul":
+            return x @ k
+        return jax.lax.conv_general_dilated(
+            x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
         )
-    return lambda: compiled(a, b).block_until_ready()
+
+    def train(x: Any, k: Any) -> Any:
+        out, pullback = jax.vjp(forward, x, k)
+        return pullback(jax.numpy.ones_like(out))
+
+    compiled = jax.jit(train)
+    return lambda: jax.block_until_ready(compiled(a, b))
 
 
 def _time_calls(call: Callable[[], Any], count: int) -> float:
@@ -313,7 +339,8 @@ def _time_calls(call: Callable[[], Any], count: int) -> float:
         start = time.perf_counter()
         result = call()
         fastest = min(fastest, time.perf_counter() - start)
-    np.asarray(result)
+    for value in result if isinstance(result, list | tuple) else [result]:
+        np.asarray(value)
     return fastest
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -162,16 +163,16 @@ def test_float16_on_a_cpu_warns_once_with_the_measured_ratio_and_says_what_to_us
     assert record[0].filename == __file__  # points at the caller
     assert str(record[0].message) == (
         "kmix.use('mixed_float16'): float16 is not fast on this machine: no GPU or TPU was "
-        "found, and on this CPU a float16 matmul (128x512 @ 512x512) measured 3.00x "
-        "float32's time (median of 3 rounds; float32's own noise 4%). Use "
+        "found, and on this CPU a float16 matmul (128x512 @ 512x512, forward and backward) "
+        "measured 3.00x float32's time (median of 3 rounds; float32's own noise 4%). Use "
         "kmix.use('mixed_bfloat16') instead (no GPU or TPU; the CPU has AVX512-BF16, which "
         "computes bfloat16 natively); kmix doctor times matmul and convolution in each dtype "
         "here, kmix compare each policy on your model."
     )
     assert choice.reason == (
         "'mixed_float16' was requested explicitly; float16 is not fast here: no GPU or TPU "
-        "was found, and on this CPU a float16 matmul (128x512 @ 512x512) measured 3.00x "
-        "float32's time (median of 3 rounds; float32's own noise 4%)"
+        "was found, and on this CPU a float16 matmul (128x512 @ 512x512, forward and "
+        "backward) measured 3.00x float32's time (median of 3 rounds; float32's own noise 4%)"
     )
     assert keras.config.dtype_policy().name == "mixed_float16"  # still set
 
@@ -193,8 +194,8 @@ def test_float16_on_a_cpu_claims_no_speed_when_not_measurably_slower():
         )
     assert choice.reason == (
         "'mixed_float16' was requested explicitly; no GPU or TPU was found, and on this CPU "
-        "a float16 matmul (128x512 @ 512x512) measured 1.10x float32's time (median of 3 "
-        "rounds; float32's own noise 30%)"
+        "a float16 matmul (128x512 @ 512x512, forward and backward) measured 1.10x float32's "
+        "time (median of 3 rounds; float32's own noise 30%)"
     )
     assert unmeasured.reason == (
         "'mixed_float16' was requested explicitly; float16's speed on this CPU was not "
@@ -214,7 +215,7 @@ def test_float16_pathologically_slow_with_onednn_warns_with_the_fix():
 
 def test_float16_on_this_cpu_is_measured_by_default_and_never_claims_a_fixed_ratio(monkeypatch):
     calls = []
-    monkeypatch.setattr(_speed_measure, "_float16_matmul", [])
+    monkeypatch.setattr(_speed_measure, "_float16_probe", [])
     real_measure = _speed_measure.measure
     monkeypatch.setattr(
         _speed_measure, "measure", lambda *a, **k: calls.append(a) or real_measure(*a, **k)
@@ -223,7 +224,7 @@ def test_float16_on_this_cpu_is_measured_by_default_and_never_claims_a_fixed_rat
         warnings.simplefilter("always")
         choice = use("mixed_float16", detected=CPU)
         again = use("mixed_float16", detected=CPU)
-    assert calls == [(("matmul",), ("float32", "float16"))]  # once per process
+    assert calls == [(("matmul", "conv2d"), ("float32", "float16"))]  # once per process
     assert choice.reason == again.reason
     assert "measured" in choice.reason and "about 2x" not in choice.reason
     for warning in record:
@@ -344,7 +345,9 @@ def test_use_mixed_float16_on_jax_measures_xla_and_imports_no_tensorflow():
         ["cpu:0"],
         False,
     )
-    assert "a float16 matmul (128x512 @ 512x512) measured " in facts["reason"]
+    assert re.search(
+        r"a float16 (matmul|conv2d) \(.*, forward and backward\) measured ", facts["reason"]
+    )
     for message in facts["warnings"]:
         assert "measured " in message and "oneDNN" not in message
     assert "oneDNN" not in facts["reason"]

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import types
 
+import numpy as np
 import pytest
 
 from kmix.policy import speed as probe_rules
@@ -133,7 +134,8 @@ def test_measurement_lines_times_ratios_and_what_was_not_measured():
         missing=(Missing("conv2d", "bfloat16", "NotFoundError: no kernel"),),
     )
     assert measurement_lines(measured) == [
-        "matmul 128x512 @ 512x512: float32 0.460 ms, float16 156 ms a call (median of 2/3 rounds)",
+        "matmul 128x512 @ 512x512, forward and backward: float32 0.460 ms, float16 156 ms a "
+        "call (median of 2/3 rounds)",
         "float16 matmul: 339x float32's time, pathologically slow",
         "bfloat16 conv2d: not measured: NotFoundError: no kernel",
     ]
@@ -153,19 +155,20 @@ def test_onednn_fix_applies_only_to_a_pathological_float16_with_onednn_on():
 def test_doctor_lines_show_the_fix_and_its_measured_effect():
     assert doctor_lines(XEON, XEON_OFF) == [
         "oneDNN CPU kernels: on (TF_ENABLE_ONEDNN_OPTS unset); measured in 2.5 s",
-        "matmul 128x512 @ 512x512: float32 1.00 ms, float16 400 ms, bfloat16 0.500 ms a call "
-        "(median of 2/3 rounds)",
-        "conv2d 8x32x32x32 (NHWC), 3x3 kernel, 32 filters: float32 2.00 ms, float16 750 ms, "
-        "bfloat16 2.10 ms a call (median of 2/3 rounds)",
+        "matmul 128x512 @ 512x512, forward and backward: float32 1.00 ms, float16 400 ms, "
+        "bfloat16 0.500 ms a call (median of 2/3 rounds)",
+        "conv2d 8x32x32x32 (NHWC), 3x3 kernel, 32 filters, forward and backward: float32 "
+        "2.00 ms, float16 750 ms, bfloat16 2.10 ms a call (median of 2/3 rounds)",
         "float16 matmul: 400x float32's time, pathologically slow",
         "bfloat16 matmul: 0.50x float32's time (faster; float32's own noise 20%)",
         "float16 conv2d: 375x float32's time, pathologically slow",
         "bfloat16 conv2d: 1.05x float32's time (slower; float32's own noise 0%)",
         f"fix: oneDNN's float16 path is slow here: {ONEDNN_FIX}",
         "measured with TF_ENABLE_ONEDNN_OPTS=0 in a fresh process (4.0 s):",
-        "  matmul 128x512 @ 512x512: float32 1.00 ms, float16 1.50 ms a call (median of 2 rounds)",
-        "  conv2d 8x32x32x32 (NHWC), 3x3 kernel, 32 filters: float32 2.00 ms, float16 2.00 ms "
-        "a call (median of 2 rounds)",
+        "  matmul 128x512 @ 512x512, forward and backward: float32 1.00 ms, float16 1.50 ms a "
+        "call (median of 2 rounds)",
+        "  conv2d 8x32x32x32 (NHWC), 3x3 kernel, 32 filters, forward and backward: float32 "
+        "2.00 ms, float16 2.00 ms a call (median of 2 rounds)",
         "  float16 matmul: 1.50x float32's time (slower; float32's own noise 0%)",
         "  float16 conv2d: 1.00x float32's time, no measurable difference (float32's own noise 0%)",
         "effect: float16 matmul 400 ms -> 1.50 ms a call (400x -> 1.50x float32's time)",
@@ -193,19 +196,22 @@ def test_doctor_lines_when_the_fix_could_not_be_measured_or_does_not_apply():
 def test_float16_cpu_finding_gives_the_measured_ratio_or_says_why_not():
     slow = SpeedMeasurement(cells("matmul", float32=(1.0, 1.02, 0.98), float16=(3.0, 3.1, 2.9)))
     assert float16_cpu_finding(slow) == (
-        "no GPU or TPU was found, and on this CPU a float16 matmul (128x512 @ 512x512) "
+        "no GPU or TPU was found, and on this CPU a float16 matmul (128x512 @ 512x512, forward "
+        "and backward) "
         "measured 3.00x float32's time (median of 3 rounds; float32's own noise 4%)",
         True,
     )
     same = SpeedMeasurement(cells("matmul", float32=(1.0, 1.2, 0.9), float16=(1.1, 1.1, 1.1)))
     assert float16_cpu_finding(same) == (
-        "no GPU or TPU was found, and on this CPU a float16 matmul (128x512 @ 512x512) "
+        "no GPU or TPU was found, and on this CPU a float16 matmul (128x512 @ 512x512, forward "
+        "and backward) "
         "measured 1.10x float32's time (median of 3 rounds; float32's own noise 30%)",
         False,
     )
     a_little = SpeedMeasurement(cells("matmul", float32=(1.0, 1.0, 1.0), float16=(1.19,) * 3))
     assert float16_cpu_finding(a_little) == (
-        "no GPU or TPU was found, and on this CPU a float16 matmul (128x512 @ 512x512) "
+        "no GPU or TPU was found, and on this CPU a float16 matmul (128x512 @ 512x512, forward "
+        "and backward) "
         "measured 1.19x float32's time (median of 3 rounds; float32's own noise 0%)",
         False,  # slower beyond the noise, but by less than WORTH_A_WARNING
     )
@@ -253,13 +259,31 @@ def test_measure_times_every_cell_here_and_the_ratios_follow_from_the_times():
     assert measured.seconds > 0
 
 
-def test_float16_matmul_probe_is_measured_once_per_process():
-    first = probe.float16_matmul_probe()
-    assert probe.float16_matmul_probe() is first
-    assert {(t.op, t.dtype) for t in first.timings} | {(m.op, m.dtype) for m in first.missing} == {
-        ("matmul", "float32"),
-        ("matmul", "float16"),
-    }
+def test_float16_probe_is_measured_once_per_process_and_times_every_op():
+    first = probe.float16_probe()
+    assert probe.float16_probe() is first
+    cells = {(t.op, t.dtype) for t in first.timings} | {(m.op, m.dtype) for m in first.missing}
+    assert cells == {(op, dtype) for op in OPS for dtype in ("float32", "float16")}
+
+
+def test_a_probe_call_runs_the_op_forward_and_backward():
+    """The gradients a call returns are those of ``sum(op(a, b))``, against NumPy."""
+    import tensorflow as tf
+
+    a, b = (x.astype(np.float64) for x in probe._inputs("matmul"))
+    grad_a, grad_b = probe._tf_op_call(tf, "matmul", "float32")()
+    ones = np.ones((a.shape[0], b.shape[1]))
+    np.testing.assert_allclose(grad_a, ones @ b.T, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(grad_b, a.T @ ones, rtol=1e-5, atol=1e-4)
+    image, kernel = probe._inputs("conv2d")
+    grads = probe._tf_op_call(tf, "conv2d", "float32")()
+    assert [tuple(g.shape) for g in grads] == [image.shape, kernel.shape]
+    # d(sum of the outputs)/d(kernel[i, j, c, f]) is the sum of the input channel c over the
+    # positions that tap (i, j) sees; the centre tap sees every position. A float32 sum of
+    # n terms is off by at most n * 2**-24 * max |term| (rounding at each addition).
+    n = image.shape[0] * image.shape[1] * image.shape[2]
+    bound = n * 2.0**-24 * np.abs(image).max()
+    np.testing.assert_allclose(grads[1][1, 1, :, 0], image.sum(axis=(0, 1, 2)), atol=bound)
 
 
 def test_measure_in_subprocess_says_when_the_process_fails(monkeypatch):
@@ -333,7 +357,7 @@ def test_demo_turns_onednn_off_where_float16_measured_pathological(xeon_before_t
     assert probe.avoid_slow_float16_path("mixed_bfloat16") is None
     assert "TF_ENABLE_ONEDNN_OPTS" not in os.environ
     assert probe.avoid_slow_float16_path("mixed_float16") == probe_rules.demo_onednn_note(XEON)
-    assert asked == [({}, ("matmul",))]
+    assert asked == [({}, OPS)]  # every op, forward and backward, as training runs them
     assert os.environ["TF_ENABLE_ONEDNN_OPTS"] == "0"
 
 
@@ -400,8 +424,8 @@ def test_on_jax_no_onednn_words_and_no_onednn_fix():
     assert doctor_lines(ON_JAX, recheck_error="not run") == [
         "XLA's CPU kernels (JAX, jit-compiled), as Keras's jax backend runs them; "
         "measured in 1.5 s",
-        "matmul 128x512 @ 512x512: float32 1.00 ms, float16 20.0 ms, bfloat16 0.500 ms a call "
-        "(median of 2/3 rounds)",
+        "matmul 128x512 @ 512x512, forward and backward: float32 1.00 ms, float16 20.0 ms, "
+        "bfloat16 0.500 ms a call (median of 2/3 rounds)",
         "float16 matmul: 20x float32's time, pathologically slow",
         "bfloat16 matmul: 0.50x float32's time (faster; float32's own noise 0%)",
         "float16 conv2d: not measured: XlaRuntimeError: UNIMPLEMENTED",
@@ -409,7 +433,8 @@ def test_on_jax_no_onednn_words_and_no_onednn_fix():
         "(kmix compare measures each policy on your model)",
     ]
     assert float16_cpu_finding(ON_JAX) == (
-        "no GPU or TPU was found, and on this CPU a float16 matmul (128x512 @ 512x512) "
+        "no GPU or TPU was found, and on this CPU a float16 matmul (128x512 @ 512x512, forward "
+        "and backward) "
         "measured 20x float32's time (median of 2 rounds; float32's own noise 0%)",
         True,
     )
@@ -514,3 +539,76 @@ def test_measure_in_subprocess_on_jax():
         ("matmul", "float16"),
     ]
     assert (measured.backend, measured.onednn, measured.onednn_setting) == ("jax", None, None)
+
+
+# ---------------------------------------- one answer: the table measured on the Xeon
+# Measured on a Xeon with AVX512_FP16 and AMX, 2 cores, eager TF 2.21, best of 20 (the
+# machine this suite runs on may be another kind: the rule is checked on these numbers).
+# The forward ops alone say float16 is nearly as fast; training (forward and backward)
+# says a float16 convolution takes 155x float32's time with oneDNN on, 13x with it off.
+XEON_MATMUL_FORWARD = SpeedMeasurement(  # what kmix.use timed before: one forward matmul
+    cells("matmul", float32=(0.46,) * 3, float16=(0.49,) * 3), onednn=True
+)
+XEON_TRAINING = SpeedMeasurement(
+    cells("matmul", float32=(0.46,) * 3, float16=(0.49,) * 3)
+    + cells("conv2d", float32=(4.4,) * 3, float16=(683.0,) * 3),
+    onednn=True,
+    seconds=3.0,
+)
+XEON_TRAINING_OFF = SpeedMeasurement(
+    cells("matmul", float32=(0.46,) * 3, float16=(1.04,) * 3)
+    + cells("conv2d", float32=(4.4,) * 3, float16=(58.0,) * 3),
+    onednn=False,
+    onednn_setting="0",
+)
+
+
+def test_the_slowest_op_decides_because_training_runs_every_op():
+    ratio = probe_rules.deciding_ratio(XEON_TRAINING)
+    assert (ratio.op, ratio.ratio) == ("conv2d", pytest.approx(683.0 / 4.4))
+    assert probe_rules.deciding_ratio(SpeedMeasurement()) is None
+
+
+def test_forward_ops_alone_miss_what_training_shows_on_the_xeon():
+    """kmix.use's old probe (a forward matmul, 1.07x) found float16 fast; training is not."""
+    assert float16_cpu_finding(XEON_MATMUL_FORWARD)[1] is False
+    sentence, slow = float16_cpu_finding(XEON_TRAINING)
+    assert slow
+    assert sentence == (
+        "no GPU or TPU was found, and on this CPU a float16 conv2d (8x32x32x32 (NHWC), 3x3 "
+        "kernel, 32 filters, forward and backward) measured 155x float32's time (median of 3 "
+        f"rounds; float32's own noise 0%); oneDNN's float16 path is slow here: {ONEDNN_FIX}"
+    )
+
+
+def test_every_tool_gives_the_same_answer_on_the_xeon_table():
+    """kmix.use, kmix doctor and kmix demo read the same probe with the same rule."""
+    from kmix.policy import choice
+    from kmix.policy.machine import Hardware
+
+    cpu_only = Hardware(devices=("/physical_device:CPU:0",), gpus=(), tpus=())
+    use_says = choice.float16_slow_reason(cpu_only, XEON_TRAINING)
+    assert use_says == float16_cpu_finding(XEON_TRAINING)[0]  # kmix.use's warning, doctor's line
+    assert onednn_fix_applies(XEON_TRAINING)
+    assert f"fix: oneDNN's float16 path is slow here: {ONEDNN_FIX}" in doctor_lines(XEON_TRAINING)
+    assert probe_rules.demo_onednn_note(XEON_TRAINING).startswith(
+        "kmix demo: a float16 conv2d measured 155x float32's time on this CPU with oneDNN on"
+    )
+    # With oneDNN off the convolution is still 13x: slow, and no oneDNN fix applies then.
+    assert choice.float16_slow_reason(cpu_only, XEON_TRAINING_OFF).startswith(
+        "no GPU or TPU was found, and on this CPU a float16 conv2d"
+    )
+    assert not onednn_fix_applies(XEON_TRAINING_OFF)
+    assert probe_rules.demo_onednn_note(XEON_TRAINING_OFF) is None
+
+
+def test_the_demo_compares_its_own_step_times():
+    assert probe_rules.demo_step_line("mixed_float16", 0.0041, 0.00302) == (
+        "step time: mixed_float16 4.10 ms (one step a call, with kmix's callbacks), "
+        "float32 3.02 ms (an epoch a call): 1.36x"
+    )
+    assert probe_rules.demo_step_line("mixed_float16", 0.3457, 0.0135) == (
+        "step time: mixed_float16 346 ms (one step a call, with kmix's callbacks), "
+        "float32 13.5 ms (an epoch a call): 26x; mixed_float16 is pathologically slow on this "
+        "machine: kmix doctor times each op in each dtype and says what helps"
+    )
