@@ -2,7 +2,7 @@
 
 The demo trains its model in the chosen policy, then the same model in float32; their
 step times, side by side, say whether that policy is fast on this machine, in the same
-words as the speed probe (:func:`kmix.policy.speed.demo_step_line`).
+words as the speed probe (:func:`kmix.policy.demo_check.step_line`).
 """
 
 from __future__ import annotations

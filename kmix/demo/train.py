@@ -100,9 +100,7 @@ class DemoResult:
         summary: the :class:`kmix.report.Summary` of the run.
         plots: the PNG files written (empty without matplotlib).
         seconds: wall time of the whole demo.
-        mixed_step_s: the mixed-precision run's median time of a training step, in
-            seconds (None when not measured).
-        float32_step_s: the float32 run's, or None.
+        mixed_step_s, float32_step_s: each run's median step time in s (None: unmeasured).
     """
 
     logdir: str
@@ -483,9 +481,9 @@ def main(
     if result.float32_accuracy is not None:
         print(f"test accuracy, same model in float32: {result.float32_accuracy:.4f}")
     if result.mixed_step_s is not None and result.float32_step_s is not None:
-        from kmix.policy import demo_step_line
+        from kmix.policy import step_line
 
-        print(demo_step_line(name, result.mixed_step_s, result.float32_step_s))
+        print(step_line(name, result.mixed_step_s, result.float32_step_s))
     print()
     print(report.format_summary(result.summary))
     print()

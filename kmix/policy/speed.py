@@ -262,7 +262,7 @@ def describe(ratio: Ratio) -> str:
     Returns:
         The text, without a full stop.
     """
-    head = f"{ratio.dtype} {ratio.op}: {_times(ratio.ratio)} float32's time"
+    head = f"{ratio.dtype} {ratio.op}: {format_ratio(ratio.ratio)} float32's time"
     noise = "" if ratio.noise is None else f"float32's own noise {ratio.noise:.0%}"
     if ratio.verdict == "pathological":
         return f"{head}, pathologically slow"
@@ -303,7 +303,7 @@ def measurement_lines(measured: SpeedMeasurement) -> list[str]:
     for op in OPS:
         cells = [t for t in measured.timings if t.op == op]
         if cells:
-            times = ", ".join(f"{t.dtype} {_ms(t.median)}" for t in cells)
+            times = ", ".join(f"{t.dtype} {format_seconds(t.median)}" for t in cells)
             rounds = sorted({len(t.seconds) for t in cells})
             lines.append(
                 f"{op} {SHAPES[op]}: {times} a call (median of {'/'.join(map(str, rounds))} rounds)"
@@ -369,89 +369,6 @@ def kernels_timed(measured: SpeedMeasurement) -> str:
     return f"oneDNN CPU kernels: {onednn} (TF_ENABLE_ONEDNN_OPTS {setting})"
 
 
-ONEDNN_FLOAT16_FLAGS = ("amx_fp16", "avx512_fp16")
-"""CPU flags on which oneDNN takes its own float16 path (elsewhere TensorFlow 2.21 falls
-back to Eigen's kernels: "oneDNN supports DT_HALF only on platforms with AVX-512 ...")."""
-
-
-def demo_should_check_onednn(
-    policy: str, cpu_flags: Sequence[str], environ: Mapping[str, str], tensorflow_imported: bool
-) -> bool:
-    """Whether ``kmix demo`` times float16 with oneDNN on before TensorFlow is imported.
-
-    The check costs a fresh process (a few seconds), so it runs only where it can change
-    something: the demo trains on TensorFlow (``KERAS_BACKEND`` unset, empty or
-    ``"tensorflow"``: oneDNN is TensorFlow's), computes in float16, the CPU has a flag of
-    :data:`ONEDNN_FLOAT16_FLAGS`, the user left ``TF_ENABLE_ONEDNN_OPTS`` unset, and
-    TensorFlow is not imported yet (it reads the variable once, when imported).
-
-    Args:
-        policy: the ``--policy`` given to ``kmix demo``.
-        cpu_flags: the CPU's flags, e.g. ``kmix.policy.machine.read_cpuinfo()[1]``.
-        environ: the environment variables (``kmix demo`` sets ``KERAS_BACKEND`` first).
-        tensorflow_imported: whether TensorFlow is imported in this process.
-
-    Returns:
-        True when the check should run.
-    """
-    return (
-        (environ.get("KERAS_BACKEND") or "tensorflow") == "tensorflow"
-        and policy in ("mixed_float16", "float16")
-        and any(flag in cpu_flags for flag in ONEDNN_FLOAT16_FLAGS)
-        and "TF_ENABLE_ONEDNN_OPTS" not in environ
-        and not tensorflow_imported
-    )
-
-
-def demo_onednn_note(measured: SpeedMeasurement) -> str | None:
-    """What ``kmix demo`` says when it turns oneDNN off for its run, or None when it keeps it.
-
-    Args:
-        measured: float32 and float16 timed in a fresh process with oneDNN as the user
-            left it (:func:`demo_should_check_onednn`).
-
-    Returns:
-        The line to print when :func:`onednn_fix_applies`, else None.
-    """
-    if not onednn_fix_applies(measured):
-        return None
-    slow = next(r for r in speed_ratios(measured) if r.verdict == "pathological")
-    return (
-        f"kmix demo: a float16 {slow.op} measured {_times(slow.ratio)} float32's time on this "
-        f"CPU with oneDNN on (in a fresh process, {measured.seconds:.1f} s), so this run sets "
-        "TF_ENABLE_ONEDNN_OPTS=0 and float16 runs on TensorFlow's own kernels "
-        "(TF_ENABLE_ONEDNN_OPTS=1 keeps oneDNN; kmix doctor measures both)"
-    )
-
-
-def demo_step_line(policy: str, policy_step_s: float, float32_step_s: float) -> str:
-    """What ``kmix demo`` says of its own step times: the policy's run against float32's.
-
-    The two runs differ in more than the dtype (the policy's run takes one step a call,
-    with kmix's callbacks; float32's a whole epoch a call, with none), so only a ratio of
-    :data:`PATHOLOGICAL` or more is called slow: no overhead of that kind explains it.
-
-    Args:
-        policy: the policy of the logged run, e.g. ``"mixed_float16"``.
-        policy_step_s: its median time of a training step, in seconds.
-        float32_step_s: the float32 run's.
-
-    Returns:
-        One line, e.g. ``"step time: mixed_float16 4.10 ms, float32 3.02 ms (1.36x)"``.
-    """
-    ratio = policy_step_s / float32_step_s
-    line = (
-        f"step time: {policy} {_ms(policy_step_s)} (one step a call, with kmix's callbacks), "
-        f"float32 {_ms(float32_step_s)} (an epoch a call): {_times(ratio)}"
-    )
-    if ratio >= PATHOLOGICAL:
-        line += (
-            f"; {policy} is pathologically slow on this machine: kmix doctor times each "
-            "op in each dtype and says what helps"
-        )
-    return line
-
-
 def _effect_lines(before: SpeedMeasurement, after: SpeedMeasurement) -> list[str]:
     """Each float16 op's time before and after oneDNN was turned off, e.g.
     ``effect: float16 matmul 400 ms -> 0.746 ms a call (400x -> 1.04x float32's time)``."""
@@ -461,9 +378,11 @@ def _effect_lines(before: SpeedMeasurement, after: SpeedMeasurement) -> list[str
         then, now = before.timing(ratio.op, "float16"), after.timing(ratio.op, "float16")
         if ratio.dtype != "float16" or ratio.op not in ratios_after or not then or not now:
             continue
+        ratio_after = ratios_after[ratio.op].ratio
         lines.append(
-            f"effect: float16 {ratio.op} {_ms(then.median)} -> {_ms(now.median)} a call "
-            f"({_times(ratio.ratio)} -> {_times(ratios_after[ratio.op].ratio)} float32's time)"
+            f"effect: float16 {ratio.op} {format_seconds(then.median)} -> "
+            f"{format_seconds(now.median)} a call ({format_ratio(ratio.ratio)} -> "
+            f"{format_ratio(ratio_after)} float32's time)"
         )
     return lines
 
@@ -505,7 +424,8 @@ def float16_cpu_finding(measured: SpeedMeasurement) -> tuple[str, bool]:
     noise = "" if ratio.noise is None else f"; float32's own noise {ratio.noise:.0%}"
     sentence = (
         f"no GPU or TPU was found, and on this CPU a float16 {ratio.op} ({SHAPES[ratio.op]}) "
-        f"measured {_times(ratio.ratio)} float32's time (median of {ratio.rounds} rounds{noise})"
+        f"measured {format_ratio(ratio.ratio)} float32's time "
+        f"(median of {ratio.rounds} rounds{noise})"
     )
     if ratio.verdict == "pathological" and onednn_fix_applies(measured):
         sentence += f"; oneDNN's float16 path is slow here: {ONEDNN_FIX}"
@@ -515,12 +435,12 @@ def float16_cpu_finding(measured: SpeedMeasurement) -> tuple[str, bool]:
     return sentence, slow
 
 
-def _times(ratio: float) -> str:
+def format_ratio(ratio: float) -> str:
     """A ratio as ``3.41x``; three significant digits from 10 up (``412x``)."""
     return f"{ratio:.2f}x" if ratio < 10 else f"{ratio:.0f}x"
 
 
-def _ms(seconds: float) -> str:
+def format_seconds(seconds: float) -> str:
     """A call's time, three significant digits: ``0.471 ms``, ``152 ms``, ``1.52 s``."""
     value, unit = (seconds * 1e3, "ms") if seconds < 1 else (seconds, "s")
     return f"{value:.0f} {unit}" if value >= 100 else f"{value:#.3g} {unit}"

@@ -220,37 +220,6 @@ def float16_probe() -> SpeedMeasurement:
     return _float16_probe[0]
 
 
-def avoid_slow_float16_path(policy: str) -> str | None:
-    """Before ``kmix demo`` imports TensorFlow: turns oneDNN off where its float16 is slow.
-
-    Where :func:`kmix.policy.speed.demo_should_check_onednn` says so (a float16 policy, a
-    CPU with AVX512_FP16 or AMX-FP16, ``TF_ENABLE_ONEDNN_OPTS`` unset, TensorFlow not yet
-    imported), times float32 and float16 matmul in a fresh process; when float16 is
-    pathologically slow there, sets ``TF_ENABLE_ONEDNN_OPTS=0`` in this process.
-
-    Args:
-        policy: the demo's ``--policy``.
-
-    Returns:
-        The line to print: what was measured and done, or why the check failed; None when
-        nothing was checked or oneDNN stays on.
-    """
-    from kmix.policy.machine import read_cpuinfo
-    from kmix.policy.speed import demo_onednn_note, demo_should_check_onednn
-
-    flags = read_cpuinfo()[1]
-    if not demo_should_check_onednn(policy, flags, os.environ, "tensorflow" in sys.modules):
-        return None
-    try:
-        measured = measure_in_subprocess({}, OPS)
-    except RuntimeError as error:
-        return f"kmix demo: oneDNN's float16 speed could not be checked ({error}); oneDNN stays on"
-    note = demo_onednn_note(measured)
-    if note:
-        os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"
-    return note
-
-
 OpCall = Callable[[str, str], Callable[[], Any]]
 """``(op, dtype) -> call``: a function running the op once in the dtype on the CPU."""
 

@@ -13,6 +13,7 @@ import types
 import numpy as np
 import pytest
 
+from kmix.policy import demo_check
 from kmix.policy import speed as probe_rules
 from kmix.policy import timing as probe
 from kmix.policy.speed import (
@@ -325,18 +326,18 @@ def test_measure_in_subprocess_with_onednn_off():
 def test_demo_checks_onednn_only_where_the_check_can_change_something(
     policy, flags, environ, imported, expected
 ):
-    assert probe_rules.demo_should_check_onednn(policy, flags, environ, imported) is expected
+    assert demo_check.should_check_onednn(policy, flags, environ, imported) is expected
 
 
 def test_demo_onednn_note_says_what_was_measured_and_done():
-    assert probe_rules.demo_onednn_note(XEON) == (
+    assert demo_check.onednn_note(XEON) == (
         "kmix demo: a float16 matmul measured 400x float32's time on this CPU with oneDNN on "
         "(in a fresh process, 2.5 s), so this run sets TF_ENABLE_ONEDNN_OPTS=0 and float16 "
         "runs on TensorFlow's own kernels (TF_ENABLE_ONEDNN_OPTS=1 keeps oneDNN; kmix doctor "
         "measures both)"
     )
-    assert probe_rules.demo_onednn_note(XEON_OFF) is None
-    assert probe_rules.demo_onednn_note(SpeedMeasurement(XEON.timings, onednn=False)) is None
+    assert demo_check.onednn_note(XEON_OFF) is None
+    assert demo_check.onednn_note(SpeedMeasurement(XEON.timings, onednn=False)) is None
 
 
 @pytest.fixture
@@ -352,21 +353,21 @@ def xeon_before_tensorflow(monkeypatch):
 def test_demo_turns_onednn_off_where_float16_measured_pathological(xeon_before_tensorflow):
     asked = []
     xeon_before_tensorflow.setattr(
-        probe, "measure_in_subprocess", lambda env, ops: asked.append((env, ops)) or XEON
+        demo_check, "measure_in_subprocess", lambda env, ops: asked.append((env, ops)) or XEON
     )
-    assert probe.avoid_slow_float16_path("mixed_bfloat16") is None
+    assert demo_check.avoid_slow_float16_path("mixed_bfloat16") is None
     assert "TF_ENABLE_ONEDNN_OPTS" not in os.environ
-    assert probe.avoid_slow_float16_path("mixed_float16") == probe_rules.demo_onednn_note(XEON)
+    assert demo_check.avoid_slow_float16_path("mixed_float16") == demo_check.onednn_note(XEON)
     assert asked == [({}, OPS)]  # every op, forward and backward, as training runs them
     assert os.environ["TF_ENABLE_ONEDNN_OPTS"] == "0"
 
 
 def test_demo_keeps_onednn_where_float16_is_not_pathological(xeon_before_tensorflow):
-    xeon_before_tensorflow.setattr(probe, "measure_in_subprocess", lambda env, ops: XEON_OFF)
-    assert probe.avoid_slow_float16_path("mixed_float16") is None
+    xeon_before_tensorflow.setattr(demo_check, "measure_in_subprocess", lambda env, ops: XEON_OFF)
+    assert demo_check.avoid_slow_float16_path("mixed_float16") is None
     assert "TF_ENABLE_ONEDNN_OPTS" not in os.environ
-    xeon_before_tensorflow.setattr(probe, "measure_in_subprocess", fail_to_measure)
-    assert probe.avoid_slow_float16_path("mixed_float16") == (
+    xeon_before_tensorflow.setattr(demo_check, "measure_in_subprocess", fail_to_measure)
+    assert demo_check.avoid_slow_float16_path("mixed_float16") == (
         "kmix demo: oneDNN's float16 speed could not be checked (the measuring process took "
         "over 60 s); oneDNN stays on"
     )
@@ -378,7 +379,7 @@ def fail_to_measure(*args, **kwargs):
 
 
 def test_demo_checks_nothing_on_this_process():
-    assert probe.avoid_slow_float16_path("mixed_float16") is None  # TensorFlow is imported
+    assert demo_check.avoid_slow_float16_path("mixed_float16") is None  # TensorFlow is imported
 
 
 def test_doctor_speed_section_says_an_accelerator_is_not_timed():
@@ -438,7 +439,7 @@ def test_on_jax_no_onednn_words_and_no_onednn_fix():
         "measured 20x float32's time (median of 2 rounds; float32's own noise 0%)",
         True,
     )
-    assert probe_rules.demo_onednn_note(dataclasses.replace(XEON, backend="jax")) is None
+    assert demo_check.onednn_note(dataclasses.replace(XEON, backend="jax")) is None
 
 
 def test_a_jax_measurement_round_trips_through_json():
@@ -452,9 +453,9 @@ def test_a_jax_measurement_round_trips_through_json():
 )
 def test_demo_checks_onednn_only_on_tensorflow(keras_backend, expected):
     environ = {} if keras_backend is None else {"KERAS_BACKEND": keras_backend}
-    assert probe_rules.demo_should_check_onednn(
-        "mixed_float16", ("avx512_fp16",), environ, False
-    ) is (expected)
+    assert demo_check.should_check_onednn("mixed_float16", ("avx512_fp16",), environ, False) is (
+        expected
+    )
 
 
 def keras_on(backend):
@@ -591,7 +592,7 @@ def test_every_tool_gives_the_same_answer_on_the_xeon_table():
     assert use_says == float16_cpu_finding(XEON_TRAINING)[0]  # kmix.use's warning, doctor's line
     assert onednn_fix_applies(XEON_TRAINING)
     assert f"fix: oneDNN's float16 path is slow here: {ONEDNN_FIX}" in doctor_lines(XEON_TRAINING)
-    assert probe_rules.demo_onednn_note(XEON_TRAINING).startswith(
+    assert demo_check.onednn_note(XEON_TRAINING).startswith(
         "kmix demo: a float16 conv2d measured 155x float32's time on this CPU with oneDNN on"
     )
     # With oneDNN off the convolution is still 13x: slow, and no oneDNN fix applies then.
@@ -599,15 +600,15 @@ def test_every_tool_gives_the_same_answer_on_the_xeon_table():
         "no GPU or TPU was found, and on this CPU a float16 conv2d"
     )
     assert not onednn_fix_applies(XEON_TRAINING_OFF)
-    assert probe_rules.demo_onednn_note(XEON_TRAINING_OFF) is None
+    assert demo_check.onednn_note(XEON_TRAINING_OFF) is None
 
 
 def test_the_demo_compares_its_own_step_times():
-    assert probe_rules.demo_step_line("mixed_float16", 0.0041, 0.00302) == (
+    assert demo_check.step_line("mixed_float16", 0.0041, 0.00302) == (
         "step time: mixed_float16 4.10 ms (one step a call, with kmix's callbacks), "
         "float32 3.02 ms (an epoch a call): 1.36x"
     )
-    assert probe_rules.demo_step_line("mixed_float16", 0.3457, 0.0135) == (
+    assert demo_check.step_line("mixed_float16", 0.3457, 0.0135) == (
         "step time: mixed_float16 346 ms (one step a call, with kmix's callbacks), "
         "float32 13.5 ms (an epoch a call): 26x; mixed_float16 is pathologically slow on this "
         "machine: kmix doctor times each op in each dtype and says what helps"
