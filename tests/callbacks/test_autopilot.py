@@ -314,7 +314,7 @@ MIRRORED = textwrap.dedent(
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     import keras, numpy as np, kmix
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{here!r}, {tests!r}]  # this module, and the helpers it imports
     from test_autopilot import X, Y, layers_of
     keras.config.set_dtype_policy("mixed_float16")
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -338,7 +338,7 @@ MIRRORED = textwrap.dedent(
 def test_mirrored_strategy_every_replica_moves_the_same_layers():
     import json
 
-    script = MIRRORED.format(tests=TESTS)
+    script = MIRRORED.format(here=os.path.dirname(os.path.abspath(__file__)), tests=TESTS)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "3"}
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=180, env=env
