@@ -6,6 +6,7 @@ this module is the only place that does.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,27 +16,50 @@ def children(layer: Any) -> list[Any]:
     return list(layer._flatten_layers(include_self=False, recursive=False))
 
 
-def walk_layers(
-    layer: Any, parent_path: str = "", seen: set[int] | None = None
-) -> Iterator[tuple[str, Any]]:
+def walk_layers(layer: Any) -> Iterator[tuple[str, Any]]:
     """Yields ``(path, layer)`` for every layer nested in ``layer``, depth first, once each.
+
+    A path names one layer: Keras's ``layer.path`` (for a layer without one, its parent's
+    path and its name) where no other nested layer has the same; else the path through the
+    names of ``layer`` and the layers enclosing it (``net/tower_b/proj``: Keras gives two
+    layers built with one name outside any model, e.g. two towers made by one helper
+    function, one path), numbered ``~2``, ``~3`` in walk order if even that repeats (two
+    layers of one name in one subclassed model). kmix names a layer this way everywhere:
+    the audit, the tap and its records (forward origins, activation tags), precision
+    moves and plans.
 
     Args:
         layer: a model or layer.
-        parent_path: the path to prefix when a layer has no ``path`` of its own.
-        seen: ids of layers already yielded (shared layers are yielded once).
 
     Returns:
         An iterator of ``(path, layer)``; ``layer`` itself is not included.
     """
-    seen = set() if seen is None else seen
+    nested = list(_nested(layer, "", getattr(layer, "name", ""), set()))
+    taken = collections.Counter(path for path, _, _ in nested)
+    used: set[str] = set()
+    for path, qualified, child in nested:
+        name = path if taken[path] == 1 else qualified
+        base, number = name, 2
+        while name in used:
+            name, number = f"{base}~{number}", number + 1
+        used.add(name)
+        yield name, child
+
+
+def _nested(
+    layer: Any, parent: str, qualified: str, seen: set[int]
+) -> Iterator[tuple[str, str, Any]]:
+    """``(path, qualified path, layer)``, depth first: the path is Keras's ``layer.path``
+    or ``parent/name``; the qualified one, every enclosing name from the walk's root. A
+    layer reached twice (shared) is yielded the first time only."""
     for child in children(layer):
         if id(child) in seen:
             continue
         seen.add(id(child))
-        path = getattr(child, "path", None) or "/".join(filter(None, (parent_path, child.name)))
-        yield path, child
-        yield from walk_layers(child, path, seen)
+        path = getattr(child, "path", None) or "/".join(filter(None, (parent, child.name)))
+        inner = "/".join(filter(None, (qualified, child.name)))
+        yield path, inner, child
+        yield from _nested(child, path, inner, seen)
 
 
 def own_variables(layer: Any) -> list[Any]:

@@ -176,13 +176,18 @@ def base_path(path: str) -> str:
 
 
 def layers_by_path(model: Any) -> dict[str, Any]:
-    """Every nested layer of ``model`` by its path (``layer.path`` and its path in the model)."""
-    found: dict[str, Any] = {}
-    for path, layer in _layers.walk_layers(model):
-        found.setdefault(path, layer)
+    """Every nested layer of ``model`` by its path (:func:`kmix._layers.walk_layers`), and by
+    Keras's ``layer.path`` where that names one layer only."""
+    walked = list(_layers.walk_layers(model))
+    found = dict(walked)
+    owners: dict[str, list[Any]] = {}
+    for _, layer in walked:
         own = getattr(layer, "path", None)
         if own:
-            found.setdefault(own, layer)
+            owners.setdefault(own, []).append(layer)
+    for own, layers in owners.items():
+        if len(layers) == 1:
+            found.setdefault(own, layers[0])
     return found
 
 

@@ -89,6 +89,11 @@ def _in_symbolic_scope() -> bool:
     return bool(in_symbolic_scope())
 
 
+def _call_name(path: str, calls: int) -> str:
+    """A recorded call's name: the layer's path, ``#k`` for its k-th call (k >= 2)."""
+    return path if calls == 1 else f"{path}#{calls}"
+
+
 def _record_reachable(record: TappedCall) -> bool:
     tensors = keras.tree.flatten((record.inputs, record.outputs))
     return all(reachable(t) for t in tensors if ops.is_tensor(t))
@@ -151,8 +156,9 @@ class TraceCalls:
     """One thread's tapped calls of the trace being recorded.
 
     Attributes:
-        records: the calls, in the order they returned.
-        counts: calls so far per layer path (a layer called twice is ``path#2``).
+        records: ``(layer, k, call)`` for the k-th call of each layer, in the order the
+            calls returned (:meth:`ActivationTap.take` names them).
+        counts: calls so far per layer object (``id``): its second call is ``path#2``.
         root: the trace they belong to (:func:`kmix.backend.trace_root`).
         arrived: on JAX, each value cast down to float16, by id: ``(cast, given)``.
     """
@@ -206,12 +212,14 @@ class ActivationTap:
 
     @property
     def paths(self) -> list[str]:
-        """The paths of the wrapped layers, depth first, as records name their first call.
+        """The paths of the wrapped layers, depth first, as records name their first call
+        (:func:`kmix._layers.walk_layers`: unique in the model)."""
+        names = self._names()
+        return [names.get(id(e[0]), e[3]) for e in self._installed.values()]
 
-        ``layer.path`` where Keras has set it (a built layer), else the layer's path in
-        the model at install time.
-        """
-        return [getattr(e[0], "path", None) or e[3] for e in self._installed.values()]
+    def _names(self) -> dict[int, str]:
+        """Each nested layer's unique path, by ``id``, as the model is now."""
+        return {id(layer): path for path, layer in _layers.walk_layers(self.model)}
 
     def install(self) -> ActivationTap:
         """Wraps ``call`` of every layer of :func:`tapped_layers` (idempotent).
@@ -320,17 +328,16 @@ class ActivationTap:
         if root is not state.root:  # another trace: its records are not this one's
             state = self._calls.reset()  # its casts were noted just now: kept
             state.root, state.arrived = root, arrived_before
-        base = getattr(layer, "path", None) or path
-        calls = state.counts.get(base, 0) + 1
-        state.counts[base] = calls
+        calls = state.counts.get(id(layer), 0) + 1  # the k-th call of this layer object
+        state.counts[id(layer)] = calls
         arrived = state.arrived
         inputs = tuple(
             arrived[id(x)][1] if id(x) in arrived else backend.as_arrived(x)
             for x in keras.tree.flatten((args, kwargs))
             if ops.is_tensor(x)
         )
-        name = base if calls == 1 else f"{base}#{calls}"
-        state.records.append(TappedCall(name, inputs, outputs, type(layer).__name__))
+        call = TappedCall(path, inputs, outputs, type(layer).__name__)  # named at take()
+        state.records.append((layer, calls, call))
 
     def take(self) -> list[TappedCall]:
         """Returns this thread's records of the current trace, and forgets them all.
@@ -345,7 +352,11 @@ class ActivationTap:
             nothing usable was recorded.
         """
         state = self._state()
-        records = state.records
+        names = self._names()  # after the pass: every layer built, Keras's paths final
+        records = [
+            call._replace(path=_call_name(names.get(id(layer), call.path), calls))
+            for layer, calls, call in state.records
+        ]
         self._calls.reset()
         usable = [r for r in records if _record_reachable(r)]
         if usable:

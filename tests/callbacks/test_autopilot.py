@@ -350,3 +350,32 @@ def test_mirrored_strategy_every_replica_moves_the_same_layers():
         [2, "next", f"forward overflow at step 2: {CAST}"],
     ]
     assert result["skipped"] == 2 and np.isfinite(result["loss"])
+
+
+def test_two_towers_with_one_layer_name_move_the_tower_that_overflows():
+    """Two towers made by one helper: Keras gives both "proj" layers the path "proj". The
+    overflowing one is named by its tower (net/tower_b/proj), and it is the one moved."""
+    keras.utils.clear_session()
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(1)
+
+    def tower(name: str, c: float) -> keras.Model:
+        x = keras.Input((8,))
+        proj = keras.layers.Dense(
+            16, kernel_initializer=keras.initializers.Constant(c), name="proj"
+        )
+        return keras.Model(x, proj(x), name=name)
+
+    inputs = keras.Input((8,))
+    a, b = tower("tower_a", 0.01), tower("tower_b", 9000.0)  # 8 * 9000 = 72000 > 65504
+    x = keras.layers.Add(name="sum")([a(inputs), b(inputs)])
+    x = keras.layers.LayerNormalization(name="norm")(x)
+    model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32", name="head")(x), name="net")
+    model.compile(kmix.LossScaleOptimizer(keras.optimizers.SGD(1e-4)), "mse")
+    autopilot = kmix.callbacks.PrecisionAutopilot(proactive=False)
+    state = fit(model, [autopilot])
+    assert [(m.step, m.layer) for m in autopilot.moves] == [(1, "net/tower_b/proj"), (2, "sum")]
+    assert b.layers[1].compute_dtype == "float32"
+    assert a.layers[1].compute_dtype == "float16"  # the other tower's proj stays
+    assert (state.attempted_steps, state.skipped_steps) == (6, 2)
+    assert autopilot.plan.policies == {"net/tower_b/proj": "float32", "sum": "float32"}

@@ -106,7 +106,7 @@ def test_layers_with_the_same_path_each_get_a_row():
     model(np.zeros((1, 2), "float32"))
     assert [(row.path, row.params) for row in audit(model).rows] == [
         ("twins/twin", 6),
-        ("twins/twin", 6),
+        ("twins/twin~2", 6),  # one name twice in one model: numbered, each row its own
     ]
 
 
