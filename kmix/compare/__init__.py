@@ -2,6 +2,7 @@
 
 - :mod:`~kmix.compare.comparison`: :func:`compare_policies`, the measurement as a whole.
 - :mod:`~kmix.compare.rounds`: each policy's model built and timed in ABBA rounds.
+- :mod:`~kmix.compare.step_loss`: each step's own loss (not Keras's running mean).
 - :mod:`~kmix.compare.memory`: peak memory from a process per policy.
 - :mod:`~kmix.compare.sizes`: memory computed from a built model.
 - :mod:`~kmix.compare.values`: the typed table (:class:`PolicyRow`, :class:`PolicyComparison`).

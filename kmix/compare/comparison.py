@@ -10,9 +10,13 @@ How it measures (in one process; TensorFlow is imported once):
   :class:`kmix.LossScaleOptimizer`, and logged by
   :class:`kmix.callbacks.MixedPrecisionMonitor` to ``LOGDIR/<policy>/train`` (so
   TensorBoard overlays their curves; a temporary directory when ``logdir`` is None);
-* a second float32 model from another seed, ``float32_repeat``, trains beside them:
+* a second float32 model from another seed, ``float32_repeat``, trains beside them on
+  the same data in another order (what a ``build_model`` that seeds itself cannot fix):
   its step times against float32's are the noise floor, its final loss against
-  float32's the loss spread;
+  float32's the loss spread (:func:`kmix.compare.rules.loss_spread`: unknown, not zero,
+  when the repeat ends at float32's very loss);
+* every step's loss is the step's own (:mod:`kmix.compare.step_loss`), not Keras's
+  running mean, so a step skipped for a non-finite loss is one non-finite point;
 * after a short warm-up, the models take turns in rounds (ABBA order); a policy that
   spends more than :data:`kmix.compare.rules.SLOW_FACTOR` times float32's time (and
   at least 30 s) is stopped and reported as pathologically slow, with its cause where
@@ -114,7 +118,9 @@ def compare_policies(
         rounds: turns each policy takes.
         batch_size: examples per step for ``(x, y)`` data.
         loss: the loss for an uncompiled model.
-        seed: the random seed each model is built with (``float32_repeat``: seed + 1).
+        seed: the random seed each model is built with (``float32_repeat``: seed + 1,
+            its data in another order: examples permuted, or a dataset's batches
+            shuffled, with seed + 1; see :func:`kmix.compare.rounds.make_dataset`).
         measure_memory: measure peak memory in a process per policy.
         progress: called after every step with a :class:`Progress`.
 
@@ -138,6 +144,7 @@ def compare_policies(
 
     detected = hardware()
     dataset, examples = make_dataset(data, batch_size)
+    reordered, _ = make_dataset(data, batch_size, order_seed=seed + 1)  # float32_repeat's
     warmup = max(1, min(2, steps - 2 * rounds))  # untimed: the train function is traced
     plan = round_plan(steps, rounds, warmup)
     with contextlib.ExitStack() as stack:
@@ -145,7 +152,7 @@ def compare_policies(
         stack.callback(keras.config.set_dtype_policy, previous)
         root = logdir if logdir is not None else stack.enter_context(tempfile.TemporaryDirectory())
         what = getattr(build_model, "__qualname__", None) or repr(build_model)
-        entries = _build_all(build_model, policies, seed, loss, root, dataset, what)
+        entries = _build_all(build_model, policies, seed, loss, root, dataset, reordered, what)
         first = entries[0]
         stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", category=NotFloat16Note)  # the table says it
@@ -253,10 +260,17 @@ def _build_all(
     loss: Any,
     root: str,
     dataset: Any,
+    reordered: Any,
     what: str,
 ) -> list[Entry]:
-    """Builds every run's model (float32 first, then float32_repeat) with its monitor."""
+    """Builds every run's model (float32 first, then float32_repeat) with its monitor.
+
+    Each model's loss tracker keeps the step's own loss
+    (:func:`kmix.compare.step_loss.watch_step_loss`); float32_repeat trains on
+    ``reordered``, the data in another order.
+    """
     from kmix.callbacks import MixedPrecisionMonitor
+    from kmix.compare.step_loss import watch_step_loss
 
     runs = [("float32", "float32", seed), (REPEAT, "float32", seed + 1)]
     runs += [(p, p, seed) for p in policies if p != "float32"]
@@ -266,7 +280,11 @@ def _build_all(
         if not entries:
             _check_shapes(built.model, dataset, what)
         monitor = MixedPrecisionMonitor(os.path.join(root, name), update_freq=10, verbose=0)
-        entries.append(Entry(name, policy, built.model, [monitor]))
+        step_loss = watch_step_loss(built.model)
+        own = reordered if name == REPEAT else None
+        entries.append(
+            Entry(name, policy, built.model, [monitor], step_loss=step_loss, dataset=own)
+        )
     return entries
 
 
@@ -341,7 +359,7 @@ def _table(
     overall = repeat_stats[0] / f32_stats[0] if repeat_stats and f32_stats else None
     floor = rules.noise_floor(ratios, overall)
     f32_loss, repeat_loss = rules.final_loss(float32.losses), rules.final_loss(repeat.losses)
-    spread = None if f32_loss is None or repeat_loss is None else abs(f32_loss - repeat_loss)
+    spread = rules.loss_spread(f32_loss, repeat_loss)
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").lower() not in ("0", "false")
     accelerators = bool(detected.gpus or detected.tpus)
     rows = []
@@ -365,6 +383,7 @@ def _table(
         noise_floor=floor,
         noise_ratios=tuple(ratios),
         loss_spread=spread,
+        loss_spread_note=rules.loss_spread_note(f32_loss, repeat_loss),
         recommendation=recommendation,
         steps=steps,
         rounds=rounds,
@@ -436,7 +455,12 @@ def _compare_to_float32(
     spread: float | None,
     floor: float | None,
 ) -> PolicyRow:
-    """Adds the speed-up, whether it is within noise, and the loss departure."""
+    """Adds the speed-up, whether it is within noise, and the loss departure.
+
+    The loss is judged as :func:`kmix.compare.rules.recommend` says: not finite is not
+    ok; lower than or equal to float32's is ok; higher is ok within the spread, and not
+    judged (None) where the spread is unknown.
+    """
     changes: dict[str, Any] = {}
     if f32_stats is not None and row.step_time_s is not None:
         changes["speedup"] = f32_stats[0] / row.step_time_s
@@ -448,5 +472,8 @@ def _compare_to_float32(
         else:
             departure = row.final_loss - f32_loss  # positive: a higher loss
             changes["loss_departure"] = departure
-            changes["loss_ok"] = None if spread is None else departure <= spread
+            if departure <= 0:
+                changes["loss_ok"] = True
+            else:
+                changes["loss_ok"] = None if spread is None else departure <= spread
     return _replace(row, **changes)

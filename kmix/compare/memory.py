@@ -7,7 +7,10 @@ under that policy with the user's ``build_model`` (imported by name), trains a f
 steps on the comparison's first batches (saved to a temporary ``.npz``) and prints one
 JSON line: the device's peak memory where TensorFlow reports it (a GPU), otherwise
 the process's peak resident memory (``ru_maxrss``), with what the process held before
-the model was built; or that the model did not fit (out of memory).
+the model was built; or that the model did not fit (out of memory). The process
+imports what this one imports: its ``PYTHONPATH`` is this process's ``sys.path``
+(:func:`child_pythonpath`), so a ``build_model`` in a module the user's script put on
+the path imports there too.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ __all__ = [
     "MEMORY_STEPS",
     "WORKER_TIMEOUT_S",
     "Peak",
+    "child_pythonpath",
     "importable_name",
     "main",
     "measure_peaks",
@@ -59,6 +63,28 @@ def importable_name(function: Any) -> str | None:
     if not module or module == "__main__" or not qualname or "<" in qualname:
         return None
     return f"{module}:{qualname}"
+
+
+def child_pythonpath(path: Sequence[str], pythonpath: str | None, cwd: str) -> str:
+    """The ``PYTHONPATH`` that makes a child process import what this one imports.
+
+    Python puts ``PYTHONPATH`` before its own entries and drops repeats, keeping the
+    first, so with this path the child searches the parent's folders in the parent's
+    order. ``""`` (the current directory) and relative entries are made absolute
+    against ``cwd``; entries of ``pythonpath`` the parent no longer has are kept, last.
+
+    Args:
+        path: the parent's ``sys.path`` (entries that are not strings are left out).
+        pythonpath: the ``PYTHONPATH`` the child would otherwise get, or None.
+        cwd: the current directory.
+
+    Returns:
+        The entries, each once, joined by ``os.pathsep``.
+    """
+    entries = [p for p in path if isinstance(p, str)]
+    entries += [p for p in (pythonpath or "").split(os.pathsep) if p]
+    absolute = (os.path.normpath(os.path.join(cwd, entry)) for entry in entries)
+    return os.pathsep.join(dict.fromkeys(absolute))
 
 
 def measure_peaks(
@@ -139,7 +165,7 @@ def _run_worker(name: str, policy: str, batches: str, loss: Any, seed: int) -> P
         {"build": name, "policy": policy, "batches": batches, "loss": loss, "seed": seed}
     )
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = child_pythonpath(sys.path, env.get("PYTHONPATH"), os.getcwd())
     try:
         done = subprocess.run(
             [sys.executable, "-m", "kmix.compare.memory", spec],

@@ -7,6 +7,10 @@ and :class:`kmix.LossScaleOptimizer`, and trained with ``fit`` in turns: a round
 each model its share of the steps, in ABBA order (forward, then backward), so a load
 that drifts during the comparison falls on every policy alike. What the numbers mean
 is decided in :mod:`kmix.compare.rules`.
+
+Each step's loss is the step's own (:mod:`kmix.compare.step_loss`), not Keras's
+running mean; a model whose own ``train_step`` does not use the loss tracker falls back
+to the running means (see :class:`Entry`).
 """
 
 from __future__ import annotations
@@ -22,15 +26,21 @@ from kmix._checks import SpeedWarning
 from kmix.compare.values import CompareError
 
 __all__ = [
+    "SHUFFLE_BATCHES",
     "Entry",
     "Progress",
     "Trained",
     "build_entry",
+    "losses_from_means",
     "make_dataset",
     "round_plan",
     "train",
     "warm_up",
 ]
+
+
+SHUFFLE_BATCHES = 16
+"""The shuffle buffer, in batches, of a dataset given in another order (``order_seed``)."""
 
 
 class Progress(NamedTuple):
@@ -63,10 +73,19 @@ class Entry:
         model: the compiled model.
         callbacks: callbacks of every ``fit`` (the monitor).
         times: step times, per round (the first step of a turn is left out).
-        losses: the loss of every step trained, in order.
+        losses: every trained step's own loss, in order: the value the step gave
+            the loss tracker, ``step_loss`` (exact; non-finite where the step was
+            skipped for it). Without ``step_loss``, or when the model's own
+            ``train_step`` does not use the loss tracker, recovered from ``logs["loss"]``
+            taken as Keras's running mean ``m_k`` of the ``fit``'s first k steps:
+            ``k m_k - (k - 1) m_(k-1)`` (within k rounding errors of the mean;
+            non-finite from a non-finite step to the end of that ``fit``).
         wall_s: time spent in ``fit``, warm-up included.
         stopped: why it was stopped, or "".
         out_of_memory: the device's error, when the model did not fit.
+        step_loss: the model's :class:`kmix.compare.step_loss.StepLoss`, or None.
+        dataset: the run's own repeated dataset (float32's repeat: the data in another
+            order), or None for the one given to :func:`warm_up` and :func:`train`.
     """
 
     name: str
@@ -78,6 +97,8 @@ class Entry:
     wall_s: float = 0.0
     stopped: str = ""
     out_of_memory: str = ""
+    step_loss: Any = None
+    dataset: Any = None
 
     @property
     def steps(self) -> int:
@@ -115,13 +136,21 @@ def round_plan(steps: int, rounds: int, warmup: int) -> list[int]:
     return [left // rounds + (1 if index < left % rounds else 0) for index in range(rounds)]
 
 
-def make_dataset(data: Any, batch_size: int) -> tuple[Any, int | None]:
+def make_dataset(
+    data: Any, batch_size: int, order_seed: int | None = None
+) -> tuple[Any, int | None]:
     """The comparison's input: a repeated, batched ``tf.data.Dataset`` of ``(x, y)``.
 
     Args:
         data: ``(x, y)`` arrays (batched here, the remainder dropped so every step
             has ``batch_size`` examples) or a batched ``tf.data.Dataset``.
         batch_size: examples per step for arrays.
+        order_seed: None keeps the data's order. Otherwise the order is another, the
+            same for every iteration of the returned dataset: arrays' examples are
+            permuted once, by ``numpy.random.default_rng(order_seed).permutation``,
+            before batching; a dataset's batches are shuffled within a buffer of
+            :data:`SHUFFLE_BATCHES` batches, with ``order_seed`` as the shuffle's seed,
+            once: every pass and every iterator (each turn's ``skip``) see that order.
 
     Returns:
         ``(dataset, examples per step)``; None when a dataset's first batch has no
@@ -139,6 +168,8 @@ def make_dataset(data: Any, batch_size: int) -> tuple[Any, int | None]:
         if first is None:
             raise CompareError("data is an empty tf.data.Dataset: give one with (x, y) batches")
         leading = keras.tree.flatten(first)[0].shape
+        if order_seed is not None:
+            data = data.shuffle(SHUFFLE_BATCHES, seed=order_seed, reshuffle_each_iteration=False)
         return data.repeat(), (int(leading[0]) if leading.rank and leading[0] else None)
     if not isinstance(data, tuple | list) or len(data) != 2:
         raise CompareError(
@@ -153,6 +184,11 @@ def make_dataset(data: Any, batch_size: int) -> tuple[Any, int | None]:
             f"data has {count} examples, fewer than one batch of batch_size={batch_size}: "
             "give more examples or a smaller batch_size"
         )
+    if order_seed is not None:
+        import numpy as np
+
+        order = np.random.default_rng(order_seed).permutation(count)
+        x, y = keras.tree.map_structure(lambda a: np.take(np.asarray(a), order, axis=0), (x, y))
     return backend.dataset_from_arrays(x, y, batch_size).cache().repeat(), batch_size
 
 
@@ -213,6 +249,19 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def losses_from_means(means: Sequence[float]) -> list[float]:
+    """Each step's loss from Keras's running means over a ``fit``'s steps.
+
+    Args:
+        means: ``m_1 .. m_n``, the mean loss of the ``fit``'s first k steps after step k.
+
+    Returns:
+        ``l_k = k m_k - (k - 1) m_(k-1)`` (``l_1 = m_1``): within k rounding errors of
+        the mean, and non-finite from the first non-finite step on.
+    """
+    return [k * m - (k - 1) * means[k - 2] if k > 1 else m for k, m in enumerate(means, 1)]
+
+
 class _Turn:
     """A Keras callback for one ``fit``: step times, per-step losses, budget, progress."""
 
@@ -232,15 +281,13 @@ class _Turn:
         self.entry, self.where, self.steps, self.budget_s = entry, where, steps, budget_s
         self.progress = progress
         self.last: float | None = None
-        self.mean = 0.0
+        self.logged: list[float] = []  # logs["loss"]: own losses, or Keras's running means
         self.times: list[float] = []
 
     def step_end(self, batch: int, logs: dict[str, Any]) -> None:
         now = time.perf_counter()
-        mean = float(logs.get("loss", math.nan))
-        count = batch + 1  # Keras's loss is the mean over the fit's steps so far
-        self.entry.losses.append(count * mean - batch * self.mean if batch else mean)
-        self.mean = mean
+        self.logged.append(float(logs.get("loss", math.nan)))
+        count = batch + 1
         latest = None
         if batch and self.last is not None:
             latest = now - self.last
@@ -270,6 +317,14 @@ class _Turn:
             self.entry.out_of_memory = str(error).splitlines()[0][:200]
         finally:
             self.entry.wall_s += time.perf_counter() - self.started
+            self.entry.losses += self.losses()
+
+    def losses(self) -> list[float]:
+        """The fit's per-step losses: each step's own, else recovered from the means."""
+        step_loss = self.entry.step_loss
+        if step_loss is not None and step_loss.updated():
+            return self.logged
+        return losses_from_means(self.logged)
 
 
 def warm_up(
@@ -284,13 +339,13 @@ def warm_up(
 
     Args:
         entry: the model.
-        dataset: the repeated dataset of :func:`make_dataset`.
+        dataset: the repeated dataset of :func:`make_dataset` (unless the entry has its own).
         steps: warm-up steps.
         rounds: rounds to come (for the progress line).
         budget_s: the time the entry may spend in ``fit`` in all, or None.
         progress: called after every step with a :class:`Progress`.
     """
-    _Turn(entry, (0, rounds), steps, budget_s, progress).fit(dataset)
+    _Turn(entry, (0, rounds), steps, budget_s, progress).fit(_data(entry, dataset))
 
 
 def train(
@@ -304,8 +359,8 @@ def train(
 
     Args:
         entries: the models, warmed up.
-        dataset: the repeated dataset of :func:`make_dataset`; each turn continues
-            where the model's previous turn ended.
+        dataset: the repeated dataset of :func:`make_dataset` (for the entries without
+            their own); each turn continues where the model's previous turn ended.
         plan: steps per round (:func:`round_plan`).
         budget: an entry -> the time it may spend in ``fit`` in all, or None.
         progress: called after every step with a :class:`Progress`.
@@ -316,5 +371,9 @@ def train(
             if not entry.active:
                 continue
             turn = _Turn(entry, (index + 1, len(plan)), steps, budget(entry), progress)
-            turn.fit(dataset.skip(entry.steps))
+            turn.fit(_data(entry, dataset).skip(entry.steps))
             entry.times.append(turn.times)
+
+
+def _data(entry: Entry, dataset: Any) -> Any:
+    return dataset if entry.dataset is None else entry.dataset

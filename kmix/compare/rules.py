@@ -5,16 +5,20 @@ recommendation (:func:`recommend`) is a function of the rows and the noise floor
 alone, so it can be checked on a hand-made table::
 
     candidates = rows that trained every step (not stopped, not out of memory),
-                 whose final loss is not above float32's by more than float32's
-                 own run-to-run spread (a lower loss is no departure to worry about),
-                 and whose float16 range is safe (no forward overflow, activation
-                 headroom >= 1 bit, skip rate <= 5%)
+                 whose final loss is finite and not above float32's by more than
+                 float32's own run-to-run spread (a lower loss is no departure to
+                 worry about; without a measured spread a higher loss is shown, not
+                 judged), and whose float16 range is safe (no forward overflow,
+                 activation headroom >= 1 bit, skip rate <= 5%)
     fastest    = the candidate with the shortest median step
     recommend  = among the candidates whose time is within the noise floor of the
                  fastest's, the simplest: float32, then mixed_bfloat16 (no loss
                  scaling), then mixed_float16
     if float32 is out of memory and a mixed policy fits, the fastest that fits,
     with the reason "float32 does not fit in device memory"
+
+A row left out for its loss also names what kmix's optimizer saw: the layer where a
+forward overflow started (and its fix), or the steps it skipped.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ __all__ = [
     "SLOW_BUDGET_FLOOR_S",
     "SLOW_FACTOR",
     "final_loss",
+    "loss_spread",
+    "loss_spread_note",
     "native_compute",
     "noise_floor",
     "recommend",
@@ -123,20 +129,57 @@ def within_noise(time_s: float, float32_s: float, floor: float | None) -> bool |
 
 
 def final_loss(curve: Sequence[float]) -> float | None:
-    """The final loss: the mean of the last tenth of the steps (at least one).
+    """The final loss: the mean of the finite losses of the last tenth of the steps.
+
+    kmix's optimizer skips every step whose loss is not finite, and a skipped step
+    never happened: it is left out of the mean, one skipped step, not a diverged run
+    (:func:`safety_problem` judges the skip rate).
 
     Args:
-        curve: the loss of every step.
+        curve: each step's own loss.
 
     Returns:
-        The mean, or None when the curve is empty or its tail is not finite.
+        The mean over the last ``max(1, len(curve) // 10)`` steps' finite losses; None
+        when none is finite (every one was skipped: the run no longer trains).
     """
-    if not curve:
-        return None
-    tail = curve[-max(1, len(curve) // 10) :]
-    if not all(math.isfinite(value) for value in tail):
+    tail = [v for v in curve[-max(1, len(curve) // 10) :] if math.isfinite(v)]
+    if not tail:
         return None
     return sum(tail) / len(tail)
+
+
+def loss_spread(float32_loss: float | None, repeat_loss: float | None) -> float | None:
+    """float32's run-to-run spread of the final loss, or None where it was not measured.
+
+    The repeat is float32 again from another seed, its data in another order; if it
+    ends at float32's very loss, neither changed the loss, and a spread of zero
+    measures nothing: it is unknown.
+
+    Args:
+        float32_loss: float32's final loss.
+        repeat_loss: the repeat's final loss.
+
+    Returns:
+        ``|float32_loss - repeat_loss|``, or None when either is None or they are equal.
+    """
+    if float32_loss is None or repeat_loss is None or float32_loss == repeat_loss:
+        return None
+    return abs(float32_loss - repeat_loss)
+
+
+def loss_spread_note(float32_loss: float | None, repeat_loss: float | None) -> str:
+    """Why :func:`loss_spread` is None, in words (its arguments); "" when measured."""
+    if float32_loss is None:
+        return "float32's final loss is not finite"
+    if repeat_loss is None:
+        return "float32's second run has no finite final loss"
+    if float32_loss == repeat_loss:
+        return (
+            "float32's second run, from another seed with the data in another order, ended "
+            "at the same final loss: neither changed the loss (a build_model that seeds "
+            "itself, data of one batch), and a spread of zero measures nothing"
+        )
+    return ""
 
 
 def slow_budget_s(float32_s: float) -> float:
@@ -262,6 +305,21 @@ def _fix_words(row: PolicyRow) -> str:
     )
 
 
+def _loss_judgement(row: PolicyRow, reference: PolicyRow) -> str:
+    """What was found of a candidate's loss against float32's, in words that hold."""
+    if row.loss_ok is True:
+        if row.loss_departure is not None and row.loss_departure <= 0:
+            return "its final loss is no higher than float32's"
+        return "its loss stays within float32's run-to-run spread"
+    if row.loss_departure is None:
+        return "its loss was not compared: float32's final loss is not finite"
+    return (
+        f"its final loss {_number(row.final_loss)} is {row.loss_departure:.3g} above "
+        f"float32's {_number(reference.final_loss)}, not judged: float32's run-to-run "
+        "spread is unknown"
+    )
+
+
 def _loss_words(row: PolicyRow, reference: PolicyRow, spread: float | None) -> str:
     if row.final_loss is None:
         return (
@@ -341,7 +399,7 @@ def recommend(
         or (floor is not None and relative_difference(_time(row), _time(fastest)) <= floor)
     ]
     chosen = min(tied, key=_simplicity)
-    head = _choice_words(chosen, fastest, tied, floor)
+    head = _choice_words(chosen, fastest, tied, floor, reference)
     return Recommendation(chosen.policy, (head, *_others(rows, chosen, left_out, tied)))
 
 
@@ -351,9 +409,17 @@ def _left_out(row: PolicyRow, reference: PolicyRow, spread: float | None) -> str
         return f"{row.policy} is pathologically slow here: {row.note}"
     if row.status == OUT_OF_MEMORY:
         return f"{row.policy} does not fit in device memory"
-    if row.loss_ok is False:
-        return f"{row.policy} is left out: {_loss_words(row, reference, spread)}"
     problem = safety_problem(row)
+    if row.loss_ok is False:
+        why = _loss_words(row, reference, spread)
+        if problem is not None:  # the cause kmix saw, and its fix
+            return f"{row.policy} is left out: {why}; {problem}; {_fix_words(row)}"
+        if row.skipped_steps:  # what kmix's optimizer saw
+            why += (
+                f"; {row.skipped_steps} of {row.steps} steps were skipped (a non-finite loss "
+                "or gradients: those batches did not train)"
+            )
+        return f"{row.policy} is left out: {why}"
     if problem is not None:
         return f"{row.policy} is left out: {problem}; {_fix_words(row)}"
     return None
@@ -404,7 +470,11 @@ def _memory_words(row: PolicyRow) -> str:
 
 
 def _choice_words(
-    chosen: PolicyRow, fastest: PolicyRow, tied: Sequence[PolicyRow], floor: float | None
+    chosen: PolicyRow,
+    fastest: PolicyRow,
+    tied: Sequence[PolicyRow],
+    floor: float | None,
+    reference: PolicyRow,
 ) -> str:
     floor_words = "not measured" if floor is None else f"±{floor:.1%}"
     if chosen.policy == "float32" and len(tied) > 1:
@@ -423,4 +493,4 @@ def _choice_words(
             f"; {fastest.policy} was faster by less than the noise floor, and {chosen.policy} "
             "is simpler (bfloat16 needs no loss scaling)"
         )
-    return head + "; its loss stays within float32's run-to-run spread and its range is safe"
+    return head + f"; {_loss_judgement(chosen, reference)}; its range is safe"

@@ -73,7 +73,8 @@ def row_cells(row: PolicyRow) -> list[str]:
         speed = f"×{row.speedup:.2f}" + (" (within noise)" if row.within_noise else "")
     loss = NOT_MEASURED if row.final_loss is None else f"{row.final_loss:.4g}"
     if row.loss_departure is not None:
-        loss += f" (Δ {row.loss_departure:+.2g}{', departs' if row.loss_ok is False else ''})"
+        verdict = {False: ", departs", None: ", not judged"}.get(row.loss_ok, "")
+        loss += f" (Δ {row.loss_departure:+.2g}{verdict})"
     headroom = f"{_bits(row.min_headroom_bits)} / {_bits(row.min_grad_headroom_bits)}"
     if row.tightest_layer and row.min_headroom_bits is not None:
         headroom += f" ({row.tightest_layer})"
@@ -131,7 +132,14 @@ def comparison_markdown(comparison: PolicyComparison) -> str:
     if comparison.loss_spread is not None:
         lines.append(
             f"Loss spread: {comparison.loss_spread:.3g} (float32's final loss, run again from "
-            "another seed); a policy whose final loss is higher by more is marked 'departs'."
+            "another seed, its data in another order); a policy whose final loss is higher by "
+            "more is marked 'departs'."
+        )
+    else:
+        why = comparison.loss_spread_note or "not measured"
+        lines.append(
+            f"Loss spread: unknown ({why}); a final loss higher than float32's is shown, "
+            "marked 'not judged'."
         )
     lines.append(f"Timing: {comparison.timing}")
     lines += _notes(comparison)

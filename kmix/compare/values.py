@@ -66,13 +66,18 @@ class PolicyRow:
         activation_bytes: every layer's output for one batch, from the output shapes
             and compute dtypes (computed, not measured); None where the shapes are
             unknown.
-        loss_curve: the training loss of every step, in order.
-        final_loss: the mean loss of the last tenth of the steps; None if not finite.
+        loss_curve: each step's own loss, in order (not a running mean); not finite
+            where the step was skipped for it.
+        final_loss: the mean of the finite losses of the last tenth of the steps; None
+            if none is finite (:func:`kmix.compare.rules.final_loss`).
         loss_departure: ``final_loss - float32's final_loss`` (positive: higher);
             None for float32.
         loss_ok: whether the loss is no higher than float32's by more than float32's
-            own run-to-run spread (a lower loss is no departure to worry about).
-        skipped_steps: steps the loss-scale optimizer skipped (non-finite gradients).
+            own run-to-run spread (a lower loss is no departure to worry about); False
+            when not finite; None for float32, and for a higher loss while the spread
+            is unknown (shown, not judged).
+        skipped_steps: steps the loss-scale optimizer skipped (a non-finite loss or
+            gradients).
         min_headroom_bits: the least float16 range left by any layer's output over
             the run (log2 of 65504 over the largest absolute activation), the forward
             pass's headroom that no loss scale can change; None where the policy does
@@ -145,7 +150,8 @@ class PolicyComparison:
             "no measurable difference".
         noise_ratios: that second model's median step time over float32's, per round.
         loss_spread: ``|final loss of float32 - final loss of float32's second run|``
-            (another seed): float32's own run-to-run spread.
+            (another seed, the data in another order): float32's own run-to-run
+            spread; None when unknown (see ``loss_spread_note``).
         recommendation: what to use, and why.
         steps: steps asked of each policy.
         rounds: how many turns each policy took (policies alternate between turns).
@@ -153,6 +159,8 @@ class PolicyComparison:
         timing: how the times were taken, in words.
         hardware: ``kmix.hardware()`` as a dict.
         model: the model's name.
+        loss_spread_note: why ``loss_spread`` is None, or "" (records written before
+            it existed read back as "").
     """
 
     rows: tuple[PolicyRow, ...]
@@ -166,6 +174,7 @@ class PolicyComparison:
     timing: str
     hardware: dict[str, Any] = dataclasses.field(default_factory=dict)
     model: str = ""
+    loss_spread_note: str = ""
 
     def row(self, policy: str) -> PolicyRow:
         """The row of ``policy``.

@@ -84,7 +84,8 @@ def test_final_loss_is_the_mean_of_the_last_tenth_and_none_when_not_finite():
     assert rules.final_loss(curve) == pytest.approx(sum(range(90, 100)) / 10)
     assert rules.final_loss([3.0, 2.0]) == 2.0
     assert rules.final_loss([]) is None
-    assert rules.final_loss([1.0] * 19 + [math.inf]) is None
+    assert rules.final_loss([1.0] * 18 + [math.inf] * 2) is None
+    assert rules.final_loss([1.0] * 19 + [math.inf]) == 1.0  # one skipped step (test_rules)
 
 
 def test_round_plan_splits_the_steps_after_the_warm_up():
