@@ -27,7 +27,8 @@ def headroom_series(
     if "headroom_bits" in health:
         series["gradients"] = health["headroom_bits"]
     for path, values in layers.items():
-        series[f"activations of {path}"] = values["headroom_bits"]
+        if "headroom_bits" in values:  # float16 outputs only
+            series[f"activations of {path}"] = values["headroom_bits"]
     return series
 
 

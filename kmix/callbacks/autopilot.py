@@ -240,7 +240,8 @@ class PrecisionAutopilot(StepCallback):
         if self.proactive and state.health_step > self._health_step:
             self._health_step = state.health_step
             layers = self._source.per_layer(float16_only=False)
-            self._history.add(state.health_step, {p: v["headroom_bits"] for p, v in layers.items()})
+            headroom = {p: v["headroom_bits"] for p, v in layers.items() if "headroom_bits" in v}
+            self._history.add(state.health_step, headroom)  # float16 outputs only
             candidates += headroom_candidates(
                 self._history, state.health_step, self.margin_bits, self.update_freq
             )
@@ -279,8 +280,9 @@ class PrecisionAutopilot(StepCallback):
 
     def _targets(self, candidate: Candidate, by_path: dict[str, Any]) -> list[tuple[str, Any, str]]:
         """``(path, layer, reason)`` to move for a candidate: the layer while it (or a layer
-        nested in it) computes in float16; for a layer out of float16 already, after a
-        headroom reading, the float16 layers receiving its output."""
+        nested in it) computes in float16; for a layer out of float16 already, the float16
+        layers receiving its output that cast it to float16 (not LayerNormalization,
+        BatchNormalization or others with ``autocast=False``: they compute in float32)."""
         layer = by_path.get(candidate.layer)
         if layer is None:
             return []
@@ -306,8 +308,8 @@ class PrecisionAutopilot(StepCallback):
                 f"its input from `{candidate.layer}` (out of float16): {candidate.reason}",
             )
             for c in _layers.consumers(layer)
-            if id(c) in paths and computes_float16(c)
-        ]
+            if id(c) in paths and computes_float16(c) and getattr(c, "autocast", True)
+        ]  # a receiver overflows only where it casts its input to float16
         if not receivers:
             self._unreceived.add(candidate.layer)  # none known (a subclassed model's call)
         return receivers

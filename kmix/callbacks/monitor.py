@@ -370,10 +370,13 @@ class MixedPrecisionMonitor(StepCallback):
         layers = self._source.per_layer()
         for path, values in layers.items():
             for statistic, prefix in _ACTIVATION_TAGS.items():
-                self._scalar(prefix + path, values[statistic], step)
-        if layers:
-            tightest = min(layers, key=lambda path: layers[path]["headroom_bits"])
-            self._scalar(tags.MIN_ACTIVATION_HEADROOM_BITS, layers[tightest]["headroom_bits"], step)
+                if statistic in values:  # headroom: float16 outputs only
+                    self._scalar(prefix + path, values[statistic], step)
+        headroom = [
+            values["headroom_bits"] for values in layers.values() if "headroom_bits" in values
+        ]
+        if headroom:
+            self._scalar(tags.MIN_ACTIVATION_HEADROOM_BITS, min(headroom), step)
         for message in self._forecast.add(step, headroom_series(state.health, layers)):
             self._writer.text(tags.NOTES, message, step=step)
             if self.verbose:

@@ -273,7 +273,7 @@ def _measure_forward(optimizer: Any, unscaled_loss: Any, optimizer_values: list)
     due = recorder.statistics().due(counters)
     nonfinite = ops.logical_not(ops.all(ops.isfinite(unscaled_loss)))
     forward = hooks.forward_statistics(nonfinite, due[0])
-    recorder.layers = hooks.layers
+    recorder.layers, recorder.not_float16 = hooks.layers, hooks.not_float16
     return forward
 
 

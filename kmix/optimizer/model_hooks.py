@@ -51,6 +51,17 @@ def restore(forward_state: list[tuple[Any, Any]]) -> None:
 _said = WarnOnce()
 
 
+def _float16_output(outputs: Any) -> bool:
+    """True when every floating-point tensor of a call's output is float16."""
+    dtypes = [
+        keras.backend.standardize_dtype(t.dtype)
+        for t in keras.tree.flatten(outputs)
+        if hasattr(t, "dtype")
+    ]
+    floats = [d for d in dtypes if "float" in d]
+    return bool(floats) and all(d == "float16" for d in floats)
+
+
 def warn_unrestored(model: keras.Model) -> None:
     """Says once per model which of its variables a skipped step does not give back.
 
@@ -73,6 +84,9 @@ class ModelHooks:
 
     Attributes:
         layers: ``(path, class)`` of the forward-pass records the last traced step took.
+        not_float16: the paths among them whose output is not float16 (a float16 layer
+            that returns float32, e.g. a block whose layers compute in float32): float16's
+            range, so its headroom, does not apply to that output.
     """
 
     def __init__(self, trace: PerThread[StepTrace] | None = None) -> None:
@@ -81,6 +95,7 @@ class ModelHooks:
         self._tap: ActivationTap | None = None
         self.trace = trace or PerThread(StepTrace)  # the wrapped train step leaves state here
         self.layers: list[tuple[str, str]] = []
+        self.not_float16: frozenset[str] = frozenset()
 
     @property
     def model(self) -> keras.Model | None:
@@ -172,8 +187,9 @@ class ModelHooks:
     def take_records(self) -> list[Any]:
         """This trace's tapped records, the first :data:`ACTIVATION_CAPACITY` (said once).
 
-        Also sets :attr:`layers`. Taking forgets them: records of a pass nobody measures
-        are dropped this way before another pass of the same trace is recorded.
+        Also sets :attr:`layers` and :attr:`not_float16`. Taking forgets them: records of a
+        pass nobody measures are dropped this way before another pass of the same trace is
+        recorded.
 
         Returns:
             The :class:`kmix.record.TappedCall` list, ``[]`` without a tap.
@@ -188,6 +204,7 @@ class ModelHooks:
             )
         records = records[:ACTIVATION_CAPACITY]
         self.layers = [(r.path, r.class_name) for r in records]
+        self.not_float16 = frozenset(r.path for r in records if not _float16_output(r.outputs))
         return records
 
     def recording(self) -> contextlib.AbstractContextManager:

@@ -79,6 +79,7 @@ class StepRecorder:
             float16_mask=None,
         )
         self.layers: list[tuple[str, str]] = []
+        self.not_float16: frozenset[str] = frozenset()  # outputs without float16's range
         self.sync: Callable[[], None] = _noop
         self.built = False
         self._variables: list[Any] = []
@@ -249,17 +250,22 @@ class StepRecorder:
     def activations_by_layer(self) -> dict[str, dict[str, float]]:
         """Layer path -> :data:`ACTIVATION_FIELDS` -> value at the latest health step.
 
-        Only layers the last traced step recorded, and only rows that were measured.
+        Only layers the last traced step recorded, and only rows that were measured. An
+        output that is not float16 (:attr:`not_float16`) has no ``headroom_bits``:
+        float16's range does not apply to it.
         """
         if not self.built or not self.layers:
             return {}
         self.sync()
         values = host_value(self.activation_stats)[: len(self.layers)]
-        return {
-            path: dict(zip(ACTIVATION_FIELDS, map(float, row), strict=True))
-            for (path, _), row in zip(self.layers, values, strict=True)
-            if np.isfinite(row).all()
-        }
+        found = {}
+        for (path, _), row in zip(self.layers, values, strict=True):
+            if np.isfinite(row).all():
+                measured = dict(zip(ACTIVATION_FIELDS, map(float, row), strict=True))
+                if path in self.not_float16:
+                    del measured["headroom_bits"]
+                found[path] = measured
+        return found
 
     def recorded_events(self, since: int = 0) -> list[RecordedEvent]:
         """Events with ``index > since`` the ring still holds, each with its step's health.

@@ -67,7 +67,7 @@ def apply(optimizer: Any, grads: list, trainable_variables: list | None) -> None
     forward_state = hooks.take_forward_state()
     before = recorder.before_step()
     forward = hooks.forward_statistics(flags[len(aligned)] > 0, before.due[0])
-    recorder.layers = hooks.layers
+    recorder.layers, recorder.not_float16 = hooks.layers, hooks.not_float16
     if tf.__internal__.distribute.strategy_supports_no_merge_call():
         apply_inner = functools.partial(_apply_inner, optimizer, grads, variables)
         _step(optimizer, aligned, flags, before, forward_state, apply_inner, forward)

@@ -188,10 +188,10 @@ def test_proactive_moves_before_the_overflow_without_a_skipped_step():
     state = fit(model, [autopilot])
     assert state.skipped_steps == 0
     low = f"headroom {np.log2(65504 / 48000):.3g} bits, below the margin of 1 bit"
-    assert [(m.step, m.layer, m.reason) for m in autopilot.moves] == [
-        (2, "big", low),  # the first health step
-        (4, "norm", f"its input from `big` (out of float16): {low}"),  # big's output stays near
-    ]
+    # The first health step moves "big". Its output, float32 now, has no float16 headroom,
+    # and "norm" (LayerNormalization: autocast off, it computes in float32) does not cast
+    # it to float16: nothing else moves.
+    assert [(m.step, m.layer, m.reason) for m in autopilot.moves] == [(2, "big", low)]
 
 
 def test_steps_per_execution_moves_at_the_next_execution_and_says_so():
@@ -379,3 +379,43 @@ def test_two_towers_with_one_layer_name_move_the_tower_that_overflows():
     assert a.layers[1].compute_dtype == "float16"  # the other tower's proj stays
     assert (state.attempted_steps, state.skipped_steps) == (6, 2)
     assert autopilot.plan.policies == {"net/tower_b/proj": "float32", "sum": "float32"}
+
+
+class Float32Block(keras.layers.Layer):
+    """A block whose layers compute in float32 (built in ``kmix.policy_scope("float32")``,
+    the README's fix for a sensitive block); the block itself keeps the global policy."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with kmix.policy_scope("float32"):
+            self.wide = keras.layers.Dense(
+                16, kernel_initializer=keras.initializers.Constant(12000.0), name="wide"
+            )
+
+    def call(self, x):
+        return self.wide(x)  # 8 * 12000 = 96000, beyond float16's range, in float32
+
+
+def test_a_float32_block_is_not_judged_by_float16_range(tmp_path):
+    """Healthy run: the block's float32 output (96000) has no float16 headroom, and the
+    LayerNormalization after it does not cast it to float16: nothing moves, nothing
+    skips, and the monitor writes no headroom for the block."""
+    keras.utils.clear_session()
+    keras.config.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    block = Float32Block(name="block")
+    x = keras.layers.LayerNormalization(name="norm")(block(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32", name="head")(x))
+    model.compile(kmix.LossScaleOptimizer(keras.optimizers.SGD(1e-4)), "mse")
+    assert block.compute_dtype == "float16" and block.wide.compute_dtype == "float32"
+    autopilot = kmix.callbacks.PrecisionAutopilot(update_freq=2)
+    monitor = kmix.callbacks.MixedPrecisionMonitor(str(tmp_path), update_freq=2, verbose=0)
+    state = fit(model, [monitor, autopilot])
+    assert autopilot.moves == []
+    assert state.skipped_steps == 0
+    layers = model.optimizer.activations_by_layer()
+    assert "headroom_bits" not in layers["block"]
+    assert layers["block"]["max_abs"] == 96000.0
+    written = scalars_and_texts(str(tmp_path))
+    assert tags.ACTIVATION_HEADROOM_BITS + "block" not in written
+    assert tags.ACTIVATION_MAX_ABS + "block" in written
