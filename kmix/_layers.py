@@ -137,6 +137,33 @@ def consumers(layer: Any) -> list[Any]:
     return list(found.values())
 
 
+def producers(layer: Any) -> list[Any]:
+    """The layers whose outputs reach ``layer``'s inputs in a Keras graph, through any ops
+    that are not layers (``stem + res`` in a Functional model is an op, not a layer).
+
+    Empty where Keras keeps no graph (a subclassed model's ``call``) and for model inputs.
+    """
+    import keras  # only where a model exists: Keras is loaded
+
+    found: dict[int, Any] = {}
+    todo = [t for node in getattr(layer, "_inbound_nodes", []) for t in node.input_tensors]
+    seen: set[int] = set()
+    while todo:
+        history = getattr(todo.pop(), "_keras_history", None)
+        operation = getattr(history, "operation", None)
+        if operation is None or id(operation) in seen:
+            continue
+        seen.add(id(operation))
+        if isinstance(operation, keras.layers.InputLayer):
+            continue
+        if isinstance(operation, keras.layers.Layer):
+            found.setdefault(id(operation), operation)
+            continue
+        node = operation._inbound_nodes[history.node_index]
+        todo.extend(node.input_tensors)
+    return list(found.values())
+
+
 def call_count(layer: Any) -> int:
     """How many times ``layer`` is called in its Keras graph (2+: a shared layer); 0 unknown."""
     return len(getattr(layer, "_inbound_nodes", []))

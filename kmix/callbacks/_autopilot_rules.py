@@ -38,12 +38,15 @@ class Candidate:
         reason: why, in words (becomes :attr:`kmix.PrecisionMove.reason`).
         overflow: the evidence is an overflow in the layer itself (not a headroom
             reading, which, for a layer out of float16, concerns its receivers).
+        upstream: the overflow started before the layer: its inputs were already
+            non-finite (an op between layers, such as ``stem + res``, or the data).
     """
 
     layer: str
     step: int
     reason: str
     overflow: bool = False
+    upstream: bool = False
 
 
 def overflow_candidates(events: Iterable[ScaleEvent]) -> list[Candidate]:
@@ -66,9 +69,13 @@ def overflow_candidates(events: Iterable[ScaleEvent]) -> list[Candidate]:
         if layer in found:
             continue
         reason = f"forward overflow at step {event.step}"
-        if origin.inputs_finite and (origin.max_abs_input or 0.0) > FLOAT16_MAX:
+        if not origin.inputs_finite:
+            reason += f": before `{layer}`, whose inputs were already non-finite"
+        elif (origin.max_abs_input or 0.0) > FLOAT16_MAX:
             reason += f": the cast of its input (max |input| {origin.max_abs_input:.6g}) overflowed"
-        found[layer] = Candidate(layer, event.step, reason, overflow=True)
+        found[layer] = Candidate(
+            layer, event.step, reason, overflow=True, upstream=not origin.inputs_finite
+        )
     return list(found.values())
 
 

@@ -286,6 +286,8 @@ class PrecisionAutopilot(StepCallback):
         layer = by_path.get(candidate.layer)
         if layer is None:
             return []
+        if candidate.upstream:
+            return self._upstream_targets(candidate, layer, by_path)
         if computes_float16(layer):
             reason = candidate.reason
             if _layers.call_count(layer) > 1 or f"{candidate.layer}#2" in self._recorded_calls():
@@ -313,6 +315,34 @@ class PrecisionAutopilot(StepCallback):
         if not receivers:
             self._unreceived.add(candidate.layer)  # none known (a subclassed model's call)
         return receivers
+
+    def _upstream_targets(
+        self, candidate: Candidate, layer: Any, by_path: dict[str, Any]
+    ) -> list[tuple[str, Any, str]]:
+        """An overflow that started before ``layer`` (its inputs were non-finite): in an op
+        between layers (``stem + res`` in a Functional model), whose float16 operands come
+        from the float16 layers feeding ``layer``; those move, so the op computes in
+        float32. Where Keras keeps no graph, it says where to look instead."""
+        paths = {id(v): p for p, v in by_path.items()}
+        order = {id(v): i for i, v in enumerate(by_path.values())}
+        feeding = sorted(  # in the model's order
+            (p for p in _layers.producers(layer) if id(p) in paths), key=lambda p: order[id(p)]
+        )
+        targets = [
+            (paths[id(p)], p, f"{candidate.reason}; it feeds `{candidate.layer}`")
+            for p in feeding
+            if computes_float16(p)
+        ]
+        if not targets:
+            names = ", ".join(f"`{paths[id(p)]}`" for p in feeding) or "none kmix can see"
+            self._say(
+                f"{_OWNER}: the forward pass overflowed at step {candidate.step} before "
+                f"`{candidate.layer}` (its inputs were already non-finite): in an op between "
+                f"layers, or in the data (layers feeding it: {names}). No float16 layer feeds "
+                "it that a move would help: compute that op in float32 (cast its operands "
+                "with keras.ops.cast), or check the data for inf and NaN."
+            )
+        return targets
 
     def _recorded_calls(self) -> set[str]:
         """The layer calls the optimizer's tap recorded in the traced step (``path#2`` for a

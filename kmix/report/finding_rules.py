@@ -75,7 +75,12 @@ def _rule_runs(summary: Summary) -> list[Finding]:
 
 
 def _origin_words(origin: tags.ForwardOrigin) -> str:
-    inputs = "finite inputs" if origin.inputs_finite else "non-finite inputs"
+    if not origin.inputs_finite:  # the first layer to see it did not make it
+        return (
+            f"an op before `{origin.layer}` ({origin.layer_class}), whose inputs were already "
+            "non-finite (an op between layers that feed it, such as a sum, or the data)"
+        )
+    inputs = "finite inputs"
     if origin.max_abs_input is not None:
         inputs += f", max |input| {origin.max_abs_input:.4g}"
     return f"`{origin.layer}` ({origin.layer_class}; {inputs})"
@@ -99,10 +104,16 @@ def _rule_nonfinite_loss(summary: Summary) -> list[Finding]:
             f"{_origin_words(origin)} at step {step}" for step, origin in origins.values()
         )
         moved = {move.layer for move in summary.precision_moves}
-        if moved and {base_path(layer) for layer in origins} <= moved:
+        named = {base_path(layer) for layer, (_, o) in origins.items() if o.inputs_finite}
+        if moved and named and named <= moved:
             message += (
                 "; PrecisionAutopilot moved each of them out of float16 (see the precision "
                 "moves; kmix.apply_plan makes that permanent)"
+            )
+        elif moved and not named:
+            message += (
+                "; PrecisionAutopilot moved the float16 layers feeding it out of float16 (see "
+                "the precision moves; kmix.apply_plan makes that permanent)"
             )
         elif any(origin.inputs_finite for _, origin in origins.values()):
             message += ": a layer with finite inputs overflowed, compute it in float32"

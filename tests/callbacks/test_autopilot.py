@@ -419,3 +419,28 @@ def test_a_float32_block_is_not_judged_by_float16_range(tmp_path):
     written = scalars_and_texts(str(tmp_path))
     assert tags.ACTIVATION_HEADROOM_BITS + "block" not in written
     assert tags.ACTIVATION_MAX_ABS + "block" in written
+
+
+def test_an_overflow_in_an_op_between_layers_moves_the_float16_layers_feeding_it():
+    """``stem + res`` is an op, not a layer: its float16 sum (40000 + 40000) overflows and
+    LayerNormalization "ln" gets inf. "ln" is not the origin; the layers feeding the op
+    move, so the sum is computed in float32: one skipped step, then training goes on."""
+    keras.utils.clear_session()
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((8,))
+    ones = keras.initializers.Constant(5000.0)  # 8 * 5000 = 40000 each, within float16
+    stem = keras.layers.Dense(16, kernel_initializer=ones, name="stem")(inputs)
+    res = keras.layers.Dense(16, kernel_initializer=ones, name="res")(inputs)
+    x = keras.layers.LayerNormalization(name="ln")(stem + res)
+    model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32", name="head")(x))
+    model.compile(kmix.LossScaleOptimizer(keras.optimizers.SGD(1e-4)), "mse")
+    autopilot = kmix.callbacks.PrecisionAutopilot(proactive=False)
+    state = fit(model, [autopilot])
+    reason = "forward overflow at step 1: before `ln`, whose inputs were already non-finite"
+    assert [(m.step, m.layer, m.reason) for m in autopilot.moves] == [
+        (1, "stem", f"{reason}; it feeds `ln`"),
+        (1, "res", f"{reason}; it feeds `ln`"),
+    ]
+    assert (state.attempted_steps, state.skipped_steps) == (6, 1)
+    assert model.get_layer("ln").compute_dtype == "float16"  # not moved: not the origin

@@ -49,6 +49,20 @@ def test_a_run_that_did_not_complete_is_never_healthy():
     assert rules(report.summarize(done)) == [("info", "healthy")]
 
 
+def test_a_forward_overflow_before_a_layer_is_not_blamed_on_it():
+    """A layer whose inputs were already non-finite did not make the overflow: an op before
+    it did (``stem + res``), or the data."""
+    origin = ForwardOrigin("ln", "LayerNormalization", False, None)
+    event = ScaleEvent(0, 4, "forward_overflow", 8.0, 8.0, None, 0, False, origin)
+    log = hand_log(texts={tags.EVENTS: [(4, tags.format_event(event))]})
+    message = report.summarize(log).findings[0].message
+    assert message.endswith(
+        "it started in an op before `ln` (LayerNormalization), whose inputs were already "
+        "non-finite (an op between layers that feed it, such as a sum, or the data) at step 4"
+    )
+    assert "compute it in float32" not in message
+
+
 def test_forward_overflow_names_its_origin_everywhere():
     origin = ForwardOrigin("block_3/ffn_out", "Dense", True, 812.0)
     event = ScaleEvent(0, 4, "forward_overflow", 8.0, 8.0, None, 0, False, origin)
