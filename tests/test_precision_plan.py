@@ -275,3 +275,38 @@ def test_apply_plan_reaches_an_unbuilt_instance_and_the_layers_nested_in_a_move(
     assert kmix.apply_plan(model, kmix.PrecisionPlan({"mha": "float32"})) == ["mha"]
     assert {layer.compute_dtype for layer in [mha, *nested]} == {"float32"}
     assert model(np.ones((1, 3, 4), "float32")).dtype == "float32"
+
+
+def test_no_float16_advice_for_a_layer_moved_at_its_reading():
+    """A layer PrecisionAutopilot moved to float32 at step 12 gets no "compute this layer
+    in float32" for its step-12 reading; a layer still in float16 does."""
+    from test_report import hand_log
+
+    from kmix import report
+
+    steps = np.array([4, 8, 12])
+    log = hand_log(
+        scalars={
+            tags.ACTIVATION_HEADROOM_BITS + "block/ffn": (steps, np.array([3.0, 2.0, 0.5])),
+            tags.ACTIVATION_HEADROOM_BITS + "block/out": (steps, np.array([3.0, 2.0, 0.5])),
+        },
+        texts={
+            tags.PRECISION_MOVE_RECORD: [(12, tags.format_precision_move_record(MOVE, "r", 0.6))]
+        },
+    )
+    advice = [f.message for f in report.summarize(log).findings if f.rule == "activation_headroom"]
+    assert [message.split(" came within")[0] for message in advice] == [
+        "the outputs of layer block/out"
+    ]
+
+
+def test_the_audit_reads_a_moved_layer_s_output_as_what_it_computes_now():
+    """The graph's symbolic tensors keep the dtypes of the policy it was built with."""
+    keras.config.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    x = keras.layers.Dense(4, name="wide")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(x))
+    assert kmix.apply_plan(model, kmix.PrecisionPlan({"wide": "float32"})) == ["wide"]
+    rows = {row.path: row for row in kmix.audit(model).rows}
+    assert (rows["wide"].compute_dtype, rows["wide"].output_dtype) == ("float32", "float32")
+    assert rows["head"].output_dtype == "float16"

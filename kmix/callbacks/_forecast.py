@@ -17,15 +17,17 @@ HISTORY = 128
 def headroom_series(
     health: dict[str, float], layers: dict[str, dict[str, float]]
 ) -> dict[str, float]:
-    """Series name -> headroom (bits) of one health step: the gradients' and each layer's.
+    """Series name -> headroom (bits) of one health step: each layer's activations.
+
+    The gradients' headroom is not forecast: under dynamic loss scaling it falls toward 0
+    and bounces back on every run, healthy ones too (the scale grows until the largest
+    gradient nears float16's max, then backs off): that is the scale doing its job.
 
     Args:
-        health: a snapshot's health (``headroom_bits`` when measured).
+        health: a snapshot's health (unused: the gradients' headroom is not forecast).
         layers: layer path -> activation statistics (``headroom_bits``).
     """
     series = {}
-    if "headroom_bits" in health:
-        series["gradients"] = health["headroom_bits"]
     for path, values in layers.items():
         if "headroom_bits" in values:  # float16 outputs only
             series[f"activations of {path}"] = values["headroom_bits"]

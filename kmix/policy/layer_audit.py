@@ -173,14 +173,28 @@ def audit(model: Any) -> AuditReport:
 # --- layers ------------------------------------------------------------------
 
 
+_HALF = ("float16", "bfloat16")
+
+
 def _output_dtype(layer: Any) -> str:
+    """The dtype of ``layer``'s output in its functional graph.
+
+    The graph's symbolic tensors keep the dtypes of the policy the graph was built with:
+    a half-precision output of a layer that computes in float32 now (moved by
+    ``kmix.apply_plan`` or ``PrecisionAutopilot``) is read as the float32 it is at run
+    time.
+    """
     try:
         output = layer.output
     except (AttributeError, ValueError):  # never called, or not in a graph
         return UNKNOWN
     import keras
 
-    dtypes = dict.fromkeys(str(tensor.dtype) for tensor in keras.tree.flatten(output))
+    compute = str(layer.compute_dtype)
+    dtypes = dict.fromkeys(
+        compute if str(t.dtype) in _HALF and compute not in _HALF else str(t.dtype)
+        for t in keras.tree.flatten(output)
+    )
     return ",".join(dtypes) or UNKNOWN
 
 

@@ -32,6 +32,7 @@ Free of printing and matplotlib: the TensorBoard plugin reuses it. Thresholds:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 
@@ -181,10 +182,13 @@ def _rule_activation_headroom(summary: Summary) -> list[Finding]:
     if not _float16(summary):
         return []
     found = []
+    moved = {move.layer: move.step for move in summary.precision_moves}
     for layer, trend in summary.activation_headroom.items():
         last = trend.last
         if last is None or last >= HEADROOM_WARN_BITS:
             continue
+        if moved.get(base_path(layer), math.inf) <= (trend.last_step or 0):
+            continue  # moved out of float16 at or before that reading: the advice is done
         if last < 0:
             where = f"exceeded float16's maximum (65504) by {-last:.2f} bits"
         else:

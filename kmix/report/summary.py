@@ -411,13 +411,14 @@ def forecast_zero_crossing(
 
 
 def _forecasts(log: KmixLog) -> tuple[Forecast, ...]:
-    """Forecasts for gradient headroom and each layer's activation headroom.
+    """Forecasts for each layer's activation headroom.
 
     Only for series whose latest value is still at or above ``HEADROOM_WARN_BITS``
-    (below it, the headroom findings warn already).
+    (below it, the headroom findings warn already). Not for the gradients' headroom:
+    under dynamic loss scaling it falls toward 0 and bounces back on every run (the scale
+    grows until the largest gradient nears float16's max, then backs off).
     """
-    series = [("gradients", log.scalars.get(tags.OVERFLOW_HEADROOM_BITS))]
-    series += [
+    series = [
         (f"activations of {tag[len(tags.ACTIVATION_HEADROOM_BITS) :]}", values)
         for tag, values in sorted(log.scalars.items())
         if tag.startswith(tags.ACTIVATION_HEADROOM_BITS)

@@ -359,3 +359,21 @@ def test_variables_of_float32_layers_are_left_out_of_float16_statistics():
         printed
     )
     assert "head/bias  step 25" not in printed
+
+
+def test_the_gradients_headroom_is_never_forecast():
+    """Under dynamic loss scaling the gradients' headroom falls toward 0 on every run (the
+    scale grows until it nears float16's max, then backs off): no forecast, no warning."""
+    from kmix.callbacks._forecast import HeadroomForecast, headroom_series
+
+    steps = np.arange(10, 110, 10)
+    falling = 7.0 - 0.05 * steps  # would reach 0 at step 140
+    log = hand_log(scalars={tags.OVERFLOW_HEADROOM_BITS: (steps, falling)})
+    assert report.summarize(log).forecasts == ()
+    assert headroom_series({"headroom_bits": 2.0}, {}) == {}
+    forecast = HeadroomForecast()
+    told = [
+        forecast.add(int(s), headroom_series({"headroom_bits": b}, {}))
+        for s, b in zip(steps, falling, strict=True)
+    ]
+    assert told == [[]] * len(steps)
