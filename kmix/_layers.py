@@ -143,11 +143,41 @@ def producers(layer: Any) -> list[Any]:
 
     Empty where Keras keeps no graph (a subclassed model's ``call``) and for model inputs.
     """
+    return _layers_behind(
+        [t for node in getattr(layer, "_inbound_nodes", []) for t in node.input_tensors]
+    )
+
+
+def producers_of_outputs(model: Any) -> list[Any]:
+    """The layers whose outputs are ``model``'s outputs (through ops that are not layers);
+    empty without a graph (a subclassed model)."""
+    try:
+        outputs = model.outputs or []
+    except (AttributeError, ValueError):
+        return []
+    return _layers_behind(list(outputs))
+
+
+def consumers_of_inputs(model: Any) -> list[Any]:
+    """The layers that take ``model``'s inputs directly; empty without a graph."""
+    try:
+        inputs = model.inputs or []
+    except (AttributeError, ValueError):
+        return []
+    found: dict[int, Any] = {}
+    for tensor in inputs:
+        operation = getattr(getattr(tensor, "_keras_history", None), "operation", None)
+        for layer in consumers(operation) if operation is not None else []:
+            found.setdefault(id(layer), layer)
+    return list(found.values())
+
+
+def _layers_behind(tensors: list[Any]) -> list[Any]:
+    """The layers that made ``tensors``, looking through ops that are not layers."""
     import keras  # only where a model exists: Keras is loaded
 
     found: dict[int, Any] = {}
-    todo = [t for node in getattr(layer, "_inbound_nodes", []) for t in node.input_tensors]
-    seen: set[int] = set()
+    todo, seen = list(tensors), set()
     while todo:
         history = getattr(todo.pop(), "_keras_history", None)
         operation = getattr(history, "operation", None)
@@ -159,8 +189,7 @@ def producers(layer: Any) -> list[Any]:
         if isinstance(operation, keras.layers.Layer):
             found.setdefault(id(operation), operation)
             continue
-        node = operation._inbound_nodes[history.node_index]
-        todo.extend(node.input_tensors)
+        todo.extend(operation._inbound_nodes[history.node_index].input_tensors)
     return list(found.values())
 
 

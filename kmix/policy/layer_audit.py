@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from kmix import _layers
 from kmix._json import json_ready
 from kmix._layers import own_variables, walk_layers
 from kmix.tags import AuditFinding
@@ -374,9 +375,21 @@ def _fragile_half_precision(model: Any, layers: Layers) -> list[Finding]:
 
 
 def _tensor_core_alignment(model: Any, layers: Layers) -> list[Finding]:
-    """Dense/Conv sizes not multiples of 8 keep half precision off tensor cores."""
+    """Dense/Conv sizes not multiples of 8 keep half precision off tensor cores.
+
+    Said only where there are tensor cores (a GPU of compute capability 7.0 or newer), and
+    only of the sizes the model's author chooses: not the input features of a layer fed
+    by the model's inputs (the data's channels) nor the units of a layer whose output is
+    the model's (the task's classes).
+    """
     import keras
 
+    from kmix.policy.machine import hardware
+
+    if not any(g.compute_capability and g.compute_capability >= (7, 0) for g in hardware().gpus):
+        return []
+    fed = {id(layer) for layer in _layers.consumers_of_inputs(model)}
+    final = {id(layer) for layer in _layers.producers_of_outputs(model)}
     findings = []
     for path, layer in layers:
         if layer.compute_dtype not in HALF:
@@ -387,7 +400,9 @@ def _tensor_core_alignment(model: Any, layers: Layers) -> list[Finding]:
             sizes = {"filters": layer.filters}
         else:
             continue
-        if layer.built:  # kernel: (..., input features, units or filters)
+        if id(layer) in final:
+            sizes = {}  # the task sets them (the classes)
+        if layer.built and id(layer) not in fed:  # kernel: (..., input features, units)
             sizes["input features"] = layer.kernel.shape[-2]
         odd = [f"{name}={size}" for name, size in sizes.items() if size % 8]
         if odd:
