@@ -1,4 +1,4 @@
-"""``kmix demo --backend jax`` (issue 24): choosing the backend, and the demo on JAX.
+"""``kmix demo --backend jax``: choosing the backend, and the demo on JAX.
 
 Fast tier: ``--backend`` and its default, the one-line errors (JAX missing is simulated),
 what the command does per backend, and the TensorFlow-free epoch scalars, in this process

@@ -43,7 +43,8 @@ FIRST_NONFINITE = {"forward": "direct/kernel", "gradient": "hidden/kernel"}
 """A NaN loss makes every gradient NaN; a float16 gradient overflow starts in ``hidden``."""
 
 needs_jax = pytest.mark.skipif(
-    importlib.util.find_spec("jax") is None, reason="JAX is not installed (pip install 'kmix[jax]')"
+    importlib.util.find_spec("jax") is None,
+    reason='JAX is not installed (pip install ".[jax]" from the repository root)',
 )
 
 
