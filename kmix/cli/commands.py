@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         default="mixed_float16",
         choices=POLICY_NAMES,
-        help="dtype policy of the logged run; auto chooses from the hardware (%(default)s)",
+        help="dtype policy of the logged run (default: %(default)s); auto chooses one "
+        "from the hardware",
     )
     demo.add_argument(
         "--backend",

@@ -154,6 +154,12 @@ def load_target(target: str, option: str) -> Callable[..., Any]:
         )
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
+    missing = _not_defined(module_name, name.split(".")[0])
+    if missing:  # said before the import, which may load TensorFlow (seconds)
+        raise TargetError(
+            f"{option} {target!r}: module {module_name} has no {name.split('.')[0]!r} (its "
+            f"source, {missing}, defines none); give a function defined in it"
+        )
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
@@ -181,6 +187,57 @@ def load_target(target: str, option: str) -> Callable[..., Any]:
             "give a function that returns it"
         )
     return value
+
+
+def _loss_problem(loss: str) -> str | None:
+    """Why ``--loss`` names no Keras loss, or None when Keras knows it."""
+    import keras
+
+    try:
+        keras.losses.get(loss)
+    except (ValueError, TypeError):
+        return (
+            f"--loss {loss!r} is not a Keras loss: give a name Keras knows, e.g. 'mse', "
+            "'binary_crossentropy' or 'sparse_categorical_crossentropy'"
+        )
+    return None
+
+
+def _not_defined(module_name: str, name: str) -> str | None:
+    """The module's file when its source plainly defines no top-level ``name`` (no def,
+    class, assignment, import or star import of it); None when it may, or is not known."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        return None
+    origin = getattr(spec, "origin", None)
+    if spec is None or not origin or not origin.endswith(".py"):
+        return None
+    try:
+        with open(origin, encoding="utf-8") as file:
+            tree = ast.parse(file.read())
+    except (OSError, SyntaxError, ValueError):
+        return None  # the import says what is wrong
+    defined: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            if any(alias.name == "*" for alias in node.names):
+                return None
+            defined.update((a.asname or a.name).split(".")[0] for a in node.names)
+        else:  # assignments, also inside if/try at the top: any name stored there
+            defined.update(
+                n.id
+                for n in ast.walk(node)
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+            )
+    if name in defined or "__getattr__" in defined:
+        return None
+    return origin
 
 
 def _first_line(error: BaseException) -> str:
@@ -273,6 +330,10 @@ def run_compare(args: argparse.Namespace) -> int:
             data, loss = _call_data(data_function, args.data), args.loss
     except TargetError as error:
         return _error(str(error))
+    if loss is not None:
+        problem = _loss_problem(loss)
+        if problem:
+            return _error(problem)
     from kmix.compare import CompareError, compare_policies
 
     policies = [p for text in args.policies for p in text.split(",") if p]

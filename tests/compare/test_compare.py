@@ -396,6 +396,27 @@ def test_load_target_returns_the_function(user_module):
         load_target("cmpmodels:nope", "--data")
 
 
+def test_a_missing_function_is_said_before_its_module_is_imported(user_module):
+    """The module may import TensorFlow (seconds): a name its source does not define is
+    refused first, and the module is not imported."""
+    (user_module / "heavy.py").write_text(
+        "raise RuntimeError('imported')\n\ndef model():\n    pass\n"
+    )
+    with pytest.raises(
+        TargetError,
+        match=r"module heavy has no 'nosuchfn' \(its source, .*heavy.py, defines none\)",
+    ):
+        load_target("heavy:nosuchfn", "MODULE:FUNCTION")
+    with pytest.raises(TargetError, match="importing heavy raised RuntimeError: imported"):
+        load_target("heavy:model", "MODULE:FUNCTION")  # defined: the module is imported
+
+
+def test_an_unknown_loss_is_named_not_blamed_on_the_data(user_module, capsys):
+    argv = ["compare", "cmpmodels:tiny", "--data", "cmpmodels:data", "--loss", "nosuchloss"]
+    line = one_line_error(capsys, argv)
+    assert "--loss 'nosuchloss' is not a Keras loss" in line and "data" not in line
+
+
 def test_bad_arguments_of_compare_policies(tmp_path):
     from kmix.compare.comparison import compare_policies
 
