@@ -364,6 +364,9 @@ def _run_report(args: argparse.Namespace) -> int:
             return _error("report", str(error))
         listing = report.logdirs_json if args.json else report.format_logdirs
         print(listing(args.logdir, found))
+        if not args.json:
+            for compared in _comparisons_under(args.logdir):
+                print(f"{compared} holds a kmix compare: kmix report {compared} shows its table")
         return 0
     summary = report.summarize(log)
     out = args.out or os.path.join(args.logdir, "report")
@@ -388,14 +391,28 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _comparisons_under(parent: str) -> list[str]:
+    """The directories under ``parent`` (or ``parent``) that hold a kmix compare record."""
+    from kmix import tags
+
+    return sorted(folder for folder, _, names in os.walk(parent) if tags.COMPARISON_FILE in names)
+
+
 def _logdirs_under(parent: str) -> list[tuple[str, tuple[Any, ...]]]:
     """The log dirs under ``parent`` with kmix data, each with its runs (``RunInfo``)."""
     from kmix import report
 
     if not os.path.isdir(parent):
         return []
+    from kmix import tags
+
     found = []
     for logdir in report.find_logdirs(parent):
+        here = os.path.dirname(logdir)
+        if os.path.basename(logdir) == tags.COMPARISON_RUN and os.path.isfile(
+            os.path.join(here, tags.COMPARISON_FILE)
+        ):
+            continue  # the comparison's own record, not a training run: listed with its table
         try:
             logs = report.read_runs(logdir)
         except report.ReportError:

@@ -589,3 +589,26 @@ def test_data_that_is_neither_arrays_nor_a_dataset_is_refused_with_what_to_give(
     assert len(list(dataset.take(5))) == 5  # repeated
     with pytest.raises(CompareError, match="empty tf.data.Dataset"):
         make_dataset(batched.take(0), 32)
+
+
+def test_a_directory_holding_a_comparison_lists_its_runs_not_the_record(tmp_path, capsys):
+    """`kmix report runs` over a compare's log dir: the record (runs/compare/comparison) is
+    not a training run "whose end was not recorded"; the listing points at the table."""
+    from test_runs import write_small_run
+
+    from kmix.cli import main
+    from kmix.compare.comparison import write_comparison
+
+    parent = tmp_path / "runs"
+    compared = parent / "compare"
+    write_comparison(str(compared), comparison())
+    write_small_run(
+        str(compared / "float32"), "20250101-090000-cccccc", scale=8.0, skips=(), steps=5
+    )
+    assert main(["report", str(parent)]) == 0
+    out = capsys.readouterr().out
+    assert "comparison" not in out.replace("kmix compare", "")
+    assert f"  {compared / 'float32'}  id 20250101-090000-cccccc" in out
+    assert out.splitlines()[-1] == (
+        f"{compared} holds a kmix compare: kmix report {compared} shows its table"
+    )
