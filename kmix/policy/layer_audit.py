@@ -38,9 +38,10 @@ class LayerRow:
     """One layer of the audited model.
 
     Attributes:
-        path: ``layer.path`` where Keras sets one, else its parent's path and name.
+        path: its path in the model, one per layer (:func:`kmix._layers.walk_layers`).
         class_name: the layer's class, e.g. ``"Dense"``.
-        compute_dtype: the dtype the layer computes in.
+        compute_dtype: the dtype the layer computes in; ``"-"`` for an ``InputLayer``,
+            which computes nothing.
         variable_dtype: the dtype of the variables it owns; its policy's variable
             dtype when it owns none.
         output_dtype: the dtype of its output in a functional graph, ``"?"`` when
@@ -176,6 +177,9 @@ def audit(model: Any) -> AuditReport:
 
 _HALF = ("float16", "bfloat16")
 
+NOTHING = "-"
+"""The compute dtype of a layer that computes nothing (``InputLayer``)."""
+
 
 def _output_dtype(layer: Any) -> str:
     """The dtype of ``layer``'s output in its functional graph.
@@ -201,10 +205,11 @@ def _output_dtype(layer: Any) -> str:
 
 def _row(path: str, layer: Any) -> LayerRow:
     own = dict.fromkeys(str(variable.dtype) for variable in own_variables(layer))
+    computes = type(layer).__name__ != "InputLayer"  # it hands the data on, computing nothing
     return LayerRow(
         path=path,
         class_name=type(layer).__name__,
-        compute_dtype=str(layer.compute_dtype),
+        compute_dtype=str(layer.compute_dtype) if computes else NOTHING,
         variable_dtype=",".join(own) or str(layer.variable_dtype),
         output_dtype=_output_dtype(layer),
         params=layer.count_params() if layer.built else 0,

@@ -56,7 +56,7 @@ def test_rows_of_a_functional_model():
     assert report.model == "mlp"
     assert report.policy == "mixed_float16"
     assert report.rows == (
-        LayerRow("x", "InputLayer", "float16", "float32", "float32", 0),
+        LayerRow("x", "InputLayer", "-", "float32", "float32", 0),
         LayerRow("hidden", "Dense", "float16", "float32", "float16", 136),
         LayerRow("out", "Dense", "float32", "float32", "float32", 36),
     )
@@ -71,9 +71,9 @@ def test_rows_of_a_sequential_model_nested_in_a_functional_one():
     x = keras.Input((4,), name="x")
     model = keras.Model(x, keras.layers.Dense(2, name="d2")(inner(x)))
     assert audit(model).rows == (
-        LayerRow("x", "InputLayer", "float32", "float32", "float32", 0),
+        LayerRow("x", "InputLayer", "-", "float32", "float32", 0),
         LayerRow("inner", "Sequential", "float32", "float32", "float32", 40),
-        LayerRow("inner/input_layer", "InputLayer", "float32", "float32", "float32", 0),
+        LayerRow("inner/input_layer", "InputLayer", "-", "float32", "float32", 0),
         LayerRow("inner/d1", "Dense", "float32", "float32", "float32", 40),
         LayerRow("d2", "Dense", "float32", "float32", "float32", 18),
     )
@@ -86,7 +86,7 @@ def test_rows_of_a_subclassed_model_report_unknown_outputs():
     assert audit(model).rows == (
         LayerRow("sub/block", "Sequential", "bfloat16", "float32", "?", 40),
         # A Sequential model builds a graph of its own on its first call.
-        LayerRow("sub/block/input_layer", "InputLayer", "bfloat16", "float32", "bfloat16", 0),
+        LayerRow("sub/block/input_layer", "InputLayer", "-", "float32", "bfloat16", 0),
         LayerRow("sub/block/dense", "Dense", "bfloat16", "float32", "bfloat16", 40),
         LayerRow("sub/head", "Dense", "bfloat16", "float32", "?", 18),
     )
@@ -351,7 +351,7 @@ def test_str_to_markdown_and_to_dict():
     assert text.splitlines()[:5] == [
         "kmix audit of 'mlp' (global policy 'mixed_float16')",
         "path    class       compute  variables  output   params",
-        "x       InputLayer  float16  float32    float32  0",
+        "x       InputLayer  -        float32    float32  0",
         "hidden  Dense       float16  float32    float16  136",
         "out     Dense       float16  float32    float16  36",
     ]
