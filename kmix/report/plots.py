@@ -200,14 +200,14 @@ def _plot_health(figure: Any, log: KmixLog, summary: Summary) -> bool:
                     linewidth=2 if names[0] in ("all gradients", "subnormal part") else 0.8,
                     **_style(values.steps.size),
                 )
-            # The findings warn when tiny non-zero values (the subnormal part) pass it; zeros
-            # (inactive units) do not count, so "all gradients" may sit above it harmlessly.
-            applies = "subnormal part" if "subnormal part" in lines else "all gradients"
+            # The findings warn of a variable above it; where the subnormal part is known,
+            # of its tiny non-zero values only (zeros, inactive units, do not count).
+            known = "subnormal part" in lines
             ax.axhline(
                 100 * UNDERFLOW_WARN_FRACTION,
                 color="tab:red",
                 linestyle="--",
-                label=f"warning ({applies})",
+                label="warning: a variable's tiny values" if known else "warning: a variable",
             )
             ax.set_ylabel("underflow (%)")
             _outside_legend(ax, fontsize="x-small")
@@ -216,6 +216,16 @@ def _plot_health(figure: Any, log: KmixLog, summary: Summary) -> bool:
             # Under dynamic loss scaling this bounces near 0 on every run: the scale grows
             # until the largest gradient nears float16's max, then backs off. No warning line.
             ax.axhline(0, color="black", linestyle="-", linewidth=0.8)
+            ax.text(
+                0.99,
+                0.95,
+                "near 0 on every run: the loss scale grows until it nears float16's max",
+                transform=ax.transAxes,
+                ha="right",
+                va="top",
+                fontsize="x-small",
+                color="dimgray",
+            )
             ax.set_ylabel("headroom (bits)")
         else:
             ax.plot(series.steps, series.values, **style)
@@ -225,8 +235,7 @@ def _plot_health(figure: Any, log: KmixLog, summary: Summary) -> bool:
     ordered = sorted(steps)
     _step_axis(axes[-1], summary, ordered[-1] if ordered else 0)
     axes[0].set_title(
-        f"Gradient health, {_readings(len(ordered), ordered)} (headroom near 0 is the loss "
-        "scale at work; dashed: the underflow warning)"
+        f"Gradient health, {_readings(len(ordered), ordered)} (dashed: a warning threshold)"
     )
     axes[-1].set_xlabel("step")
     return True
