@@ -5,11 +5,15 @@ then ``tensorboard --logdir runs`` shows the tab whenever a run has ``kmix/`` ta
 
 Routes, under ``/data/plugin/kmix``:
 
-* ``/runs``: ``{"runs": [runs with kmix data], "other_runs": [runs without]}``;
+* ``/runs``: ``{"runs": [runs with kmix data], "other_runs": [runs without],
+  "default_run": the run to open on (:func:`kmix.tbplugin.view.default_run`),
+  "compute_dtypes": {run: compute dtype its policy record names}}``;
 * ``/run?run=NAME[&points=N]``: one run's data (:func:`kmix.tbplugin.view.run_payload`);
 * ``/exponents?run=NAME[&step=S]``: the gradient exponent heatmap at one histogram step;
-* ``/comparison``: ``{"comparisons": [{"run", "markdown"}]}``, the ``kmix compare``
-  tables recorded in the experiment (:func:`kmix.tbplugin.reader.read_comparisons`);
+* ``/comparison``: ``{"comparisons": [{"run", "markdown", "runs"}]}``, the ``kmix
+  compare`` tables recorded in the experiment
+  (:func:`kmix.tbplugin.reader.read_comparisons`), each with the runs it trained
+  (``LOGDIR/<name>/train`` beside its record's run ``LOGDIR/comparison``);
 * ``/static/NAME``: the page's files, from a fixed list.
 
 Query values are only ever compared with names the data provider listed or parsed
@@ -97,6 +101,31 @@ def _integer(request: Any, name: str, low: int, high: int, default: int | None) 
     return value
 
 
+def _trained(record_run: str, runs: list[str]) -> list[str]:
+    """The runs a ``kmix compare`` record's comparison trained, among ``runs``.
+
+    ``kmix compare --logdir DIR`` writes its record to the run ``DIR/comparison`` and
+    each model's to ``DIR/<name>/train`` (a policy, or float32's repeat); DIR was empty.
+
+    Args:
+        record_run: the run holding the record.
+        runs: the runs with kmix data.
+
+    Returns:
+        The runs ``DIR/<name>/train`` beside the record, in the order of ``runs``;
+        none when the record's run is not named ``DIR/comparison``.
+    """
+    folder, _, name = record_run.rpartition("/")
+    if name != tags.COMPARISON_RUN:
+        return []
+    folder = f"{folder}/" if folder else ""
+    return [
+        run
+        for run in runs
+        if run.startswith(folder) and re.fullmatch(r"[^/]+/train", run[len(folder) :])
+    ]
+
+
 class KmixPlugin(base_plugin.TBPlugin):
     """TensorBoard plugin ``kmix``: loss scale, events, float16 range and findings per run.
 
@@ -152,7 +181,14 @@ class KmixPlugin(base_plugin.TBPlugin):
     def _serve_runs(self, request: Any) -> Any:
         ctx, experiment = self._where(request)
         runs, others = reader.list_runs(self._provider, ctx, experiment)
-        return _json(request, {"runs": runs, "other_runs": others})
+        records = reader.read_policy_records(self._provider, ctx, experiment)
+        listing = {
+            "runs": runs,
+            "other_runs": others,
+            "default_run": view.default_run(runs, records),
+            "compute_dtypes": {run: records[run].compute_dtype for run in runs if run in records},
+        }
+        return _json(request, listing)
 
     def _known_run(self, request: Any) -> str:
         """The ``run`` parameter, if it names a run the provider lists.
@@ -210,6 +246,7 @@ class KmixPlugin(base_plugin.TBPlugin):
         from kmix.compare import CompareError, comparison_from_dict
 
         ctx, experiment = self._where(request)
+        listed, _ = reader.list_runs(self._provider, ctx, experiment)
         shown = []
         for run, text in reader.read_comparisons(self._provider, ctx, experiment):
             data = tags.parse_comparison(text)
@@ -217,8 +254,10 @@ class KmixPlugin(base_plugin.TBPlugin):
                 comparison = None if data is None else comparison_from_dict(data)
             except CompareError:
                 comparison = None
-            if comparison is not None:
-                shown.append({"run": run, "markdown": comparison.to_markdown()})
+            if comparison is None:
+                continue
+            markdown = comparison.to_markdown()
+            shown.append({"run": run, "markdown": markdown, "runs": _trained(run, listed)})
         return _json(request, {"comparisons": shown})
 
     @wrappers.Request.application

@@ -114,6 +114,42 @@ def read_comparisons(
     return found
 
 
+def read_policy_records(
+    provider: tb_provider.DataProvider, ctx: Any, experiment_id: str
+) -> dict[str, tags.PolicyRecord]:
+    """The latest policy record of each run (what the tab opens on depends on it).
+
+    Args:
+        provider: TensorBoard's data provider.
+        ctx: the request's ``RequestContext``.
+        experiment_id: the request's experiment id.
+
+    Returns:
+        Run -> its latest :class:`kmix.tags.PolicyRecord` (the one of the directory's
+        latest kmix run, by wall time); runs without a readable record are left out.
+    """
+    only = tb_provider.RunTagFilter(tags=[tags.POLICY_RECORD])
+    data = provider.read_tensors(
+        ctx,
+        experiment_id=experiment_id,
+        plugin_name=TEXT,
+        downsample=TEXT_SAMPLES_DEFAULT,
+        run_tag_filter=only,
+    )
+    found = {}
+    for run, by_tag in (data or {}).items():
+        points = by_tag.get(tags.POLICY_RECORD) or []
+        if not points:
+            continue
+        latest = max(points, key=lambda p: (p.wall_time, p.step))
+        value = np.asarray(latest.numpy).reshape(-1)[0]
+        text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+        record = tags.parse_policy_record(text)
+        if record is not None:
+            found[run] = record
+    return found
+
+
 def read_run(
     provider: tb_provider.DataProvider,
     ctx: Any,

@@ -14,6 +14,7 @@ import numpy as np
 
 from kmix import report, tags
 from kmix._json import json_ready
+from kmix._words import format_scale
 from kmix.report import begin_scale, runs_message, scale_caveat, scale_events_of
 from kmix.tbplugin.reader import TEXT_SAMPLES_DEFAULT, RunPoints
 
@@ -38,6 +39,14 @@ SERIES_TAGS = {
 
 ACTIVATION_HEADROOM = tags.ACTIVATION_HEADROOM_BITS
 """Per-layer forward headroom scalars (+ layer path), drawn as layers x steps."""
+
+ALL_ZERO_BITS = math.log2(tags.FLOAT16_MAX / 2.0**tags.FLOAT16_MIN_SUBNORMAL_EXPONENT)
+"""The activation headroom recorded for an output with nothing above float16's smallest
+subnormal (all zero, as a float16 output): ``max_abs`` is floored there
+(:class:`kmix.record.activations.ActivationStats`), so the headroom is capped at this."""
+
+ALL_ZERO = "zero"
+"""A headroom cell of an output (or gradient) that is all zero: no headroom to speak of."""
 
 
 def to_log(points: RunPoints) -> report.KmixLog:
@@ -216,7 +225,8 @@ def headroom_grid(
 
     Returns:
         ``{"steps", "names", "bits", "left_out"}`` (``bits``: one row per name, one
-        value per step, ``"nonfinite"`` for inf/NaN, None without a histogram);
+        value per step, ``"nonfinite"`` for inf/NaN, :data:`ALL_ZERO` for a histogram of
+        zeros only, None without a histogram);
         ``left_out``: the variables of ``rows`` in ``leave_out``, with their dtype.
         None when ``rows`` is empty.
     """
@@ -239,7 +249,29 @@ def _bits(counts: np.ndarray | None) -> float | str | None:
     if counts is None:
         return None
     bits = headroom_bits(counts)
+    if bits is None:
+        return ALL_ZERO
     return "nonfinite" if bits == -math.inf else bits
+
+
+def _activation_bits(value: float | None, nonfinite: float | None) -> float | str | None:
+    """A recorded activation headroom as a grid cell.
+
+    ``"nonfinite"`` when the output held inf/NaN at that step (its headroom is of the
+    finite values only: an output all NaN reads as the cap), else :data:`ALL_ZERO` at the
+    cap, else the headroom; None when not measured.
+    """
+    if value is None or not math.isfinite(value):
+        return None
+    if nonfinite is not None and nonfinite != 0.0:
+        return "nonfinite"
+    return ALL_ZERO if value >= ALL_ZERO_BITS - 1e-4 else value  # float32 as written
+
+
+def _by_step(series: report.Series | None) -> dict[int, float]:
+    if series is None:
+        return {}
+    return dict(zip(series.steps.tolist(), series.values.tolist(), strict=True))
 
 
 def _activation_grid(log: report.KmixLog, limit: int) -> dict[str, Any] | None:
@@ -250,18 +282,106 @@ def _activation_grid(log: report.KmixLog, limit: int) -> dict[str, Any] | None:
     if len(steps) > limit:
         picked = np.unique(np.linspace(0, len(steps) - 1, limit).round().astype(int))
         steps = [steps[i] for i in picked]
-    grid = []
-    for tag in layers:
-        series = log.scalars[tag]
-        by_step = dict(zip(series.steps.tolist(), series.values.tolist(), strict=True))
-        grid.append([by_step.get(step) for step in steps])
     names = [t[len(ACTIVATION_HEADROOM) :] for t in layers]
+    grid = []
+    for name in names:
+        bits, nonfinite = (
+            _by_step(log.scalars.get(prefix + name))
+            for prefix in (ACTIVATION_HEADROOM, tags.ACTIVATION_NONFINITE_FRACTION)
+        )
+        grid.append([_activation_bits(bits.get(step), nonfinite.get(step)) for step in steps])
     return {"steps": steps, "names": names, "bits": json_ready(grid)}
 
 
 def _begin(log: report.KmixLog) -> dict[str, Any] | None:
     begin = begin_scale(log)
     return None if begin is None else {"step": begin[0], "value": begin[1]}
+
+
+def float16_in_use(record: tags.PolicyRecord | None) -> bool | None:
+    """Whether a run computes anything in float16, as its policy record says.
+
+    Args:
+        record: the run's policy record, or None.
+
+    Returns:
+        True when the model computes in float16 or a variable's layer does; False when
+        the record says neither; None without a record (unknown).
+    """
+    if record is None:
+        return None
+    layers = (record.variable_dtypes or {}).values()
+    return record.compute_dtype == "float16" or "float16" in layers
+
+
+def default_run(runs: list[str], records: dict[str, tags.PolicyRecord]) -> str | None:
+    """The run the tab ticks when it opens: the first that computes in float16.
+
+    A ``kmix compare`` log dir sorts ``float32/train`` first, where every float16 view
+    is empty; the float16 run is the one worth opening on.
+
+    Args:
+        runs: the runs with kmix data, in the order listed.
+        records: run -> its latest policy record, for the runs that have one.
+
+    Returns:
+        The first run whose record says it computes in float16, else the first run;
+        None when there is none.
+    """
+    for run in runs:
+        if float16_in_use(records.get(run)):
+            return run
+    return runs[0] if runs else None
+
+
+def float16_note(summary: report.Summary) -> str | None:
+    """What the float16 views say of a run that computes nothing in float16.
+
+    Args:
+        summary: the run's summary.
+
+    Returns:
+        The sentence, or None when the run computes in float16 or its policy record
+        is missing (then float16's views advise as usual).
+    """
+    record = summary.policy_record
+    if float16_in_use(record) is not False:
+        return None
+    dtype = record.compute_dtype
+    return (
+        f"float16's statistics do not apply to a {dtype} run: it computes in {dtype} "
+        "(its policy record says so), so float16's range, headroom and exponent bands say "
+        "nothing about it"
+    )
+
+
+def loss_scale_note(summary: report.Summary) -> str | None:
+    """Why no loss-scale line is drawn for a run that needs no loss scaling.
+
+    A run that computes nothing in float16 (its policy record says so) whose scale never
+    moved, with no skipped step and no lost event: a flat line would only suggest the
+    scale did something. A scale that changed, or a skip, is drawn as usual.
+
+    Args:
+        summary: the run's summary.
+
+    Returns:
+        The sentence, or None when the chart is drawn.
+    """
+    record = summary.policy_record
+    scale = summary.loss_scale
+    if float16_in_use(record) is not False or scale.min is None or scale.min != scale.max:
+        return None
+    if scale.initial not in (None, scale.min):
+        return None
+    if summary.events or summary.skipped_steps or summary.events_lost:
+        return None
+    dtype = record.compute_dtype
+    return (
+        f"The loss scale is not used: this run computes in {dtype}, which needs no loss "
+        f"scaling (the optimizer's scale stayed at {format_scale(scale.min)} and no step "
+        "was skipped)"
+    )
 
 
 def events_check(summary: dict[str, Any]) -> dict[str, Any]:
@@ -319,10 +439,12 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
         words it), ``loss_scale_begin`` (``{"step", "value"}`` of the scale written at
         train begin, or None), ``events_lost_between`` (``[first, last]`` steps of
         each stretch whose scale is unknown: events were lost,
-        :meth:`kmix.report.read.EventLog.unknown_scale`), ``activation_headroom`` and
-        ``float16``; ``runs_note``: what the report says when the directory holds
-        several kmix runs (the summary is of the latest, ``summary["runs"]`` lists
-        them), else None.
+        :meth:`kmix.report.read.EventLog.unknown_scale`), ``activation_headroom``
+        (layers x steps like :func:`headroom_grid`, :data:`ALL_ZERO` for an all-zero
+        output), ``float16``, ``float16_note`` (:func:`float16_note`) and
+        ``loss_scale_note`` (:func:`loss_scale_note`); ``runs_note``: what the report
+        says when the directory holds several kmix runs (the summary is of the latest,
+        ``summary["runs"]`` lists them), else None.
     """
     if points.empty:
         return {
@@ -361,6 +483,8 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
         "loss_scale_begin": _begin(log),
         "events_lost_between": [list(pair) for pair in scale_events_of(log).unknown_scale()],
         "activation_headroom": _activation_grid(log, MAX_HEADROOM_STEPS),
+        "float16_note": float16_note(typed),
+        "loss_scale_note": loss_scale_note(typed),
         "float16": {
             "min_subnormal_exponent": tags.FLOAT16_MIN_SUBNORMAL_EXPONENT,
             "min_normal_exponent": tags.FLOAT16_MIN_NORMAL_EXPONENT,

@@ -8,6 +8,7 @@ TensorBoard's multiplexer data provider with its default sampling, as
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -141,6 +142,8 @@ def test_runs_route_splits_runs_with_and_without_kmix_data(client):
     assert get_json(client, f"{URL}/runs") == {
         "runs": ["exp/train"],
         "other_runs": ["plain/train"],
+        "default_run": "exp/train",  # no policy record: the first run
+        "compute_dtypes": {},
     }
 
 
@@ -252,7 +255,12 @@ def test_no_run_with_kmix_data(tmp_path):
     write_plain_run(str(tmp_path / "plain"))
     provider = default_provider(tmp_path)
     client = serve(provider)
-    assert get_json(client, f"{URL}/runs") == {"runs": [], "other_runs": ["plain"]}
+    assert get_json(client, f"{URL}/runs") == {
+        "runs": [],
+        "other_runs": ["plain"],
+        "default_run": None,
+        "compute_dtypes": {},
+    }
     context = base_plugin.TBContext(logdir=None, data_provider=provider)
     assert kmix_plugin.KmixPlugin(context).is_active() is False
 
@@ -531,3 +539,146 @@ def test_float32_layers_are_left_out_of_the_float16_headroom_grid(tmp_path):
     assert data["series"]["overflow_headroom_bits"]["points"] == 1
     assert data["loss_scale_begin"] == {"step": 0, "value": 1024.0}
     assert data["events_lost_between"] == [[0, 10]]  # before the note's step, 11
+
+
+# ------------------------------------ a kmix compare log dir: one run per policy
+COMPARE_RUNS = {"float32": "float32", "float32_repeat": "float32", "mixed_float16": "float16"}
+HEADROOM_STEPS = (5, 10, 15, 20)
+GRADIENT_TOPS = {  # variable -> top exponent of its scaled gradients (headroom 15 - top)
+    "a/overflow": 16,  # -1 bit
+    "b/tight": 14,  # 1 bit
+    "c/close": 12,  # 3 bits
+    "d/fine": 3,  # 12 bits
+    "e/far": -9,  # 24 bits
+    "f/farther": -25,  # 40 bits
+    "g/zeros": None,  # every element zero
+}
+ACTIVATION_BITS = {  # layer -> recorded activation headroom
+    "l1_low": 0.5,
+    "l2_tight": 2.0,
+    "l3_ok": 4.5,
+    "l4_fine": 12.0,
+    "l5_far": 24.0,
+    "l6_zeros": math.log2(65504 / 2.0**-24),  # the cap: an all-zero output
+    "l7_nan": math.log2(65504 / 2.0**-24),  # no finite value: all NaN at step 15
+}
+
+
+def write_policy_run(path: str, compute: str, steps: int = 20) -> None:
+    """A run of ``kmix compare``'s kind: a policy record, a loss scale that stays at
+    32768 (its optimizer is a LossScaleOptimizer whatever the policy); a float16 run
+    also has gradient histograms and activation headroom."""
+    policy = "float32" if compute == "float32" else f"mixed_{compute}"
+    variables = {name + "/kernel": compute for name in ("dense", "head")}
+    record = tags.PolicyRecord(
+        policy, "m", policy, compute, "float32", "kmix", 1.0, 2.0**24, 10,
+        5 if compute == "float16" else 0, loss_scale=32768.0, variable_dtypes=variables,
+    )  # fmt: skip
+    writer = tf.summary.create_file_writer(path)
+    with writer.as_default():
+        tf.summary.text(tags.POLICY_RECORD, tags.format_policy_record(record), step=0)
+        for step in range(1, steps + 1):
+            tf.summary.scalar(tags.LOSS_SCALE, 32768.0, step=step)
+            tf.summary.scalar(tags.SKIPPED_STEPS, 0.0, step=step)
+            tf.summary.scalar(tags.GRAD_NORM, 1.0 / step, step=step)
+        if compute == "float16":
+            for step in HEADROOM_STEPS:
+                tf.summary.scalar(tags.OVERFLOW_HEADROOM_BITS, 3.0, step=step)
+                for layer, bits in ACTIVATION_BITS.items():
+                    if layer == "l4_fine" and step == 10:
+                        continue  # not measured at step 10
+                    tf.summary.scalar(tags.ACTIVATION_HEADROOM_BITS + layer, bits, step=step)
+                    nonfinite = float(layer == "l7_nan" and step == 15)
+                    tf.summary.scalar(
+                        tags.ACTIVATION_NONFINITE_FRACTION + layer, nonfinite, step=step
+                    )
+                for variable, top in GRADIENT_TOPS.items():
+                    if variable == "d/fine" and step == 10:
+                        continue  # no histogram at step 10
+                    counts = _histogram({} if top is None else {top: 4, top - 3: 6})
+                    if top is None:
+                        counts[0, -1] = 10  # the exactly-zero bin
+                    tf.summary.write(
+                        tags.GRAD_EXPONENT + variable,
+                        counts,
+                        step=step,
+                        metadata=histogram_metadata.create_summary_metadata(variable, ""),
+                    )
+    writer.close()
+
+
+def write_compare_logdir(root, extra_runs: int = 0) -> None:
+    """``root/cmp``: what ``kmix compare --logdir root/cmp`` writes (a run per policy and
+    the comparison's record), beside ``extra_runs`` runs of another experiment."""
+    from test_compare import comparison
+
+    from kmix.compare.comparison import write_comparison
+
+    for name, compute in COMPARE_RUNS.items():
+        write_policy_run(str(root / "cmp" / name / "train"), compute)
+    write_comparison(str(root / "cmp"), comparison())
+    for k in range(extra_runs):
+        writer = tf.summary.create_file_writer(str(root / f"other_experiment_{k}" / "train"))
+        with writer.as_default():
+            tf.summary.scalar(tags.LOSS_SCALE, 1024.0, step=1)
+        writer.close()
+
+
+@pytest.fixture(scope="module")
+def compare_client(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compare")
+    write_compare_logdir(root)
+    return serve(default_provider(root))
+
+
+def test_the_default_run_of_a_compare_logdir_is_its_float16_run(compare_client):
+    """float32/train sorts first, but its float16 panels would be empty: the page ticks
+    a run whose policy record says it computes in float16."""
+    listing = get_json(compare_client, f"{URL}/runs")
+    assert listing["runs"] == ["cmp/float32/train", "cmp/float32_repeat/train",
+                               "cmp/mixed_float16/train"]  # fmt: skip
+    assert listing["default_run"] == "cmp/mixed_float16/train"
+    assert listing["compute_dtypes"] == {
+        "cmp/float32/train": "float32",
+        "cmp/float32_repeat/train": "float32",
+        "cmp/mixed_float16/train": "float16",
+    }
+
+
+def test_a_comparison_names_its_runs(compare_client):
+    (shown,) = get_json(compare_client, f"{URL}/comparison")["comparisons"]
+    assert shown["run"] == "cmp/comparison"
+    assert shown["runs"] == ["cmp/float32/train", "cmp/float32_repeat/train",
+                             "cmp/mixed_float16/train"]  # fmt: skip
+
+
+def test_a_float32_run_says_float16_and_the_loss_scale_do_not_apply(compare_client):
+    data = get_json(compare_client, f"{URL}/run?run=cmp/float32/train")
+    assert data["float16_note"] == (
+        "float16's statistics do not apply to a float32 run: it computes in float32 (its "
+        "policy record says so), so float16's range, headroom and exponent bands say "
+        "nothing about it"
+    )
+    assert data["loss_scale_note"] == (
+        "The loss scale is not used: this run computes in float32, which needs no loss "
+        "scaling (the optimizer's scale stayed at 32768 (2^15) and no step was skipped)"
+    )
+    mixed = get_json(compare_client, f"{URL}/run?run=cmp/mixed_float16/train")
+    assert mixed["float16_note"] is None and mixed["loss_scale_note"] is None
+
+
+def test_all_zero_and_unmeasured_headroom_cells_are_marked_apart(compare_client):
+    data = get_json(compare_client, f"{URL}/run?run=cmp/mixed_float16/train")
+    grid = data["headroom_by_variable"]
+    assert grid["steps"] == list(HEADROOM_STEPS)
+    bits = dict(zip(grid["names"], grid["bits"], strict=True))
+    assert bits["f/farther"] == [40.0] * 4 and bits["a/overflow"] == [-1.0] * 4
+    assert bits["g/zeros"] == ["zero"] * 4  # all zero: no headroom to speak of
+    assert bits["d/fine"] == [12.0, None, 12.0, 12.0]  # no histogram at step 10
+    layers = data["activation_headroom"]
+    by_layer = dict(zip(layers["names"], layers["bits"], strict=True))
+    assert by_layer["l6_zeros"] == ["zero"] * 4  # at the cap: nothing above 2^-24
+    # the cap, but inf/NaN at step 15: the headroom of no finite value is no all-zero
+    assert by_layer["l7_nan"] == ["zero", "zero", "nonfinite", "zero"]
+    assert by_layer["l4_fine"] == [12.0, None, 12.0, 12.0]
+    assert by_layer["l5_far"] == [24.0] * 4

@@ -18,13 +18,20 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 
 import keras
 import pytest
 import tensorflow as tf
 from spiky import spiky_data, spiky_model
-from test_tbplugin import LongRunProvider, default_provider, serve, write_mixed_run
+from test_tbplugin import (
+    LongRunProvider,
+    default_provider,
+    serve,
+    write_compare_logdir,
+    write_mixed_run,
+)
 
 import kmix
 from kmix.callbacks import MixedPrecisionMonitor
@@ -314,4 +321,174 @@ def test_precision_changes_of_a_healed_run(page, tensorboard, tmp_path):
     page.screenshot(path=str(shot), full_page=True)
     if os.environ.get("KMIX_SCREENSHOT_DIR"):
         shutil.copy(shot, os.environ["KMIX_SCREENSHOT_DIR"])
+    assert page.errors == []
+
+
+def open_logdir(page, url: str, root):
+    """Opens the tab with every request of the plugin answered by its own code over the
+    log dir ``root`` (TensorBoard's subprocess serves the page around the tab)."""
+    client = serve(default_provider(root))
+
+    def answer(route):
+        parts = urllib.parse.urlsplit(route.request.url)
+        path = parts.path[parts.path.index("/data/plugin/kmix/") :]
+        response = client.get(f"{path}?{parts.query}" if parts.query else path)
+        route.fulfill(
+            status=response.status_code,
+            body=response.get_data(),
+            content_type=response.headers["Content-Type"],
+        )
+
+    page.route(re.compile(r".*/data/plugin/kmix/.*"), answer)
+    return open_tab(page, url)
+
+
+@pytest.fixture(scope="module")
+def compare_logdir(tmp_path_factory):
+    """``kmix compare``'s three runs and its record, beside seven runs of other
+    experiments: ten runs with kmix data."""
+    root = tmp_path_factory.mktemp("compare")
+    write_compare_logdir(root, extra_runs=7)
+    return root
+
+
+def ticked(frame) -> list[str]:
+    return frame.locator("#run-picker input:checked").evaluate_all("b => b.map(x => x.value)")
+
+
+def tick(frame, run: str, checked: bool = True):
+    """Ticks or unticks a run and waits until every ticked run is drawn again."""
+    box = frame.locator(f"#run-picker input[value='{run}']")
+    box.check() if checked else box.uncheck()
+    for name in ticked(frame):
+        frame.locator(f"section[data-run='{name}'][data-state]").wait_for()
+
+
+OVERLAPS = """svg => {
+  const width = svg.viewBox.baseVal.width;
+  const boxes = Array.from(svg.querySelectorAll('text')).map((t) => {
+    const b = t.getBBox();
+    return {text: t.textContent, x0: b.x, x1: b.x + b.width, y0: b.y, y1: b.y + b.height};
+  }).filter((b) => b.x1 > b.x0);
+  const clipped = boxes.filter((b) => b.x0 < 0 || b.x1 > width).map((b) => b.text);
+  const overlapping = [];
+  boxes.forEach((a, i) => boxes.slice(i + 1).forEach((b) => {
+    const x = Math.min(a.x1, b.x1) - Math.max(a.x0, b.x0);
+    const y = Math.min(a.y1, b.y1) - Math.max(a.y0, b.y0);
+    if (x > 0.5 && y > 0.5) overlapping.push([a.text, b.text]);
+  }));
+  return {clipped, overlapping, texts: boxes.map((b) => b.text)};
+}"""
+
+
+def keep(shot):
+    """A screenshot written in pytest's tmp dir, copied to ``$KMIX_SCREENSHOT_DIR`` if set."""
+    if os.environ.get("KMIX_SCREENSHOT_DIR"):
+        shutil.copy(shot, os.environ["KMIX_SCREENSHOT_DIR"])
+
+
+def test_a_compare_logdir_side_by_side(page, tensorboard, compare_logdir, tmp_path):
+    """The tab opens on the float16 run (float32/train sorts first); the sticky header
+    stays one line with ten runs; the comparison shows while one of its runs is ticked;
+    a float32 run beside it says what does not apply to it; no axis label overlaps."""
+    page.set_viewport_size({"width": 1200, "height": 1400})
+    frame = open_logdir(page, tensorboard, compare_logdir)
+    assert ticked(frame) == ["cmp/mixed_float16/train"]
+    labels = frame.locator("#run-picker label")
+    assert labels.count() == 11  # ten runs with kmix data, and the comparison's record
+    tops = labels.evaluate_all("ls => ls.map(l => Math.round(l.getBoundingClientRect().top))")
+    assert len(set(tops)) == 1, tops  # one line
+    bar = frame.locator("header.bar").evaluate("b => b.getBoundingClientRect().height")
+    assert bar < 50, bar
+    wide, shown = frame.locator("#run-picker").evaluate("p => [p.scrollWidth, p.clientWidth]")
+    assert wide > shown  # the rest of the runs scroll into view, and are counted
+    assert frame.locator("#run-count").text_content() == "1 of 11 runs:"
+    assert frame.locator("#comparison").is_visible()
+
+    tick(frame, "cmp/float32/train")
+    assert ticked(frame) == ["cmp/float32/train", "cmp/mixed_float16/train"]
+    single = frame.locator("section[data-run='cmp/float32/train']")
+    assert single.locator("path.loss-scale-line").count() == 0  # no flat line
+    said = single.locator(".loss-scale").text_content()
+    assert said.startswith("The loss scale is not used: this run computes in float32")
+    assert "histogram_freq" not in single.text_content()
+    assert single.locator(".step-pick").is_hidden()  # no empty step list
+    for panel in (".exponents", ".headroom", ".whatif"):
+        words = single.locator(panel).text_content()
+        assert "float16's statistics do not apply to a float32 run" in words, (panel, words)
+
+    mixed = frame.locator("section[data-run='cmp/mixed_float16/train']")
+    assert mixed.locator("path.loss-scale-line").count() == 1
+    heat = mixed.locator("svg.exponent-heatmap")
+    found = heat.evaluate(OVERLAPS)
+    assert found["clipped"] == [] and found["overlapping"] == [], found
+    assert {"zero", "inf/NaN", "0"} <= set(found["texts"])
+    for grid in mixed.locator("svg.headroom-grid").all():
+        found = grid.evaluate(OVERLAPS)
+        assert found["clipped"] == [] and found["overlapping"] == [], found
+    for name, shot in ((None, "compare_side_by_side.png"),
+                       (".exponents", "compare_side_by_side_exponents.png")):  # fmt: skip
+        path = tmp_path / shot
+        (mixed.locator(name) if name else page).screenshot(path=str(path))
+        keep(path)
+
+    tick(frame, "cmp/float32/train", False)
+    tick(frame, "cmp/mixed_float16/train", False)
+    tick(frame, "other_experiment_0/train")
+    assert ticked(frame) == ["other_experiment_0/train"]
+    assert frame.locator("#comparison").is_hidden()  # none of its runs is ticked
+    assert page.errors == []
+
+
+CELL_FILLS = """svg => Array.from(svg.querySelectorAll('rect.cell')).map((r) =>
+  [r.dataset.row, r.dataset.bits, getComputedStyle(r).fill])"""
+LEGEND_FILLS = """legend => Array.from(legend.querySelectorAll('[data-bits]')).map((r) =>
+  [r.dataset.bits, getComputedStyle(r).fill])"""
+
+
+def rgb(fill: str) -> tuple[int, int, int] | None:
+    match = re.fullmatch(r"rgb\((\d+), (\d+), (\d+)\)", fill)
+    return None if match is None else tuple(int(v) for v in match.groups())
+
+
+def lightness(color: tuple[int, int, int]) -> float:
+    return (max(color) + min(color)) / 2
+
+
+def test_headroom_colours_grow_calmer_with_headroom(page, tensorboard, compare_logdir, tmp_path):
+    """Red and orange below 1 and 4 bits, then one ramp that gets lighter as headroom
+    grows, clamped at the top (40 bits as 24); all-zero and unmeasured cells blank, and
+    the legend drawn with the cells' own colours."""
+    frame = open_logdir(page, tensorboard, compare_logdir)
+    tick(frame, "cmp/mixed_float16/train")
+    section = frame.locator("section[data-run='cmp/mixed_float16/train']")
+    grids = section.locator("svg.headroom-grid")
+    assert grids.count() == 2
+    colours: dict[str, set] = {}
+    for k in range(2):
+        for _row, bits, fill in grids.nth(k).evaluate(CELL_FILLS):
+            colours.setdefault(bits, set()).add(fill)
+    assert all(len(fills) == 1 for fills in colours.values()), colours
+    colour = {bits: fills.pop() for bits, fills in colours.items()}
+    assert colour["zero"] == "none" and colour["none"] == "none"  # blank
+    assert colour["nonfinite"] == "rgb(127, 0, 0)"  # an all-NaN output is no all-zero one
+    warm = [rgb(colour[b]) for b in ("-1", "0.5", "1", "2", "3")]
+    assert all(r > g and r > b for r, g, b in warm), warm
+    assert colour["-1"] != colour["0.5"] != colour["1"] and colour["1"] == colour["3"]
+    ramp = [rgb(colour[b]) for b in ("4.5", "12", "24", "40")]
+    assert all(g > r for r, g, b in ramp), ramp
+    lights = [lightness(c) for c in ramp]
+    assert lights[0] < lights[1] < lights[2] == lights[3], lights  # calmer, then clamped
+    assert colour["40"] != colour["3"]
+    legend = section.locator(".headroom-legend").first
+    keyed = dict(legend.evaluate(LEGEND_FILLS))
+    assert keyed["nonfinite"] == "rgb(127, 0, 0)"
+    for bits in ("-1", "0.5", "2", "12", "24"):  # a class's swatch, the ramp's stops
+        assert keyed[bits] == colour[bits], (bits, keyed)
+    assert keyed["zero"] in ("none", "rgb(255, 255, 255)")
+    words = legend.text_content()
+    assert "all zero" in words and "not measured" in words and "24+" in words
+    shot = tmp_path / "headroom_colours.png"
+    section.locator("div.headroom-grid").locator("xpath=..").screenshot(path=str(shot))  # the panel
+    keep(shot)
     assert page.errors == []

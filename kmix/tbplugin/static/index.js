@@ -432,14 +432,14 @@ function exponentHeatmap(map, f16, selectedVariable, other = {}) {
   const x = linear([first, last], [labelW, WIDTH - 10]);
   const cellW = x(first + 1) - x(first);
   const bands = [
-    {from: first + 1, to: f16.min_subnormal_exponent, color: '#ffcdd2', label: 'flushed to 0 (< 2^-24)'},
-    {from: f16.min_subnormal_exponent, to: f16.min_normal_exponent, color: '#ffe0b2', label: 'subnormal'},
-    {from: f16.max_exponent + 1, to: last - 1, color: '#ffcdd2', label: '> 65504'},
+    {from: first + 1, to: f16.min_subnormal_exponent, color: '#ffcdd2', label: 'flushed to 0 (< 2^-24)', priority: 1},
+    {from: f16.min_subnormal_exponent, to: f16.min_normal_exponent, color: '#ffe0b2', label: 'subnormal', priority: 2},
+    {from: f16.max_exponent + 1, to: last - 1, color: '#ffcdd2', label: '> 65504', priority: 0},
   ];
   if (half.length) {
     for (const b of bands) {
       root.append(svg('rect', {x: x(b.from), y: top, width: x(b.to) - x(b.from), height: halfBottom - top, fill: b.color, class: 'band'}));
-      root.append(svg('text', {x: (x(b.from) + x(b.to)) / 2, y: top - 6, 'text-anchor': 'middle', class: 'band-label muted', text: b.label}));
+      root.append(svg('text', {x: (x(b.from) + x(b.to)) / 2, y: top - 6, 'text-anchor': 'middle', class: 'band-label muted declutter', 'data-priority': b.priority, text: b.label}));
     }
   }
   if (rest.length) {
@@ -473,10 +473,12 @@ function exponentHeatmap(map, f16, selectedVariable, other = {}) {
         svg('title', {text: label})));
     }
   }
-  const ticks = [[first, 'zero'], [last - 1, 'inf/NaN']];
-  for (let e = -40; e <= 16; e += 4) ticks.push([e, String(e)]);
-  for (const [e, label] of ticks) {
-    root.append(svg('text', {x: x(e + 0.5), y: bottom + 14, 'text-anchor': 'middle', class: 'band-label muted', text: label}));
+  // Every fourth power of two is labelled where there is room: declutter() keeps the
+  // ends (zero, inf/NaN), then 0, then multiples of 8, once the SVG is on the page.
+  const ticks = [[first, 'zero', 0], [last - 1, 'inf/NaN', 0]];
+  for (let e = 4 * Math.ceil((first + 2) / 4); e <= last - 3; e += 4) ticks.push([e, String(e), e === 0 ? 1 : e % 8 ? 3 : 2]);
+  for (const [e, label, priority] of ticks) {
+    root.append(svg('text', {x: x(e + 0.5), y: bottom + 14, 'text-anchor': 'middle', class: 'band-label muted tick declutter', 'data-priority': priority, text: label}));
   }
   root.append(svg('text', {x: (labelW + WIDTH) / 2, y: bottom + 30, 'text-anchor': 'middle', class: 'muted', text: 'log2 |scaled gradient| (bin of each power of two)'}));
   root.append(colourScale(labelW, bottom + 44, Math.min(260, WIDTH - labelW - 20)));
@@ -485,6 +487,32 @@ function exponentHeatmap(map, f16, selectedVariable, other = {}) {
     root.append(svg('rect', {class: 'row-outline', x: 2, y: yOf(k), width: WIDTH - 8, height: rowH}));
   }
   return root;
+}
+
+/**
+ * Moves each label (`text.declutter`) of an SVG on the page inside its view box, then
+ * drops those that would overlap a label kept before them, in order of `data-priority`
+ * (0 first): no axis label is clipped or drawn over another, whatever the width or font.
+ */
+function declutter(root) {
+  const width = root.viewBox.baseVal.width;
+  const labels = [...root.querySelectorAll('text.declutter')]
+    .sort((a, b) => Number(a.dataset.priority) - Number(b.dataset.priority));
+  const kept = [];
+  for (const label of labels) {
+    let box = label.getBBox();
+    if (!box.width) continue; // not rendered: nothing to measure
+    const shift = Math.max(2 - box.x, 0) + Math.min(width - 2 - (box.x + box.width), 0);
+    if (shift) {
+      label.setAttribute('x', Number(label.getAttribute('x')) + shift);
+      box = label.getBBox();
+    }
+    const gap = 4;
+    const hit = kept.some((k) => box.x < k.x + k.width + gap && k.x < box.x + box.width + gap
+      && box.y < k.y + k.height && k.y < box.y + box.height);
+    if (hit) label.remove();
+    else kept.push(box);
+  }
 }
 
 function binLabel(i, first, f16) {
@@ -504,9 +532,51 @@ function columnTicks(n, count) {
 }
 
 /**
- * Names x steps, coloured by headroom bits (red: overflow, green: room). Steps are
- * labelled under their columns; `grid.left_out` (name -> dtype) names the variables
- * whose layers do not compute in float16, which have no float16 headroom.
+ * Headroom in bits as a colour, calmer as headroom grows: dark red for inf/NaN, red
+ * below 0 bits (overflow), orange below 1, amber below 4, then one ramp of greens that
+ * gets lighter up to 24 bits and stays there (clamped). All-zero (`'zero'`) and
+ * unmeasured (null) cells have none: they are drawn blank.
+ */
+const HEADROOM_CLASSES = [ // [upper bound (exclusive), colour, legend words, a value in it]
+  [0, '#c62828', '< 0 bits (overflow)', -1],
+  [1, '#f4511e', '< 1', 0.5],
+  [4, '#ffb300', '< 4', 2],
+];
+const HEADROOM_NONFINITE = '#7f0000';
+const HEADROOM_RAMP = [[4, [35, 139, 69]], [8, [65, 171, 93]], [12, [116, 196, 118]], [16, [161, 217, 155]], [24, [199, 233, 192]]];
+
+function headroomColor(bits) {
+  if (bits === 'nonfinite') return HEADROOM_NONFINITE;
+  if (typeof bits !== 'number') return null;
+  for (const [below, color] of HEADROOM_CLASSES) if (bits < below) return color;
+  const b = Math.min(bits, HEADROOM_RAMP[HEADROOM_RAMP.length - 1][0]);
+  const i = HEADROOM_RAMP.findIndex((_, k) => k === HEADROOM_RAMP.length - 2 || b < HEADROOM_RAMP[k + 1][0]);
+  const [[b0, c0], [b1, c1]] = [HEADROOM_RAMP[i], HEADROOM_RAMP[i + 1]];
+  const u = (b - b0) / (b1 - b0);
+  const c = c0.map((v, k) => Math.round(v + u * (c1[k] - v)));
+  return `rgb(${c[0]},${c[1]},${c[2]})`;
+}
+
+/** The legend of the headroom grids, drawn with headroomColor itself. */
+function headroomLegend() {
+  const swatch = (bits, fill, extra = {}) => svg('svg', {viewBox: '0 0 12 12', 'aria-hidden': 'true'},
+    svg('rect', {x: 0.5, y: 0.5, width: 11, height: 11, fill, 'data-bits': bits, ...extra}));
+  const items = [el('span', {}, [swatch('nonfinite', headroomColor('nonfinite')), 'inf/NaN'])];
+  for (const [, , words, bits] of HEADROOM_CLASSES) items.push(el('span', {}, [swatch(bits, headroomColor(bits)), words]));
+  const top = HEADROOM_RAMP[HEADROOM_RAMP.length - 1][0];
+  const ramp = svg('svg', {viewBox: `0 0 ${4 * (top - 3)} 12`, class: 'ramp', 'aria-hidden': 'true'});
+  for (let bits = 4; bits <= top; bits++) {
+    ramp.append(svg('rect', {x: 4 * (bits - 4), y: 0.5, width: 4.5, height: 11, fill: headroomColor(bits), 'data-bits': bits}));
+  }
+  items.push(el('span', {}, [`${HEADROOM_RAMP[0][0]} `, ramp, ` ${top}+ bits (more room, lighter)`]));
+  items.push(el('span', {}, [swatch('zero', 'none', {stroke: '#bdbdbd'}), 'blank: all zero, or not measured at that step']));
+  return el('div', {class: 'legend headroom-legend'}, items);
+}
+
+/**
+ * Names x steps, coloured by headroom bits (headroomColor). Steps are labelled under
+ * their columns; `grid.left_out` (name -> dtype) names the variables whose layers do
+ * not compute in float16, which have no float16 headroom.
  */
 function headroomGrid(grid, title) {
   const rowH = 14;
@@ -514,7 +584,7 @@ function headroomGrid(grid, title) {
   const top = 22;
   const leftOut = Object.entries(grid.left_out || {});
   const bottom = top + grid.names.length * rowH;
-  const height = bottom + 46 + (leftOut.length ? 14 : 0);
+  const height = bottom + 32 + (leftOut.length ? 14 : 0);
   const root = svg('svg', {viewBox: `0 0 ${WIDTH} ${height}`, role: 'img', class: 'headroom-grid'});
   root.append(svg('text', {x: labelW, y: 14, class: 'muted', text: title}));
   const n = grid.steps.length;
@@ -524,11 +594,13 @@ function headroomGrid(grid, title) {
     const label = name.length > 30 ? `…${name.slice(-29)}` : name;
     root.append(svg('text', {x: labelW - 6, y: y + rowH - 3, 'text-anchor': 'end', text: label}, svg('title', {text: name})));
     grid.bits[row].forEach((bits, i) => {
-      if (bits === null) return;
-      const color = bits === 'nonfinite' ? '#7f0000' : bits < 0 ? '#c62828' : bits < 1 ? '#ef6c00' : bits < 4 ? '#fdd835' : viridis(Math.min(bits / 24, 1) * 0.6 + 0.4);
-      const words = bits === 'nonfinite' ? 'inf/NaN' : `${bits} bits`;
-      root.append(svg('rect', {x: labelW + i * cellW, y: y + 0.5, width: Math.max(cellW - 0.5, 0.5), height: rowH - 1, fill: color},
-        svg('title', {text: `${name} at step ${grid.steps[i]}: ${words}`})));
+      const color = headroomColor(bits);
+      const words = bits === 'nonfinite' ? 'inf/NaN' : bits === 'zero' ? 'all zero: no headroom to speak of'
+        : bits === null ? 'not measured at this step' : `${bits} bits`;
+      root.append(svg('rect', {
+        class: 'cell', x: labelW + i * cellW, y: y + 0.5, width: Math.max(cellW - 0.5, 0.5), height: rowH - 1,
+        fill: color || 'none', 'pointer-events': 'all', 'data-row': name, 'data-bits': bits === null ? 'none' : bits,
+      }, svg('title', {text: `${name} at step ${grid.steps[i]}: ${words}`})));
     });
   });
   if (n && grid.names.length) {
@@ -537,18 +609,16 @@ function headroomGrid(grid, title) {
     for (const i of columnTicks(n, Math.max(2, Math.min(8, Math.floor(width / 70))))) {
       const cx = labelW + (i + 0.5) * cellW;
       ticks.append(svg('line', {x1: cx, x2: cx, y1: bottom, y2: bottom + 3, stroke: '#9e9e9e'}));
-      ticks.append(svg('text', {x: cx, y: bottom + 13, 'text-anchor': 'middle', class: 'band-label muted', text: grid.steps[i].toLocaleString('en-US')}));
+      ticks.append(svg('text', {x: cx, y: bottom + 13, 'text-anchor': 'middle', class: 'band-label muted declutter', 'data-priority': i === 0 || i === n - 1 ? 0 : 1, text: grid.steps[i].toLocaleString('en-US')}));
     }
     root.append(ticks);
     root.append(svg('text', {x: labelW - 6, y: bottom + 13, 'text-anchor': 'end', class: 'band-label muted', text: 'step'}));
-    root.append(svg('text', {x: (labelW + WIDTH) / 2, y: bottom + 28, 'text-anchor': 'middle', class: 'band-label muted',
-      text: 'dark red: inf/NaN · red: < 0 bits · orange: < 1 · yellow: < 4 · green: more · blank: all zero'}));
   }
   if (leftOut.length) {
     const dtypes = [...new Set(leftOut.map(([, dtype]) => dtype))].sort().join(' and ');
     const names = leftOut.map(([name]) => name);
     const listed = names.slice(0, 4).join(', ') + (names.length > 4 ? ` and ${names.length - 4} more` : '');
-    root.append(svg('text', {x: labelW, y: bottom + 42, class: 'band-label muted left-out',
+    root.append(svg('text', {x: labelW, y: bottom + 28, class: 'band-label muted left-out',
       text: `not shown: ${listed} (${dtypes} layers: float16's max does not apply)`}));
   }
   return root;
@@ -611,12 +681,13 @@ function eventsTable(run, view) {
   return {wrap, filters};
 }
 
-function whatIfTables(summary) {
+function whatIfTables(summary, float16Note) {
   if (!('precision_whatif' in summary)) {
     return el('p', {class: 'hint', text: 'This version of kmix report has no precision what-if.'});
   }
   const whatif = summary.precision_whatif;
   const groups = whatif ? Object.entries(whatif).filter(([, g]) => g) : [];
+  if (!groups.length && float16Note) return el('p', {class: 'hint float16-note', text: `No exponent histograms in this run. ${float16Note}.`});
   if (!groups.length) {
     return el('p', {class: 'hint', text: 'No exponent histograms in this run: set histogram_freq on MixedPrecisionMonitor to record them.'});
   }
@@ -766,7 +837,11 @@ function exponentPanel(run, view, select, slot) {
   let current = data.heatmap;
   let variable = null;
   const other = run.summary.variables_not_float16 || {};
-  const draw = () => slot.replaceChildren(exponentHeatmap(current, run.float16, variable, other));
+  const draw = () => {
+    const map = exponentHeatmap(current, run.float16, variable, other);
+    slot.replaceChildren(map);
+    declutter(map);
+  };
   select.replaceChildren(...data.steps.map((s) => el('option', {value: s, text: s})));
   select.value = String(current.step);
   const load = async (step) => {
@@ -813,7 +888,9 @@ function fillRun(section, run) {
     if (banner.childNodes.length) banner.append(el('br'));
     banner.append(el('span', {class: 'runs-note'}, inline(run.runs_note)));
   }
-  q('.loss-scale').append(lossScaleChart(run, view));
+  // A run that computes nothing in float16 and whose scale never moved: no flat line.
+  if (run.loss_scale_note) q('.loss-scale').append(el('p', {class: 'hint loss-scale-note', text: run.loss_scale_note}));
+  else q('.loss-scale').append(lossScaleChart(run, view));
   const kinds = new Set(run.summary.events.map((e) => e.kind));
   q('.legend').append(...Object.keys(KINDS).filter((k) => kinds.has(k)).map((k) => el('span', {}, [swatch(k), KINDS[k].label])));
   if ((run.events_lost_between || []).length) {
@@ -837,7 +914,7 @@ function fillRun(section, run) {
     exponentPanel(run, view, q('.hist-step'), q('.exponents'));
   } else {
     q('.step-pick').hidden = true;
-    q('.exponents').append(el('p', {class: 'hint', text: 'No gradient exponent histograms: set histogram_freq on MixedPrecisionMonitor to record them.'}));
+    q('.exponents').append(el('p', {class: 'hint float16-note', text: run.float16_note || 'No gradient exponent histograms: set histogram_freq on MixedPrecisionMonitor to record them.'}));
   }
   const lines = [];
   if (run.series.overflow_headroom_bits) lines.push({series: run.series.overflow_headroom_bits, label: 'gradient headroom (bits)', color: '#1565c0'});
@@ -848,11 +925,17 @@ function fillRun(section, run) {
       refs: [{value: 0, label: 'float16 max (65504)', color: '#c62828'}, {value: 1, label: '1 bit', color: '#ef6c00', dash: '4 3'}],
     }));
   } else {
-    q('.headroom').append(el('p', {class: 'hint', text: 'No headroom was logged for this run.'}));
+    q('.headroom').append(el('p', {class: 'hint float16-note', text: run.float16_note || 'No headroom was logged for this run.'}));
   }
-  if (run.headroom_by_variable) q('.headroom-grid').append(headroomGrid(run.headroom_by_variable, 'gradient headroom per variable (whole bits) over histogram steps'));
-  if (run.activation_headroom) q('.activation-grid').append(headroomGrid(run.activation_headroom, 'activation headroom per layer (bits) over steps'));
-  q('.whatif').append(whatIfTables(run.summary));
+  const grids = [];
+  if (run.headroom_by_variable) grids.push([q('.headroom-grid'), headroomGrid(run.headroom_by_variable, 'gradient headroom per variable (whole bits) over histogram steps')]);
+  if (run.activation_headroom) grids.push([q('.activation-grid'), headroomGrid(run.activation_headroom, 'activation headroom per layer (bits) over steps')]);
+  for (const [slot, grid] of grids) {
+    slot.append(grid);
+    declutter(grid);
+  }
+  if (grids.length) grids[grids.length - 1][0].append(headroomLegend());
+  q('.whatif').append(whatIfTables(run.summary, run.float16_note));
   q('.summary').append(summaryPanel(run));
   const policy = run.summary.policy;
   q('.policy').append(policy ? markdown(policy) : el('p', {class: 'hint', text: 'No policy was recorded.'}));
@@ -881,6 +964,7 @@ async function showRuns(names) {
   const template = document.getElementById('run-template');
   const status = document.getElementById('status');
   status.textContent = 'Loading…';
+  showComparison(names);
   const started = performance.now();
   const sections = names.map((name) => {
     const section = template.content.firstElementChild.cloneNode(true);
@@ -902,17 +986,26 @@ async function showRuns(names) {
   document.body.dataset.state = 'ready';
 }
 
-/** The kmix compare tables recorded in the log dir, above the runs (hidden if none). */
-async function showComparison() {
-  const box = document.getElementById('comparison');
-  let found = [];
+/** The kmix compare tables recorded in the log dir: [{run, markdown, runs}]. */
+let COMPARISONS = [];
+
+async function readComparisons() {
   try {
-    found = (await getJSON('./comparison')).comparisons;
+    COMPARISONS = (await getJSON('./comparison')).comparisons;
   } catch (error) {
-    found = [];
+    COMPARISONS = [];
   }
-  box.hidden = !found.length;
-  box.querySelector('.comparison-body').replaceChildren(...found.map((c) => el('div', {}, [
+}
+
+/**
+ * Above the runs, the comparisons one of whose runs is ticked (`names`); one whose
+ * runs the plugin could not tell is always shown. Hidden when none is.
+ */
+function showComparison(names) {
+  const box = document.getElementById('comparison');
+  const shown = COMPARISONS.filter((c) => !(c.runs || []).length || c.runs.some((r) => names.includes(r)));
+  box.hidden = !shown.length;
+  box.querySelector('.comparison-body').replaceChildren(...shown.map((c) => el('div', {}, [
     el('p', {class: 'hint', text: `recorded in run ${c.run}`}),
     markdown(c.markdown.replace(/^## /, '')),
   ])));
@@ -920,7 +1013,7 @@ async function showComparison() {
 
 async function start() {
   document.body.dataset.state = 'loading';
-  await showComparison();
+  await readComparisons();
   let listing;
   try {
     listing = await getJSON('./runs');
@@ -934,21 +1027,31 @@ async function start() {
   picker.replaceChildren();
   document.getElementById('empty').hidden = true;
   if (!listing.runs.length) {
+    document.getElementById('run-count').textContent = '';
+    showComparison([]);
     showEmpty(listing);
     document.getElementById('runs').replaceChildren();
     document.body.dataset.state = 'ready';
     return;
   }
   const all = listing.runs.concat(listing.other_runs);
+  // The plugin picks the run to open on: the first that computes in float16.
+  const first = listing.default_run || listing.runs[0];
   const boxes = all.map((name, i) => {
-    const box = el('input', {type: 'checkbox', value: name, checked: i === 0 ? 'checked' : null});
+    const box = el('input', {type: 'checkbox', value: name, checked: name === first ? 'checked' : null});
     const label = el('label', {class: i < listing.runs.length ? null : 'no-data'}, [box, ` ${name}`]);
     if (i >= listing.runs.length) label.title = 'no kmix data';
     picker.append(label);
     return box;
   });
   const chosen = () => boxes.filter((b) => b.checked).map((b) => b.value);
-  boxes.forEach((b) => b.addEventListener('change', () => showRuns(chosen())));
+  // The picker scrolls sideways when the runs do not fit: say how many there are.
+  const count = () => (document.getElementById('run-count').textContent = `${chosen().length} of ${all.length} runs:`);
+  boxes.forEach((b) => b.addEventListener('change', () => {
+    count();
+    showRuns(chosen());
+  }));
+  count();
   await showRuns(chosen());
 }
 
