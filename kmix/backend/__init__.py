@@ -20,6 +20,7 @@ from typing import Any
 
 import keras
 
+from kmix.backend.limits import STACK_LIMIT
 from kmix.backend.tensorflow import (
     any_replica,
     compile_function,
@@ -61,6 +62,7 @@ set_random_seed = _active.set_random_seed
 __all__ = [
     "NAME",
     "NOTES_CASTS",
+    "STACK_LIMIT",
     "SUPPORTED",
     "USES_TENSORFLOW",
     "any_replica",

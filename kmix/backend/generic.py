@@ -59,8 +59,11 @@ def _unsupported(*args: Any, **kwargs: Any) -> Any:
 
 
 def reduce_rows(columns: Sequence[Any], kinds: Sequence[str]) -> list[Any]:
-    """Refused: only kmix's optimizer measures rows."""
-    return _unsupported()
+    """Reduces ``[k, n]`` matrices along their rows, one ``keras.ops`` reduction each."""
+    return [
+        ops.sum(c, axis=1) if kind == "sum" else ops.max(c, axis=1, initial=0)
+        for c, kind in zip(columns, kinds, strict=True)
+    ]
 
 
 exact_exponent = summed_rows = _unsupported

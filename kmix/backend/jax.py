@@ -16,6 +16,8 @@ import numpy as np
 from jax import lax
 from keras import ops
 
+from kmix.backend.limits import STACK_LIMIT
+
 USES_TENSORFLOW = False
 """Keras utilities that import TensorFlow (its TensorBoard callback, its seeding) would
 load it only for them: kmix avoids them here."""
@@ -23,10 +25,6 @@ load it only for them: kmix avoids them here."""
 NOTES_CASTS = True
 """JAX has no graph to read a cast's input back from: the tap notes each cast down to
 float16 as it is made (:func:`as_arrived` then returns what it is given)."""
-
-STACK_LIMIT = 1 << 16
-"""Columns with fewer elements than this are stacked before they are reduced
-(:func:`reduce_rows`); larger ones are read by one variadic reduction (no copy)."""
 
 
 def is_first_process() -> bool:

@@ -204,8 +204,9 @@ def _loss_problem(loss: str) -> str | None:
 
 
 def _not_defined(module_name: str, name: str) -> str | None:
-    """The module's file when its source plainly defines no top-level ``name`` (no def,
-    class, assignment, import or star import of it); None when it may, or is not known."""
+    """The module's file when its source plainly defines no ``name`` (no def, class,
+    assignment or import of it anywhere, no star import); None when it may, or is not
+    known."""
     import ast
     import importlib.util
 
@@ -221,20 +222,16 @@ def _not_defined(module_name: str, name: str) -> str | None:
             tree = ast.parse(file.read())
     except (OSError, SyntaxError, ValueError):
         return None  # the import says what is wrong
-    defined: set[str] = set()
-    for node in tree.body:
+    defined: set[str] = set()  # anywhere in the source (under try/if too): never refuse
+    for node in ast.walk(tree):  # what may be defined
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             defined.add(node.name)
         elif isinstance(node, ast.Import | ast.ImportFrom):
             if any(alias.name == "*" for alias in node.names):
                 return None
             defined.update((a.asname or a.name).split(".")[0] for a in node.names)
-        else:  # assignments, also inside if/try at the top: any name stored there
-            defined.update(
-                n.id
-                for n in ast.walk(node)
-                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
-            )
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
     if name in defined or "__getattr__" in defined:
         return None
     return origin

@@ -140,9 +140,14 @@ def measure_peaks(
         }
 
 
+def _one_array(value: Any) -> bool:
+    """True for one tensor of a ``tf.data`` batch (whatever Keras's backend), not a dict,
+    tuple or list of inputs."""
+    return hasattr(value, "numpy") and not isinstance(value, dict | tuple | list)
+
+
 def _save_batches(data: Any, batch_size: int, path: str) -> str | None:
     """Saves the first batches as arrays ``x`` and ``y``; returns why not, or None."""
-    import keras
     import numpy as np
 
     from kmix.compare.rounds import make_dataset
@@ -150,7 +155,7 @@ def _save_batches(data: Any, batch_size: int, path: str) -> str | None:
     dataset, _ = make_dataset(data, batch_size)
     xs, ys = [], []
     for x, y in dataset.take(MEMORY_STEPS):
-        if not (keras.ops.is_tensor(x) and keras.ops.is_tensor(y)):
+        if not (_one_array(x) and _one_array(y)):
             return "the data's x or y is not one array (a dict or tuple of inputs)"
         xs.append(x.numpy())
         ys.append(y.numpy())

@@ -75,7 +75,7 @@ def warn_unrestored(model: keras.Model) -> None:
             "assigned (BatchNormalization's statistics); these integer variables keep "
             f"the skipped step's update: {', '.join(unrestored)}.",
             StateNotRestoredWarning,
-            key=id(model),
+            key=weakref.ref(model),  # this model: a new one at the same id is told again
         )
 
 

@@ -158,7 +158,7 @@ class StepRecorder:
             flags: float vector: per gradient non-finite, then loss non-finite, then
                 loss unknown (already agreed across replicas).
             before: :meth:`before_step`'s values.
-            forward: ``(origin, stats)`` of :func:`kmix.record.record.measure_forward`,
+            forward: ``(origin, stats)`` of :func:`kmix.record.measure_forward`,
                 or None without a tapped forward pass.
             on_skip: called in-graph on a skipped step (undoes what the forward pass
                 assigned), or None.

@@ -81,15 +81,16 @@ def apply(optimizer: Any, grads: list, trainable_variables: list | None) -> None
 def stateless_apply(
     optimizer: Any, optimizer_variables: list, grads: list, variables: list
 ) -> tuple[list, list]:
-    """Keras's stateless apply (the optimizer's ``apply`` inside a ``StatelessScope``).
+    """Refused on TensorFlow, as Keras refuses its own optimizers' (``fit`` never calls it
+    there; Keras's inner optimizers cannot run it under ``tf.distribute``).
 
-    ``fit`` on TensorFlow never calls it; it is here for code that does.
-
-    Returns:
-        ``(trainable_values, optimizer_values)`` after the step.
+    Raises:
+        ValueError: always, saying what to call instead.
     """
-    return keras.optimizers.LossScaleOptimizer.stateless_apply(
-        optimizer, optimizer_variables, grads, variables
+    raise ValueError(
+        "kmix.LossScaleOptimizer.stateless_apply() is not supported on the TensorFlow "
+        "backend (Keras's optimizers refuse it there: it is incompatible with "
+        "tf.distribute); call optimizer.apply(grads, variables), or use KERAS_BACKEND=jax."
     )
 
 

@@ -27,8 +27,9 @@ needed. kmix therefore prefers it there; ``kmix.use("mixed_float16")`` remains a
 explicit choice on those GPUs.
 
 Without a GPU or TPU, what ``kmix.use("mixed_float16")`` says of float16's speed is
-measured: a small float16 and float32 matmul timed on the CPU once per process, with the
-kernels the Keras backend runs (TensorFlow's, or on JAX XLA's, without importing
+measured: a matmul and a convolution, each forward and backward as training runs them,
+timed in float16 and float32 on the CPU once per process, with the kernels the Keras
+backend runs (TensorFlow's, or on JAX XLA's, without importing
 TensorFlow; ``kmix/policy/timing.py``, judged by ``kmix/policy/speed.py``); it warns with the
 measured ratio when float16 is slower beyond the noise and by 1.2x or more, states the
 ratio in the choice's reason otherwise, and claims nothing it did not measure.
@@ -112,9 +113,10 @@ def use(
             ``kmix.hardware()``.
         measured: float16's and float32's speed on this CPU, judged when ``policy``
             computes in float16 and ``detected`` has no GPU or TPU; ``None`` times a
-            small float16 and float32 matmul on the CPU with the Keras backend's kernels
-            (once per process, about 0.1 s, JAX's compilation aside; ``kmix doctor``
-            times more).
+            matmul and a convolution, forward and backward, in float16 and float32 on
+            the CPU with the Keras backend's kernels (once per process: a fraction of a
+            second where float16 is not pathological, seconds where it is; ``kmix
+            doctor`` times bfloat16 too).
 
     Returns:
         A :class:`PolicyChoice` with the policy name, the reason and the hardware.

@@ -45,7 +45,7 @@ def should_check_onednn(
 
     Args:
         policy: the ``--policy`` given to ``kmix demo``.
-        cpu_flags: the CPU's flags, e.g. ``kmix.policy.machine.machine.read_cpuinfo()[1]``.
+        cpu_flags: the CPU's flags, e.g. ``kmix.policy.machine.read_cpuinfo()[1]``.
         environ: the environment variables (``kmix demo`` sets ``KERAS_BACKEND`` first).
         tensorflow_imported: whether TensorFlow is imported in this process.
 

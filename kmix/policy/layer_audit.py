@@ -196,8 +196,9 @@ def _output_dtype(layer: Any) -> str:
     import keras
 
     compute = str(layer.compute_dtype)
+    moved = compute not in _HALF and type(layer).__name__ != "InputLayer"  # it computes
     dtypes = dict.fromkeys(
-        compute if str(t.dtype) in _HALF and compute not in _HALF else str(t.dtype)
+        compute if moved and str(t.dtype) in _HALF else str(t.dtype)
         for t in keras.tree.flatten(output)
     )
     return ",".join(dtypes) or UNKNOWN
@@ -389,9 +390,7 @@ def _tensor_core_alignment(model: Any, layers: Layers) -> list[Finding]:
     """
     import keras
 
-    from kmix.policy.machine import hardware
-
-    if not any(g.compute_capability and g.compute_capability >= (7, 0) for g in hardware().gpus):
+    if not any(layer.compute_dtype in HALF for _, layer in layers) or not _tensor_cores():
         return []
     fed = {id(layer) for layer in _layers.consumers_of_inputs(model)}
     final = {id(layer) for layer in _layers.producers_of_outputs(model)}
@@ -422,6 +421,19 @@ def _tensor_core_alignment(model: Any, layers: Layers) -> list[Finding]:
                 )
             )
     return findings
+
+
+def _tensor_cores() -> bool:
+    """Whether this machine has tensor cores (a GPU of compute capability 7.0 or newer),
+    asked only on Keras's TensorFlow or JAX backend (elsewhere detecting GPUs would import
+    TensorFlow for this question alone)."""
+    from kmix.policy import machine
+
+    if machine.keras_backend() not in ("tensorflow", "jax"):
+        return False
+    return any(
+        g.compute_capability and g.compute_capability >= (7, 0) for g in machine.hardware().gpus
+    )
 
 
 def _unbuilt_layers(model: Any, layers: Layers) -> list[Finding]:

@@ -7,8 +7,8 @@ same in float32 and float16 once per process on machines without a GPU or TPU, a
 ``kmix demo`` in a fresh process before TensorFlow starts; each judges with
 :func:`float16_cpu_finding` (the slowest op decides: training runs them all);
 ``kmix/policy/timing.py`` takes the times with the Keras backend's own library (the only
-part that touches TensorFlow or JAX: TensorFlow's eager CPU kernels, or on Keras's JAX
-backend XLA's, jit-compiled) and this module judges them, pure functions over typed
+part that touches TensorFlow or JAX: TensorFlow's CPU kernels in a ``tf.function``, or on
+Keras's JAX backend XLA's, jit-compiled) and this module judges them, pure functions over typed
 values (:class:`Timing`, :class:`SpeedMeasurement`, :class:`Ratio`). A cell that could
 not be timed is absent from ``timings`` and explained in ``missing``; no number stands in
 for it.

@@ -160,7 +160,7 @@ def measure_in_subprocess(
     """
     backend = backend_without_importing(sys.modules, os.environ) if backend is None else backend
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", **environ_changes}
-    command = [sys.executable, "-m", "kmix.policy.timing"]
+    command = [sys.executable, "-c", CHILD]
     command += ["--ops", ",".join(ops), "--dtypes", ",".join(dtypes)]
     if backend is not None:  # the same kernels as here, and Keras there on the same backend
         env["KERAS_BACKEND"] = backend
@@ -219,6 +219,10 @@ def float16_probe() -> SpeedMeasurement:
         _float16_probe.append(measure(OPS, ("float32", "float16"), rounds=5, round_seconds=0.01))
     return _float16_probe[0]
 
+
+CHILD = "import sys; from kmix.policy.timing import _main; sys.exit(_main(sys.argv[1:]))"
+"""What the measuring process runs (not ``-m kmix.policy.timing``: ``kmix.policy`` imports
+this module first, and runpy would warn that it runs it twice)."""
 
 OpCall = Callable[[str, str], Callable[[], Any]]
 """``(op, dtype) -> call``: a function running the op once in the dtype on the CPU."""

@@ -45,8 +45,9 @@ class TappedCall(NamedTuple):
     """One call of a tapped layer, as recorded during a trace.
 
     Attributes:
-        path: the layer's path (``layer.path``, else its path in the model), with
-            ``#k`` appended for its k-th call (k ≥ 2) in the same step.
+        path: the layer's path, unique in the model (:func:`kmix._layers.walk_layers`,
+            given when the tap's calls are taken), with ``#k`` appended for its k-th
+            call (k ≥ 2) in the same step.
         inputs: the tensors among the call's arguments, flattened, in argument order.
         outputs: what ``call`` returned (a tensor or a nested structure).
         class_name: the layer's class name, e.g. ``"Dense"``.
@@ -120,7 +121,7 @@ class ForwardOriginTensors(NamedTuple):
             the first layer with a non-finite output; -1 when every output is finite.
         max_abs_input: float32; that layer's largest finite ``|input|`` over its float and
             integer inputs, as they arrived (before Keras cast them to float16: see
-            :func:`kmix.optimizer.tap.as_arrived`); NaN when it has neither; 0 for -1.
+            :func:`kmix.backend.as_arrived`); NaN when it has neither; 0 for -1.
         inputs_finite: bool; whether all that layer's float inputs were finite (True for
             -1).
     """

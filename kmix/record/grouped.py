@@ -23,12 +23,9 @@ import numpy as np
 from keras import ops
 
 from kmix import backend
+from kmix.backend import STACK_LIMIT
 
 __all__ = ["reduce_rows", "row_sizes", "rows_per_tensor"]
-
-
-STACK_LIMIT = 1 << 16
-"""Tensors of this many elements or more are measured alone: stacking copies them."""
 
 
 def _group_key(tensor: Any, index: int) -> tuple:

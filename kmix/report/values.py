@@ -115,7 +115,8 @@ class Forecast:
     """Where a falling headroom series reaches 0 bits (float16's max) at its trend.
 
     Attributes:
-        series: ``"gradients"`` or ``"activations of <layer>"``.
+        series: ``"activations of <layer>"`` (the gradients' headroom is not forecast:
+            the loss scale drives it toward 0 on every run).
         zero_step: the step at which the fitted line reaches 0 bits.
         bits_per_step: the fitted slope (negative).
         last_step: the last step fitted.

@@ -53,7 +53,7 @@ def parse_comparison(text: str) -> dict[str, Any] | None:
         text: a record's text.
 
     Returns:
-        The dict (``kmix.compare.comparison.comparison_from_dict`` rebuilds the value), or None.
+        The dict (``kmix.compare.comparison_from_dict`` rebuilds the value), or None.
     """
     try:
         data = json.loads(text)

@@ -612,3 +612,19 @@ def test_a_directory_holding_a_comparison_lists_its_runs_not_the_record(tmp_path
     assert out.splitlines()[-1] == (
         f"{compared} holds a kmix compare: kmix report {compared} shows its table"
     )
+
+
+def test_a_function_defined_under_try_or_if_is_not_refused(user_module):
+    (user_module / "guarded.py").write_text(
+        "try:\n    import nothing_here\nexcept ImportError:\n    def model():\n        return 1\n"
+    )
+    assert load_target("guarded:model", "MODULE:FUNCTION")() == 1
+
+
+def test_a_batch_of_one_array_is_told_from_a_dict_whatever_the_backend():
+    import tensorflow as tf
+
+    from kmix.compare.memory import _one_array
+
+    assert _one_array(tf.constant([1.0])) and not _one_array({"x": tf.constant([1.0])})
+    assert not _one_array((tf.constant([1.0]),))

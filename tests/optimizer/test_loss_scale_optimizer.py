@@ -905,3 +905,20 @@ def test_input_handling_errors_name_the_argument():
     model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
     with pytest.raises(TypeError, match="`callbacks`.*callbacks=None"):
         kmix.callbacks.LoopDriver(model, None)
+
+
+def test_stateless_apply_on_tensorflow_says_what_to_call_instead():
+    """fit on TensorFlow never calls it, and Keras's optimizers refuse it there: one line."""
+    w = keras.Variable(np.ones(2, "float32"))
+    opt = kmix.LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=4.0)
+    opt.build([w])
+    values = [v.value for v in opt.variables]
+    with pytest.raises(ValueError, match=r"not supported on the TensorFlow backend.*apply\("):
+        opt.stateless_apply(values, [np.float32([4.0, 8.0])], [w.value])
+
+
+def test_the_0_1_0_names_of_the_optimizer_module_warn():
+    import kmix.optimizer
+
+    with pytest.warns(kmix.KmixDeprecationWarning, match=r"use kmix.record.INT64_MAX"):
+        assert kmix.optimizer.INT64_MAX == record.INT64_MAX

@@ -399,3 +399,15 @@ def test_public_names():
     assert kmix.audit(model) == audit(model)
     assert audit_module(model) == audit(model)
     assert kmix.AuditReport is AuditReport
+
+
+def test_tensor_cores_are_not_looked_for_on_another_backend(monkeypatch):
+    """Detecting GPUs there would import TensorFlow for this question alone."""
+    from kmix.policy import layer_audit, machine
+
+    def no(*args):
+        raise AssertionError("hardware() called")
+
+    monkeypatch.setattr(machine, "keras_backend", lambda: "torch")
+    monkeypatch.setattr(machine, "hardware", no)
+    assert layer_audit._tensor_cores() is False

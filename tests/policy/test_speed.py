@@ -492,8 +492,7 @@ def test_measure_in_subprocess_runs_the_child_on_the_same_backend(monkeypatch):
     assert probe.measure_in_subprocess({}, ("matmul",), backend="jax").timings == ON_JAX.timings
     command, env = runs[-1]
     assert command[1:] == [
-        "-m", "kmix.policy.timing", "--ops", "matmul", "--dtypes", "float32,float16",
-        "--backend", "jax",
+        "-c", probe.CHILD, "--ops", "matmul", "--dtypes", "float32,float16", "--backend", "jax",
     ]  # fmt: skip
     assert env["KERAS_BACKEND"] == "jax"
     probe.measure_in_subprocess({"TF_ENABLE_ONEDNN_OPTS": "0"})  # this process's backend
