@@ -171,3 +171,18 @@ def test_no_module_is_longer_than_500_lines_and_the_optimizer_class_350():
         n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LossScaleOptimizer"
     ]
     assert cls.end_lineno - cls.lineno + 1 <= 350
+
+
+@pytest.mark.slow
+def test_importing_kmix_and_choosing_a_policy_change_nothing_in_keras():
+    """kmix's fit wrapper comes with a kmix optimizer or callback, never with an import."""
+    import subprocess
+    import sys
+
+    code = (
+        "import kmix, keras; f = keras.Model.fit; kmix.use('mixed_float16'); "
+        "import kmix.callbacks, kmix.report; assert keras.Model.fit is f; "
+        "kmix.callbacks.MixedPrecisionMonitor('unused'); assert keras.Model.fit is not f"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
