@@ -236,10 +236,20 @@ def _cpu_op_calls(backend: str) -> Iterator[OpCall]:
 
         yield functools.partial(_jax_op_call, jax)
         return
+    import logging
+
     import tensorflow as tf
 
-    with tf.device("/CPU:0"):
-        yield functools.partial(_tf_op_call, tf)
+    # Each op is traced once per dtype on purpose; TensorFlow would call that "excessive
+    # retracing" on stderr (kmix doctor's output). Its logger is quiet for the block only.
+    logger = logging.getLogger("tensorflow")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with tf.device("/CPU:0"):
+            yield functools.partial(_tf_op_call, tf)
+    finally:
+        logger.setLevel(level)
 
 
 def _inputs(op: str) -> tuple[np.ndarray, ...]:
@@ -258,20 +268,27 @@ def _tf_op_call(tf: Any, op: str, dtype: str) -> Callable[[], Any]:
     respect to both inputs, for an upstream gradient of ones.
     """
     a, b = (tf.cast(tf.constant(x), dtype) for x in _inputs(op))
+    if op not in _TF_TRAIN:  # one function per op, traced once per dtype
 
-    def forward(x: Any, y: Any) -> Any:
-        if op == "matmul":
-            return tf.linalg.matmul(x, y)
-        return tf.nn.conv2d(x, y, strides=1, padding="SAME")
+        def forward(x: Any, y: Any) -> Any:
+            if op == "matmul":
+                return tf.linalg.matmul(x, y)
+            return tf.nn.conv2d(x, y, strides=1, padding="SAME")
 
-    @tf.function(autograph=False)
-    def train(x: Any, y: Any) -> Any:
-        with tf.GradientTape() as tape:
-            tape.watch([x, y])
-            out = forward(x, y)
-        return tape.gradient(out, [x, y], output_gradients=tf.ones_like(out))
+        def train(x: Any, y: Any) -> Any:
+            with tf.GradientTape() as tape:
+                tape.watch([x, y])
+                out = forward(x, y)
+            return tape.gradient(out, [x, y], output_gradients=tf.ones_like(out))
 
-    return lambda: train(a, b)
+        _TF_TRAIN[op] = tf.function(train, autograph=False)
+    train_step = _TF_TRAIN[op]
+    return lambda: train_step(a, b)
+
+
+_TF_TRAIN: dict[str, Any] = {}
+"""The probe's ``tf.function`` per op (a new one per cell made TensorFlow warn of
+retracing on stderr, in kmix doctor's output)."""
 
 
 def _jax_op_call(jax: Any, op: str, dtype: str) -> Callable[[], Any]:
