@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from kmix.policy import machine
 from kmix.policy.speed import (
+    ONEDNN_FLOAT16_FLAGS,
     OPS,
     PATHOLOGICAL,
     SpeedMeasurement,
@@ -26,10 +27,6 @@ from kmix.policy.speed import (
 from kmix.policy.timing import measure_in_subprocess
 
 __all__ = ["avoid_slow_float16_path", "onednn_note", "should_check_onednn", "step_line"]
-
-ONEDNN_FLOAT16_FLAGS = ("amx_fp16", "avx512_fp16")
-"""CPU flags on which oneDNN takes its own float16 path (elsewhere TensorFlow 2.21 falls
-back to Eigen's kernels: "oneDNN supports DT_HALF only on platforms with AVX-512 ...")."""
 
 
 def should_check_onednn(

@@ -51,6 +51,11 @@ WORTH_A_WARNING = 1.2
 this many times float32's time: a few percent (1.04x measured on the 2-core AMD EPYC) is
 stated in the choice's reason, not warned about."""
 
+ONEDNN_FLOAT16_FLAGS = ("amx_fp16", "avx512_fp16")
+"""CPU flags on which oneDNN takes its own float16 path (elsewhere TensorFlow 2.21 falls
+back to Eigen's kernels: "oneDNN supports DT_HALF only on platforms with AVX-512 ...")."""
+
+
 ONEDNN_FIX = (
     "set TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow is imported "
     "(e.g. TF_ENABLE_ONEDNN_OPTS=0 python train.py), which turns oneDNN's CPU kernels off"
@@ -106,6 +111,10 @@ class SpeedMeasurement:
             None when ``backend`` is ``"jax"``.
         seconds: the wall time the measurement took, in seconds.
         backend: whose kernels were timed, one of :data:`BACKENDS`.
+        onednn_float16_cpu: whether the CPU has a flag of :data:`ONEDNN_FLOAT16_FLAGS`,
+            on which oneDNN runs float16 itself (elsewhere TensorFlow falls back to
+            Eigen's float16 kernels, and oneDNN is not what makes float16 slow); None
+            when not known.
     """
 
     timings: tuple[Timing, ...] = ()
@@ -114,6 +123,7 @@ class SpeedMeasurement:
     onednn_setting: str | None = None
     seconds: float = 0.0
     backend: str = "tensorflow"
+    onednn_float16_cpu: bool | None = None
 
     def timing(self, op: str, dtype: str) -> Timing | None:
         """The timing of one cell, or None when it was not timed."""
@@ -146,6 +156,7 @@ class SpeedMeasurement:
             onednn_setting=value["onednn_setting"],
             seconds=float(value["seconds"]),
             backend=str(value["backend"]),
+            onednn_float16_cpu=value.get("onednn_float16_cpu"),
         )
 
 
@@ -278,12 +289,14 @@ def onednn_fix_applies(measured: SpeedMeasurement) -> bool:
         measured: the measurement.
 
     Returns:
-        True when TensorFlow's kernels were timed with oneDNN on and a float16 op took
+        True when TensorFlow's kernels were timed with oneDNN on, on a CPU where oneDNN
+        runs float16 itself (or one not known), and a float16 op took
         :data:`PATHOLOGICAL` times float32's time or more (never for JAX's).
     """
     return (
         measured.backend == "tensorflow"
         and measured.onednn is True
+        and measured.onednn_float16_cpu is not False
         and any(
             r.dtype == "float16" and r.verdict == "pathological" for r in speed_ratios(measured)
         )

@@ -37,7 +37,16 @@ from typing import Any
 
 import numpy as np
 
-from kmix.policy.speed import BACKENDS, DTYPES, OPS, Missing, SpeedMeasurement, Timing
+from kmix.policy.machine import read_cpuinfo
+from kmix.policy.speed import (
+    BACKENDS,
+    DTYPES,
+    ONEDNN_FLOAT16_FLAGS,
+    OPS,
+    Missing,
+    SpeedMeasurement,
+    Timing,
+)
 
 ROUNDS = 5
 """Rounds per cell (a call slower than :data:`SLOW_CALL_S` gets 2)."""
@@ -120,6 +129,7 @@ def measure(
                 count = max(1, min(100, round(round_seconds / max(sizes[cell], 1e-6))))
                 seconds[cell].append(_time_calls(call, count))
     tensorflow = backend == "tensorflow"
+    flags = read_cpuinfo()[1]
     return SpeedMeasurement(
         timings=tuple(Timing(op, dtype, tuple(s)) for (op, dtype), s in seconds.items()),
         missing=tuple(missing),
@@ -127,6 +137,7 @@ def measure(
         onednn_setting=os.environ.get("TF_ENABLE_ONEDNN_OPTS") if tensorflow else None,
         seconds=time.perf_counter() - start,
         backend=backend,
+        onednn_float16_cpu=any(f in flags for f in ONEDNN_FLOAT16_FLAGS) if tensorflow else None,
     )
 
 

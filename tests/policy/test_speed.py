@@ -612,3 +612,29 @@ def test_the_demo_compares_its_own_step_times():
         "float32 13.5 ms (an epoch a call): 26x; mixed_float16 is pathologically slow on this "
         "machine: kmix doctor times each op in each dtype and says what helps"
     )
+
+
+def test_onednn_is_not_blamed_where_it_does_not_run_float16():
+    """On a CPU without AVX512_FP16 or AMX-FP16 (this AMD EPYC), TensorFlow runs float16 on
+    Eigen's kernels with oneDNN on or off: a slow float16 convolution there is no oneDNN
+    path to turn off (measured here: 12.3 ms on, 12.0 ms off; 13x float32's time)."""
+    amd = dataclasses.replace(XEON_TRAINING, onednn_float16_cpu=False)
+    assert not onednn_fix_applies(amd)
+    sentence, slow = float16_cpu_finding(amd)
+    assert slow and "oneDNN" not in sentence
+    assert doctor_lines(amd)[-1] == (
+        "no fix kmix knows for the pathologically slow dtype: use a policy that avoids it "
+        "(kmix compare measures each policy on your model)"
+    )
+    assert demo_check.onednn_note(amd) is None
+    assert SpeedMeasurement.from_dict(json.loads(json.dumps(amd.to_dict()))) == amd
+
+
+def test_the_probe_says_whether_the_cpu_runs_float16_on_onednn():
+    from kmix.policy.machine import read_cpuinfo
+
+    measured = probe.measure(("matmul",), ("float32",), rounds=1, round_seconds=0.001)
+    flags = read_cpuinfo()[1]
+    assert measured.onednn_float16_cpu == any(
+        flag in flags for flag in probe_rules.ONEDNN_FLOAT16_FLAGS
+    )
