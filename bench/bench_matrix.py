@@ -29,7 +29,8 @@ Configurations (``stock`` always runs: the ratios are to it):
 * ``monitor_histograms`` and ``monitor_guard``: the two halves of ``everything``, to
   tell their costs apart (only with ``--config``).
 * ``autopilot``: ``monitor`` + ``kmix.callbacks.PrecisionAutopilot()`` (proactive: it
-  asks for statistics every 100 steps, its default, as the monitor does); ``autopilot_reactive``: with ``proactive=False``
+  asks for statistics every 100 steps, its default, as the monitor does);
+  ``autopilot_reactive``: with ``proactive=False``
   (issue 22: ratio to ``monitor`` ≤ 1.01×; only with ``--config``).
 
 ``--jit`` compiles every configuration with ``jit_compile=True`` (default: off, Keras's
