@@ -449,8 +449,10 @@ def float16_cpu_finding(measured: SpeedMeasurement) -> tuple[str, bool]:
 
 
 def format_ratio(ratio: float) -> str:
-    """A ratio as ``3.41x``; three significant digits from 10 up (``412x``)."""
-    return f"{ratio:.2f}x" if ratio < 10 else f"{ratio:.0f}x"
+    """A ratio to three significant digits: ``3.41x``, ``19.5x``, ``412x`` (whole from 100)."""
+    if ratio < 10:
+        return f"{ratio:.2f}x"
+    return f"{ratio:.1f}x" if ratio < 100 else f"{ratio:.0f}x"
 
 
 def format_seconds(seconds: float) -> str:
