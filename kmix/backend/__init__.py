@@ -20,7 +20,7 @@ from typing import Any
 
 import keras
 
-from kmix.backend.limits import STACK_LIMIT
+from kmix.backend.common import STACK_LIMIT
 from kmix.backend.tensorflow import (
     any_replica,
     compile_function,

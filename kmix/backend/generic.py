@@ -7,12 +7,12 @@ optimizer needs (:func:`exact_exponent`, :func:`reduce_rows`, ...) raises, and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import keras
-import numpy as np
 from keras import ops
+
+from kmix.backend.common import numpy_value, reduce_each, retrace, unchanged
 
 USES_TENSORFLOW = False
 """Keras utilities that import TensorFlow would load it only for them."""
@@ -36,17 +36,6 @@ def rare_cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
     return ops.cond(pred, true_fn, false_fn)
 
 
-def retrace_all(model: Any) -> None:
-    """Makes ``model``'s train, evaluate and predict functions trace again at their next call."""
-    model.make_train_function(force=True)
-    model.test_function = model.predict_function = None
-
-
-def host_value(variable: Any) -> np.ndarray:
-    """A Keras variable's value on the host."""
-    return np.asarray(ops.convert_to_numpy(variable))
-
-
 def int64_dtype() -> str:
     """``"int64"``."""
     return "int64"
@@ -58,15 +47,8 @@ def _unsupported(*args: Any, **kwargs: Any) -> Any:
     )
 
 
-def reduce_rows(columns: Sequence[Any], kinds: Sequence[str]) -> list[Any]:
-    """Reduces ``[k, n]`` matrices along their rows, one ``keras.ops`` reduction each."""
-    return [
-        ops.sum(c, axis=1) if kind == "sum" else ops.max(c, axis=1, initial=0)
-        for c, kind in zip(columns, kinds, strict=True)
-    ]
-
-
 exact_exponent = summed_rows = _unsupported
+retrace_all, reduce_rows, host_value, as_arrived = retrace, reduce_each, numpy_value, unchanged
 
 
 def trace_root(outputs: Any) -> Any:
@@ -77,11 +59,6 @@ def trace_root(outputs: Any) -> Any:
 def is_traced(outputs: Any) -> bool:
     """False: no trace is recorded."""
     return False
-
-
-def as_arrived(tensor: Any) -> Any:
-    """``tensor`` as it is."""
-    return tensor
 
 
 def set_random_seed(seed: int) -> None:

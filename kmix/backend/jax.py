@@ -16,11 +16,17 @@ import numpy as np
 from jax import lax
 from keras import ops
 
-from kmix.backend.limits import STACK_LIMIT
+from kmix.backend.common import STACK_LIMIT, numpy_value, retrace, unchanged
 
 USES_TENSORFLOW = False
 """Keras utilities that import TensorFlow (its TensorBoard callback, its seeding) would
 load it only for them: kmix avoids them here."""
+
+host_value = numpy_value
+"""A Keras variable's value on the host."""
+
+as_arrived = unchanged
+"""``tensor``: on JAX the tap notes casts as they are made (:data:`NOTES_CASTS`)."""
 
 NOTES_CASTS = True
 """JAX has no graph to read a cast's input back from: the tap notes each cast down to
@@ -63,13 +69,7 @@ def retrace_all(model: Any) -> None:
     its next call; kmix does this only when it moves a layer).
     """
     jax.clear_caches()
-    model.make_train_function(force=True)
-    model.test_function = model.predict_function = None
-
-
-def host_value(variable: Any) -> np.ndarray:
-    """A Keras variable's value on the host."""
-    return np.asarray(ops.convert_to_numpy(variable))
+    retrace(model)
 
 
 def int64_dtype() -> str:
@@ -153,11 +153,6 @@ def trace_root(outputs: Any) -> Any:
 def is_traced(outputs: Any) -> bool:
     """True when ``outputs`` are tracers of a live trace."""
     return trace_root(outputs) is not None
-
-
-def as_arrived(tensor: Any) -> Any:
-    """``tensor``: on JAX the tap notes casts as they are made (:data:`NOTES_CASTS`)."""
-    return tensor
 
 
 def set_random_seed(seed: int) -> None:

@@ -8,16 +8,23 @@ memory). TensorFlow is imported inside each function, when it is called.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import keras
 import numpy as np
-from keras import ops
+
+from kmix.backend.common import numpy_value, reduce_each, retrace
 
 USES_TENSORFLOW = True
 """Keras utilities that import TensorFlow (its TensorBoard callback, its seeding) cost
 nothing more here: TensorFlow is the backend."""
+
+retrace_all = retrace
+"""Makes ``model``'s train, evaluate and predict functions trace again at their next call."""
+
+reduce_rows = reduce_each
+"""Reduces ``[k, n]`` matrices along their rows, one reduction each."""
 
 NOTES_CASTS = False
 """A float16 layer's input as it arrived is read back from the graph (:func:`as_arrived`),
@@ -97,12 +104,6 @@ def rare_cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
     return None if returns[0] else result[1]
 
 
-def retrace_all(model: Any) -> None:
-    """Makes ``model``'s train, evaluate and predict functions trace again at their next call."""
-    model.make_train_function(force=True)
-    model.test_function = model.predict_function = None
-
-
 def host_value(variable: Any) -> np.ndarray:
     """A Keras variable's value on the host, with one raw read.
 
@@ -124,7 +125,7 @@ def host_value(variable: Any) -> np.ndarray:
     value = getattr(variable, "value", variable)
     if isinstance(value, BaseResourceVariable):
         return tf.raw_ops.ReadVariableOp(resource=value.handle, dtype=value.dtype).numpy()
-    return np.asarray(ops.convert_to_numpy(variable))
+    return numpy_value(variable)
 
 
 def int64_dtype() -> str:
@@ -149,15 +150,6 @@ def summed_rows(indices: Any, values: Any) -> Any:
 
     rows, position = tf.unique(indices)
     return tf.math.unsorted_segment_sum(values, position, tf.size(rows))
-
-
-def reduce_rows(columns: Sequence[Any], kinds: Sequence[str]) -> list[Any]:
-    """Reduces ``[k, n]`` matrices along their rows, one reduction each (see
-    :func:`kmix.record.grouped.reduce_rows`)."""
-    return [
-        ops.sum(c, axis=1) if kind == "sum" else ops.max(c, axis=1, initial=0)
-        for c, kind in zip(columns, kinds, strict=True)
-    ]
 
 
 def trace_root(outputs: Any) -> Any:

@@ -1,0 +1,43 @@
+"""What every backend module shares: a size, and the primitives plain ``keras.ops`` answer.
+
+A leaf of the backend package: each backend module binds from here what needs nothing of
+its own library, so the face's names mean one thing wherever they agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from keras import ops
+
+STACK_LIMIT = 1 << 16
+"""Elements from which a tensor is measured alone rather than stacked with others of its
+shape (:mod:`kmix.record.grouped`), and below which JAX stacks a reduction's columns
+(:func:`kmix.backend.jax.reduce_rows`): a stack is a copy, cheap only when small."""
+
+
+def reduce_each(columns: Sequence[Any], kinds: Sequence[str]) -> list[Any]:
+    """Reduces ``[k, n]`` matrices along their rows, one ``keras.ops`` reduction each:
+    ``"sum"``, or ``"max"`` from 0 (magnitudes)."""
+    return [
+        ops.sum(c, axis=1) if kind == "sum" else ops.max(c, axis=1, initial=0)
+        for c, kind in zip(columns, kinds, strict=True)
+    ]
+
+
+def retrace(model: Any) -> None:
+    """Makes ``model``'s train, evaluate and predict functions trace again at their next call."""
+    model.make_train_function(force=True)
+    model.test_function = model.predict_function = None
+
+
+def numpy_value(variable: Any) -> np.ndarray:
+    """A Keras variable's value on the host, through Keras."""
+    return np.asarray(ops.convert_to_numpy(variable))
+
+
+def unchanged(tensor: Any) -> Any:
+    """``tensor`` as it is (where a cast's input is not read back from a graph)."""
+    return tensor
