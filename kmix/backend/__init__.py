@@ -2,11 +2,11 @@
 
 Keras reads ``KERAS_BACKEND`` once, when it is imported; this package asks Keras once,
 when it is first imported, and binds the names below to the module of that backend
-(:mod:`kmix.backend.tensorflow`, :mod:`kmix.backend.jax`; :mod:`kmix.backend.generic`
-for a backend kmix's optimizer does not run on). Each module defines the same names, as
-``keras/src/backend/__init__.py`` does for Keras. Nothing else in kmix asks which backend
-it runs on: a new backend is a module here (and a line in ``_MODULES``) and a step module
-in :mod:`kmix.optimizer`.
+(:mod:`kmix.backend.tensorflow`, :mod:`kmix.backend.jax`, :mod:`kmix.backend.torch`;
+:mod:`kmix.backend.generic` for a backend kmix's optimizer does not run on). Each module
+defines the same names, as ``keras/src/backend/__init__.py`` does for Keras. Nothing else
+in kmix asks which backend it runs on: a new backend is a module here (and a line in
+``_MODULES``) and a step module in :mod:`kmix.optimizer`.
 
 Also here, whatever the backend: TensorFlow's own tools that kmix uses (``tf.data`` for
 ``kmix compare``, ``tf.distribute`` for :class:`kmix.callbacks.LoopDriver`, device memory),
@@ -33,10 +33,14 @@ from kmix.backend.tensorflow import (
     reset_peak_memory,
 )
 
-SUPPORTED = ("tensorflow", "jax")
+SUPPORTED = ("tensorflow", "jax", "torch")
 """Backends kmix.LossScaleOptimizer runs on."""
 
-_MODULES = {"tensorflow": "kmix.backend.tensorflow", "jax": "kmix.backend.jax"}
+_MODULES = {
+    "tensorflow": "kmix.backend.tensorflow",
+    "jax": "kmix.backend.jax",
+    "torch": "kmix.backend.torch",
+}
 
 NAME: str = keras.backend.backend()
 """The Keras backend of this process, e.g. ``"tensorflow"`` or ``"jax"``."""
@@ -58,6 +62,7 @@ trace_root = _active.trace_root
 is_traced = _active.is_traced
 as_arrived = _active.as_arrived
 set_random_seed = _active.set_random_seed
+step_scope = _active.step_scope
 
 __all__ = [
     "NAME",
@@ -86,6 +91,7 @@ __all__ = [
     "reset_peak_memory",
     "retrace_all",
     "set_random_seed",
+    "step_scope",
     "summed_rows",
     "trace_root",
     "worker_count",
@@ -99,13 +105,13 @@ def check_supported(owner: str) -> None:
         owner: who asks, e.g. ``"kmix.LossScaleOptimizer"``.
 
     Raises:
-        ValueError: the active backend is neither TensorFlow nor JAX.
+        ValueError: the active backend is not one of :data:`SUPPORTED`.
     """
     if NAME not in SUPPORTED:
         raise ValueError(
             f"{owner} does not support the Keras backend {NAME!r} yet (it runs on "
-            "'tensorflow' and 'jax'): set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax "
-            "before importing keras."
+            "'tensorflow', 'jax' and 'torch'): set KERAS_BACKEND to one of them before "
+            "importing keras."
         )
 
 

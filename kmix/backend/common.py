@@ -6,9 +6,11 @@ its own library, so the face's names mean one thing wherever they agree.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -38,6 +40,39 @@ def numpy_value(variable: Any) -> np.ndarray:
     return np.asarray(ops.convert_to_numpy(variable))
 
 
+def no_step_scope() -> contextlib.AbstractContextManager:
+    """The block of one train step, where the step is traced (nothing to open)."""
+    return contextlib.nullcontext()
+
+
 def unchanged(tensor: Any) -> Any:
     """``tensor`` as it is (where a cast's input is not read back from a graph)."""
     return tensor
+
+
+def seed_without_tensorflow(seed: int) -> None:
+    """Seeds Python, NumPy and Keras as ``keras.utils.set_random_seed`` does, without
+    importing TensorFlow (Keras's function seeds TensorFlow too, for ``tf.data``).
+
+    Keras's lazy handle on TensorFlow is told, for the call, that TensorFlow is absent;
+    once TensorFlow is imported anyway, or where that handle is not as expected (another
+    Keras version), Keras's function runs as is.
+    """
+    import sys
+
+    if "tensorflow" in sys.modules:
+        keras.utils.set_random_seed(seed)
+        return
+    try:
+        from keras.src.utils import rng_utils
+
+        handle = rng_utils.tf
+        was = handle._available
+    except (ImportError, AttributeError):
+        keras.utils.set_random_seed(seed)
+        return
+    handle._available = False
+    try:
+        keras.utils.set_random_seed(seed)
+    finally:
+        handle._available = was

@@ -1,4 +1,4 @@
-"""The backend primitives for a Keras backend kmix's optimizer does not run on (torch).
+"""The backend primitives for a Keras backend kmix's optimizer does not run on (numpy, openvino).
 
 kmix's callbacks still read a stock Keras loss-scale optimizer there; what only kmix's
 optimizer needs (:func:`exact_exponent`, :func:`reduce_rows`, ...) raises, and
@@ -12,7 +12,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from kmix.backend.common import numpy_value, reduce_each, retrace, unchanged
+from kmix.backend.common import no_step_scope, numpy_value, reduce_each, retrace, unchanged
 
 USES_TENSORFLOW = False
 """Keras utilities that import TensorFlow would load it only for them."""
@@ -64,3 +64,7 @@ def is_traced(outputs: Any) -> bool:
 def set_random_seed(seed: int) -> None:
     """``keras.utils.set_random_seed``."""
     keras.utils.set_random_seed(seed)
+
+
+step_scope = no_step_scope
+"""Nothing to open: no step of kmix's runs here."""

@@ -16,7 +16,14 @@ import numpy as np
 from jax import lax
 from keras import ops
 
-from kmix.backend.common import STACK_LIMIT, numpy_value, retrace, unchanged
+from kmix.backend.common import (
+    STACK_LIMIT,
+    no_step_scope,
+    numpy_value,
+    retrace,
+    seed_without_tensorflow,
+    unchanged,
+)
 
 USES_TENSORFLOW = False
 """Keras utilities that import TensorFlow (its TensorBoard callback, its seeding) would
@@ -27,6 +34,9 @@ host_value = numpy_value
 
 as_arrived = unchanged
 """``tensor``: on JAX the tap notes casts as they are made (:data:`NOTES_CASTS`)."""
+
+set_random_seed = seed_without_tensorflow
+"""Seeds Python, NumPy and Keras without importing TensorFlow."""
 
 NOTES_CASTS = True
 """JAX has no graph to read a cast's input back from: the tap notes each cast down to
@@ -155,29 +165,5 @@ def is_traced(outputs: Any) -> bool:
     return trace_root(outputs) is not None
 
 
-def set_random_seed(seed: int) -> None:
-    """Seeds Python, NumPy and Keras as ``keras.utils.set_random_seed`` does, without
-    importing TensorFlow (Keras's function seeds TensorFlow too, for ``tf.data``).
-
-    Keras's lazy handle on TensorFlow is told, for the call, that TensorFlow is absent;
-    once TensorFlow is imported anyway, or where that handle is not as expected (another
-    Keras version), Keras's function runs as is.
-    """
-    import sys
-
-    if "tensorflow" in sys.modules:
-        keras.utils.set_random_seed(seed)
-        return
-    try:
-        from keras.src.utils import rng_utils
-
-        handle = rng_utils.tf
-        was = handle._available
-    except (ImportError, AttributeError):
-        keras.utils.set_random_seed(seed)
-        return
-    handle._available = False
-    try:
-        keras.utils.set_random_seed(seed)
-    finally:
-        handle._available = was
+step_scope = no_step_scope
+"""Nothing to open: the step is traced (the tap tells its pass by the trace)."""

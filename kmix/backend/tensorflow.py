@@ -14,7 +14,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from kmix.backend.common import numpy_value, reduce_each, retrace
+from kmix.backend.common import no_step_scope, numpy_value, reduce_each, retrace
 
 USES_TENSORFLOW = True
 """Keras utilities that import TensorFlow (its TensorBoard callback, its seeding) cost
@@ -271,3 +271,7 @@ def is_out_of_memory(error: BaseException) -> bool:
     import tensorflow as tf
 
     return isinstance(error, tf.errors.ResourceExhaustedError)
+
+
+step_scope = no_step_scope
+"""Nothing to open: the step is traced (the tap tells its pass by the trace)."""

@@ -125,8 +125,8 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
 
     Raises:
         ValueError: an argument is outside its valid range, the inner optimizer
-            is unknown or already scales the loss, or the backend is neither
-            TensorFlow nor JAX (on JAX: see :mod:`kmix.optimizer.jax_step`).
+            is unknown or already scales the loss, or the backend is not TensorFlow,
+            JAX or torch (see :mod:`kmix.optimizer.jax_step`, :mod:`kmix.optimizer.torch_step`).
     """
 
     def __init__(

@@ -27,7 +27,7 @@ from keras import ops
 from kmix import record
 from kmix._checks import KmixWarning
 from kmix.backend import worker_count
-from kmix.optimizer.model_hooks import restore
+from kmix.optimizer import assigned_step
 from kmix.optimizer.recorder import Before
 
 __all__ = ["apply", "check_at_creation", "protect_forward_state", "stateless_apply"]
@@ -52,25 +52,16 @@ def apply(optimizer: Any, grads: list, trainable_variables: list | None) -> None
         )
     parts = optimizer.parts
     variables = parts.tracked if trainable_variables is None else list(trainable_variables)
-    parts.check_known(variables)
-    # Align gradients with the variables the optimizer tracks, so per-variable
-    # state has a fixed layout whatever subset this call updates.
-    aligned = [None] * len(parts.tracked)
-    for grad, variable in zip(grads, variables, strict=True):
-        aligned[parts.index_of(variable)] = grad
+    aligned = assigned_step.aligned_gradients(parts, grads, variables)
     flags = ops.concatenate([record.nonfinite_flags(aligned), parts.loss_flags()])
     # Replicas agree: every replica sees the same flags before any update.
     context = tf.distribute.get_replica_context()
     if context.num_replicas_in_sync > 1:
         flags = context.all_reduce(tf.distribute.ReduceOp.SUM, flags)
-    hooks, recorder = optimizer.hooks, optimizer.recorder
-    forward_state = hooks.take_forward_state()
-    before = recorder.before_step()
-    forward = hooks.forward_statistics(flags[len(aligned)] > 0, before.due[0])
-    recorder.layers, recorder.not_float16 = hooks.layers, hooks.not_float16
+    before, forward, forward_state = assigned_step.measured_step(optimizer, aligned, flags)
     if tf.__internal__.distribute.strategy_supports_no_merge_call():
-        apply_inner = functools.partial(_apply_inner, optimizer, grads, variables)
-        _step(optimizer, aligned, flags, before, forward_state, apply_inner, forward)
+        apply_inner = functools.partial(assigned_step.apply_inner, optimizer, grads, variables)
+        assigned_step.step(optimizer, aligned, flags, before, forward_state, apply_inner, forward)
     else:  # the cross-replica step reads the first replica's forward statistics
         context.merge_call(
             _merged_step,
@@ -120,18 +111,6 @@ def check_at_creation(optimizer: Any) -> None:
         )
 
 
-def _apply_inner(optimizer: Any, grads: list, variables: list) -> None:
-    """Unscales the gradients and applies the inner optimizer (replica context)."""
-    scale, overwrites = optimizer.dynamic_scale, optimizer.parts.overwrites
-    optimizer.inner_optimizer.apply(
-        [
-            g if g is None or overwrites(v) else ops.divide(g, scale)
-            for g, v in zip(grads, variables, strict=True)
-        ],
-        variables,
-    )
-
-
 def _merged_step(
     distribution: Any,
     optimizer: Any,
@@ -148,34 +127,14 @@ def _merged_step(
     def first(value: Any) -> Any:
         return None if value is None else distribution.experimental_local_results(value)[0]
 
-    _step(
+    assigned_step.step(
         optimizer,
         [first(g) for g in aligned],
         first(flags),
         keras.tree.map_structure(first, before),
         [(v, first(old)) for v, old in forward_state],
         lambda: distribution.extended.call_for_each_replica(
-            _apply_inner, args=(optimizer, grads, variables)
+            assigned_step.apply_inner, args=(optimizer, grads, variables)
         ),
         None if forward is None else tuple(first(t) for t in forward),
     )
-
-
-def _step(
-    optimizer: Any,
-    aligned: list,
-    flags: Any,
-    before: Before,
-    forward_state: list,
-    apply_inner: Any,
-    forward: tuple[Any, Any] | None,
-) -> None:
-    """Applies when every gradient and the loss are finite; records the step either way."""
-    applies = ops.logical_not(ops.any(flags[: len(aligned) + 1] > 0))
-    ops.cond(applies, apply_inner, _noop)
-    on_skip = (lambda: restore(forward_state)) if forward_state else None
-    optimizer.recorder.record(aligned, flags, before, forward, on_skip)
-
-
-def _noop() -> None:
-    return None

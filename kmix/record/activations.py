@@ -24,7 +24,12 @@ import numpy as np
 from keras import ops
 
 from kmix.record import grouped as _grouped
-from kmix.record.health import FLOAT16_MAX, FLOAT16_SMALLEST_NORMAL, FLOAT16_SMALLEST_SUBNORMAL
+from kmix.record.health import (
+    FLOAT16_MAX,
+    FLOAT16_SMALLEST_NORMAL,
+    FLOAT16_SMALLEST_SUBNORMAL,
+    sparse_slices,
+)
 
 __all__ = [
     "ACTIVATION_CAPACITY",
@@ -137,9 +142,8 @@ def _dense(x: Any) -> Any:
     flat_values = getattr(x, "flat_values", None)
     if flat_values is not None:
         return flat_values
-    if hasattr(x, "indices") and hasattr(x, "values"):
-        return x.values
-    return x
+    sparse = sparse_slices(x)
+    return x if sparse is None else sparse[1]
 
 
 def _is_float_array(x: Any) -> bool:

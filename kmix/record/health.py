@@ -61,9 +61,22 @@ class GradientHealth(NamedTuple):
     subnormal_per_variable: Any
 
 
+def sparse_slices(x: Any) -> tuple[Any, Any] | None:
+    """``(indices, values)`` of sparse slices (TensorFlow's ``IndexedSlices``), else None.
+
+    A torch tensor has ``indices`` and ``values`` too, as methods (of its sparse layouts):
+    only attributes that are values count.
+    """
+    indices, values = getattr(x, "indices", None), getattr(x, "values", None)
+    if indices is None or values is None or callable(indices) or callable(values):
+        return None
+    return indices, values
+
+
 def dense_values(grad: Any) -> Any:
     """Returns a gradient's values as a float32 tensor (the values of sparse slices)."""
-    return ops.cast(getattr(grad, "values", grad), "float32")
+    sparse = sparse_slices(grad)
+    return ops.cast(grad if sparse is None else sparse[1], "float32")
 
 
 def row_values(grad: Any) -> Any:
@@ -75,10 +88,10 @@ def row_values(grad: Any) -> Any:
     a row is non-finite if and only if one of its pieces is (short of float32
     overflow in the sum itself).
     """
-    indices = getattr(grad, "indices", None)
-    if indices is None:
+    sparse = sparse_slices(grad)
+    if sparse is None:
         return dense_values(grad)
-    return ops.cast(backend.summed_rows(indices, grad.values), "float32")
+    return ops.cast(backend.summed_rows(*sparse), "float32")
 
 
 def nonfinite_flags(grads: list[Any]) -> Any:

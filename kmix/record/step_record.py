@@ -159,9 +159,9 @@ def unpack(vector: Any) -> Counters:
 def saturating_add(counter: Any, amount: Any) -> Any:
     """``counter + amount``, stopping at the maximum of the counter's dtype (:func:`int_max`)."""
     dtype = int_dtype_of(counter)
-    top = int_max(dtype)
+    top = np.asarray(int_max(dtype), dtype)  # typed: a Python int becomes int32 on torch
     amount = ops.cast(amount, dtype)
-    return ops.where(counter > top - amount, top, counter + amount)
+    return ops.where(ops.greater(counter, ops.subtract(top, amount)), top, ops.add(counter, amount))
 
 
 def due(step: Any, every: Any) -> Any:
@@ -248,7 +248,8 @@ def due_now(packed: Any, every: Any) -> Any:
         A boolean vector of two.
     """
     attempted = packed[Counters._fields.index("attempted_steps")]
-    step = ops.minimum(attempted, int_max(int_dtype_of(attempted)) - 1) + 1  # as advance counts
+    dtype = int_dtype_of(attempted)
+    step = ops.minimum(attempted, np.asarray(int_max(dtype) - 1, dtype)) + 1  # as advance counts
     return due(step, every)
 
 
@@ -295,7 +296,7 @@ def is_quiet(packed: Any, flags: Any, due_vector: Any, config: scaling.ScaleConf
         A boolean scalar.
     """
     low, high = quiet_bounds(config, int_dtype_of(packed))
-    inside = ops.all(ops.logical_and(packed >= low, packed <= high))
+    inside = ops.all(ops.logical_and(ops.greater_equal(packed, low), ops.less_equal(packed, high)))
     clean = ops.logical_not(ops.any(flags > 0))
     return ops.logical_and(ops.logical_and(clean, inside), ops.logical_not(ops.any(due_vector)))
 

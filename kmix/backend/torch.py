@@ -1,0 +1,107 @@
+"""kmix's primitives on Keras's torch backend (the names every backend module has).
+
+torch is imported here when this module is (Keras's torch backend has imported it
+already); nothing here imports TensorFlow. On torch ``fit`` runs each step eagerly (or
+through ``torch.compile`` with ``jit_compile=True``): there is no trace to tell a train
+step's forward pass from any other call, so kmix's torch step opens one
+(:func:`step_scope`) around each train step, and the tap records the calls made in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from keras import ops
+
+from kmix.backend.common import (
+    numpy_value,
+    reduce_each,
+    retrace,
+    seed_without_tensorflow,
+    unchanged,
+)
+
+USES_TENSORFLOW = False
+"""Keras utilities that import TensorFlow (its TensorBoard callback, its seeding) would
+load it only for them: kmix avoids them here."""
+
+NOTES_CASTS = True
+"""Eager torch keeps no graph to read a cast's input back from: the tap notes each cast
+down to float16 as it is made (:func:`as_arrived` then returns what it is given)."""
+
+host_value = numpy_value
+"""A Keras variable's value on the host (a sync with the device)."""
+
+as_arrived = unchanged
+"""``tensor``: on torch the tap notes casts as they are made (:data:`NOTES_CASTS`)."""
+
+retrace_all = retrace
+"""Makes ``model``'s train, evaluate and predict functions be made again at their next call
+(eager steps hold no trace; a ``torch.compile``-d one compiles again)."""
+
+reduce_rows = reduce_each
+"""Reduces ``[k, n]`` matrices along their rows, one reduction each."""
+
+set_random_seed = seed_without_tensorflow
+"""Seeds Python, NumPy and Keras (torch's generator included) without importing TensorFlow."""
+
+_STEP: contextvars.ContextVar[object | None] = contextvars.ContextVar("kmix_torch_step")
+
+
+@contextlib.contextmanager
+def step_scope() -> Iterator[None]:
+    """The block of one train step: the layer calls made in it are one step's pass.
+
+    Each block is a new step (:func:`trace_root`), so records of an earlier call of the
+    model (outside ``fit``, or a step that raised) are never taken for this one's.
+    """
+    token = _STEP.set(object())
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
+def is_first_process() -> bool:
+    """True: kmix on torch runs in one process."""
+    return True
+
+
+def reachable(value: Any) -> bool:
+    """True: eager values are always usable."""
+    return True
+
+
+def rare_cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
+    """``keras.ops.cond``: a Python ``if`` on the predicate (a host read)."""
+    return ops.cond(pred, true_fn, false_fn)
+
+
+def int64_dtype() -> str:
+    """``"int64"``."""
+    return "int64"
+
+
+def exact_exponent(x: Any) -> Any:
+    """``floor(log2(x))`` of positive finite float32 values, from their exponent bits."""
+    bits = ops.cast(x, "float32").contiguous().view(torch.int32)
+    return torch.bitwise_right_shift(bits, 23) - 127
+
+
+def summed_rows(indices: Any, values: Any) -> Any:
+    """Never called: gradients are dense on torch (sparse slices are TensorFlow's)."""
+    raise NotImplementedError("sparse gradient slices exist only on the TensorFlow backend")
+
+
+def trace_root(outputs: Any) -> Any:
+    """The train step open in this context (:func:`step_scope`), or None outside one."""
+    return _STEP.get(None)
+
+
+def is_traced(outputs: Any) -> bool:
+    """True inside a train step (:func:`step_scope`)."""
+    return _STEP.get(None) is not None

@@ -1,0 +1,108 @@
+"""The step where the optimizer assigns its variables (TensorFlow, torch): decide, apply or skip.
+
+On TensorFlow (a traced ``tf.function``) and on torch (eager), ``fit`` calls
+``optimizer.apply(grads, variables)`` and the step assigns what changes. The backend's step
+module says where the decision is agreed (TensorFlow's replicas) and calls these::
+
+    aligned = aligned_gradients(parts, grads, variables)
+    flags = non-finite flags of aligned, then the loss's (then agreed across replicas)
+    step(optimizer, aligned, flags, forward_state, apply_inner)
+        -> the inner optimizer applies when every flag is 0; the recorder records either way
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from keras import ops
+
+from kmix.optimizer.model_hooks import restore
+from kmix.optimizer.recorder import Before
+
+__all__ = ["aligned_gradients", "apply_inner", "measured_step", "step"]
+
+
+def aligned_gradients(parts: Any, grads: list, variables: list) -> list:
+    """The gradients in the order of the variables the optimizer tracks (None elsewhere).
+
+    Per-variable state then has a fixed layout whatever subset a call updates.
+
+    Args:
+        parts: the optimizer's :class:`kmix.optimizer.StepParts`.
+        grads: one gradient per variable in ``variables``.
+        variables: tracked variables (checked to be known).
+
+    Returns:
+        One entry per tracked variable.
+
+    Raises:
+        ValueError: a variable the optimizer was not built with (Keras's message).
+    """
+    parts.check_known(variables)
+    aligned = [None] * len(parts.tracked)
+    for grad, variable in zip(grads, variables, strict=True):
+        aligned[parts.index_of(variable)] = grad
+    return aligned
+
+
+def apply_inner(optimizer: Any, grads: list, variables: list) -> None:
+    """Unscales the gradients and applies the inner optimizer (a replica's, on TensorFlow)."""
+    scale, overwrites = optimizer.dynamic_scale, optimizer.parts.overwrites
+    optimizer.inner_optimizer.apply(
+        [
+            g if g is None or overwrites(v) else ops.divide(g, scale)
+            for g, v in zip(grads, variables, strict=True)
+        ],
+        variables,
+    )
+
+
+def measured_step(optimizer: Any, aligned: list, flags: Any) -> tuple[Before, Any, list]:
+    """What the step reads before deciding: the counters, the forward pass, its state.
+
+    Args:
+        optimizer: a built ``kmix.LossScaleOptimizer``.
+        aligned: :func:`aligned_gradients`' result.
+        flags: the step's agreed non-finite flags.
+
+    Returns:
+        ``(before, forward, forward_state)``: the recorder's :class:`Before`, the forward
+        measurement (or None), and ``(variable, value before the pass)`` pairs.
+    """
+    hooks, recorder = optimizer.hooks, optimizer.recorder
+    forward_state = hooks.take_forward_state()
+    before = recorder.before_step()
+    forward = hooks.forward_statistics(flags[len(aligned)] > 0, before.due[0])
+    recorder.layers, recorder.not_float16 = hooks.layers, hooks.not_float16
+    return before, forward, forward_state
+
+
+def step(
+    optimizer: Any,
+    aligned: list,
+    flags: Any,
+    before: Before,
+    forward_state: list,
+    apply: Callable[[], None],
+    forward: tuple[Any, Any] | None,
+) -> None:
+    """Applies when every gradient and the loss are finite; records the step either way.
+
+    Args:
+        optimizer: a built ``kmix.LossScaleOptimizer``.
+        aligned: the scaled gradients, one per tracked variable.
+        flags: the agreed flags (per gradient, loss non-finite, loss unknown).
+        before: the counters before the step (:meth:`StepRecorder.before_step`).
+        forward_state: what a skipped step gives back (:func:`measured_step`).
+        apply: applies the inner optimizer (:func:`apply_inner` bound).
+        forward: the forward measurement, or None.
+    """
+    applies = ops.logical_not(ops.any(flags[: len(aligned) + 1] > 0))
+    ops.cond(applies, apply, _noop)
+    on_skip = (lambda: restore(forward_state)) if forward_state else None
+    optimizer.recorder.record(aligned, flags, before, forward, on_skip)
+
+
+def _noop() -> None:
+    return None
