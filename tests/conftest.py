@@ -15,13 +15,14 @@ Both tiers (``-m "not slow"`` and everything) need what is here:
   is frozen too, right after that collection, or every later test's collection walks it
   again (late in the suite pure tests took ~2 s in teardown).
 
-The same tests also run on Keras's JAX backend (issue 24), a second pass:
-``KERAS_BACKEND=jax python -m pytest -q -m jax``. Only the tests marked
-``@pytest.mark.jax`` apply there (the behaviour tests: scale rule, skip bit-for-bit,
-events, health, forward origin, monitor files, guard trips, save/load); the others use
-TensorFlow directly or cover what is TensorFlow only (the autopilot, tf.distribute), and
-with the JAX backend they are skipped even without ``-m jax``. Nothing here imports
-TensorFlow; the oneDNN variable only matters where TensorFlow is loaded.
+The same tests also run on Keras's JAX and torch backends, a second and a third pass:
+``KERAS_BACKEND=jax python -m pytest -q -m jax`` and ``KERAS_BACKEND=torch python -m
+pytest -q -m torch``. Only the tests marked with the backend's name apply there (the
+behaviour tests: scale rule, skip bit-for-bit, events, health, forward origin, monitor
+files, guard trips, save/load); the others use TensorFlow directly or cover what is
+TensorFlow only (tf.distribute), and on those backends they are skipped even without
+``-m``. Nothing here imports TensorFlow; the oneDNN variable only matters where
+TensorFlow is loaded.
 """
 
 from __future__ import annotations
@@ -47,16 +48,18 @@ sys.path[1:1] = [
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
-JAX = keras.backend.backend() == "jax"
+BACKEND = keras.backend.backend()
+JAX = BACKEND == "jax"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With KERAS_BACKEND=jax, skip what is not marked ``jax`` (it applies to TensorFlow only)."""
-    if not JAX:
+    """On another backend than TensorFlow, skip what is not marked with its name (``jax``,
+    ``torch``): it applies to TensorFlow only."""
+    if BACKEND == "tensorflow":
         return
-    skip = pytest.mark.skip(reason="not marked jax: runs with the TensorFlow backend only")
+    skip = pytest.mark.skip(reason=f"not marked {BACKEND}: runs with the TensorFlow backend only")
     for item in items:
-        if item.get_closest_marker("jax") is None:
+        if item.get_closest_marker(BACKEND) is None:
             item.add_marker(skip)
 
 

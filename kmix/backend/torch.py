@@ -82,8 +82,15 @@ def rare_cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
 
 
 def int64_dtype() -> str:
-    """``"int64"``."""
-    return "int64"
+    """``"int32"``: Keras's ops on torch compute two int64 operands in int32.
+
+    ``keras.ops.minimum`` of two int64 tensors is int32 there (Keras's type promotion
+    maps int64 to int32 on every backend but TensorFlow), so a counter near the int64
+    maximum would wrap. kmix declares its counters int32, as on JAX without x64; the
+    record saturates at the end of the dtype it is given
+    (:func:`kmix.record.step_record.int_max`), and ``.keras`` files load across the two.
+    """
+    return "int32"
 
 
 def exact_exponent(x: Any) -> Any:

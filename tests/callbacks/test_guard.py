@@ -70,6 +70,7 @@ def test_a_healthy_run_never_trips_it():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @pytest.mark.slow
 def test_nonfinite_loss_stops_after_exactly_patience_steps(capsys):
     model = spiky_model()
@@ -87,6 +88,7 @@ def test_nonfinite_loss_stops_after_exactly_patience_steps(capsys):
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @pytest.mark.slow
 def test_overflow_at_the_floor_stops_and_names_the_variable():
     optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=16, min_scale=4)
@@ -99,6 +101,7 @@ def test_overflow_at_the_floor_stops_and_names_the_variable():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @pytest.mark.slow
 def test_skip_rate_over_the_window_raises_in_raise_mode():
     optimizer = at_the_floor()
@@ -265,6 +268,7 @@ def test_a_ring_smaller_than_patience_is_read_before_it_overflows():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @pytest.mark.slow
 def test_the_ring_is_read_in_time_when_keras_calls_back_once_per_execution():
     """steps_per_execution=2, a ring of 3: a read asked for 3 steps on would come after
@@ -281,6 +285,7 @@ def test_the_ring_is_read_in_time_when_keras_calls_back_once_per_execution():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @pytest.mark.slow
 def test_stock_keras_scale_falls_to_zero_and_the_guard_stops_it_within_patience():
     data = spiky_data(200, nan_rows=range(1, 201))
@@ -303,6 +308,7 @@ def test_stock_keras_scale_falls_to_zero_and_the_guard_stops_it_within_patience(
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @pytest.mark.slow
 def test_stock_keras_overflow_at_the_floor():
     optimizer = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=4)
@@ -319,6 +325,7 @@ def test_stock_keras_overflow_at_the_floor():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @pytest.mark.slow
 def test_without_loss_scaling_only_the_loss_check_applies():
     keras.config.set_dtype_policy("float32")
@@ -431,6 +438,7 @@ def test_a_forward_overflow_is_named_at_its_layer_and_the_scale_is_kept(
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @pytest.mark.slow
 def test_nan_in_the_data_is_not_blamed_on_a_layer():
     model = spiky_model()

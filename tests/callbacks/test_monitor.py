@@ -88,6 +88,7 @@ def assert_every_overflow_at_its_exact_step(log_dir) -> None:
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @pytest.mark.slow
 def test_every_overflow_at_its_exact_step_with_a_long_update_freq(tmp_path):
     model = spiky_model()
@@ -98,6 +99,7 @@ def test_every_overflow_at_its_exact_step_with_a_long_update_freq(tmp_path):
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @pytest.mark.slow
 def test_health_scalars_and_exponent_histograms(tmp_path):
     model = spiky_model()
@@ -166,6 +168,7 @@ def assert_lost_events_reported(log_dir) -> None:
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @pytest.mark.slow
 def test_lost_events_are_reported_not_silently_dropped(tmp_path):
     optimizer = kmix.LossScaleOptimizer(
@@ -179,6 +182,7 @@ def test_lost_events_are_reported_not_silently_dropped(tmp_path):
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @pytest.mark.slow
 def test_steps_per_execution(tmp_path):
     model = spiky_model(steps_per_execution=2)
@@ -215,6 +219,7 @@ def test_with_validation_and_keras_tensorboard_on_the_same_log_dir(tmp_path):
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @pytest.mark.slow
 def test_train_begin_writes_policy_layout_and_prints_the_command(tmp_path, capsys):
     model = spiky_model()
@@ -240,6 +245,7 @@ def test_train_begin_writes_policy_layout_and_prints_the_command(tmp_path, capsy
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @pytest.mark.slow
 def test_stock_keras_optimizer_logs_scale_and_inferred_skips_and_warns_once(tmp_path):
     optimizer = keras.mixed_precision.LossScaleOptimizer(
@@ -263,6 +269,7 @@ def test_stock_keras_optimizer_logs_scale_and_inferred_skips_and_warns_once(tmp_
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @pytest.mark.slow
 def test_without_loss_scaling_logs_the_policy_and_why_the_rest_is_missing(tmp_path):
     keras.config.set_dtype_policy("float32")
@@ -403,8 +410,8 @@ def functional_net():
 @pytest.mark.parametrize(
     ("make", "layers", "jit_compile"),
     [
-        (functional_net, ["up"], False),
-        (Net, ["net/block/up", "net/block"], False),
+        pytest.param(functional_net, ["up"], False, marks=pytest.mark.torch),
+        pytest.param(Net, ["net/block/up", "net/block"], False, marks=pytest.mark.torch),
         # compiled by XLA (on JAX, jit_compile=False runs the step eagerly: slow)
         pytest.param(Net, ["net/block/up", "net/block"], True, marks=pytest.mark.jax),
     ],
@@ -455,6 +462,8 @@ class Growing(keras.layers.Layer):
         return out
 
 
+# Not on torch: there Keras 3.15 drops a float variable's assignment made in a float16
+# layer's call (the assignment writes into the autocast copy), so `Growing` never grows.
 @pytest.mark.jax
 @pytest.mark.slow
 def test_a_steadily_falling_headroom_is_forecast_before_the_overflow(tmp_path, capsys):

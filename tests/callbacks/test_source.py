@@ -38,6 +38,7 @@ class Partial:
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_kmix_optimizer_is_recognised_by_what_it_offers():
     optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), min_scale=2, max_scale=2**20)
     assert isinstance(optimizer, RecordingOptimizer)
@@ -50,6 +51,7 @@ def test_kmix_optimizer_is_recognised_by_what_it_offers():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @pytest.mark.parametrize("built", [False, True])
 def test_the_stock_loss_scale_optimizer_is_not_taken_for_kmix(built):
     stock = keras.mixed_precision.LossScaleOptimizer
@@ -64,6 +66,7 @@ def test_the_stock_loss_scale_optimizer_is_not_taken_for_kmix(built):
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_without_loss_scaling_a_plain_source_counts_steps_only():
     source = source_for(keras.optimizers.SGD(0.01))
     assert type(source) is Source
@@ -80,12 +83,14 @@ def test_without_loss_scaling_a_plain_source_counts_steps_only():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_an_optimizer_missing_one_read_is_not_taken_for_kmix():
     assert not isinstance(Partial(), RecordingOptimizer)
     assert type(source_for(Partial())) is Source
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_kmix_source_reads_through_the_optimizers_public_reads():
     optimizer = FakeRecorder(event_capacity=2)
     for kind in (None, "skip", "nan", "skip"):

@@ -23,6 +23,7 @@ def mixed_model() -> keras.Model:
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_float16_mask_follows_each_layers_compute_dtype():
     keras.config.set_dtype_policy("mixed_float16")
     model, hooks = mixed_model(), ModelHooks()
@@ -43,6 +44,7 @@ def test_float16_mask_follows_each_layers_compute_dtype():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_watching_twice_wraps_the_train_step_and_taps_the_layers_once():
     keras.config.set_dtype_policy("mixed_float16")
     model, hooks = mixed_model(), ModelHooks()

@@ -51,6 +51,7 @@ def as_numpy(named_tuple):
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_statistics_match_numpy_on_nested_outputs():
     rng = np.random.default_rng(0)
     a = (rng.standard_normal((6, 7)) * 10.0 ** rng.uniform(-9, 4, (6, 7))).astype("float16")
@@ -81,6 +82,7 @@ def test_statistics_match_numpy_on_nested_outputs():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_headroom_is_exact_at_1024():
     x = np.linspace(-1024, 512, 97).astype("float16")
     stats = activations.activation_stats([ops.convert_to_tensor(x)])
@@ -110,6 +112,7 @@ def t(values, dtype="float16"):
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_forward_origin_names_the_origin_not_the_propagation():
     inputs = [t([1.0, -2.0]), t([3.0, 7.0]), t([np.inf, 1.0]), t([np.nan])]
     outputs = [t([3.0, 7.0]), t([np.inf, 1.0]), t([np.nan]), t([np.nan])]
@@ -117,6 +120,7 @@ def test_forward_origin_names_the_origin_not_the_propagation():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_forward_origin_nested_inputs_and_int_leaves():
     inputs = [
         (t([1.0]), {"mask": ops.ones((2,), "bool"), "ids": t([9, 10], "int32")}),
@@ -127,6 +131,7 @@ def test_forward_origin_nested_inputs_and_int_leaves():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_forward_origin_measures_integer_inputs_and_nothing_else():
     """An Embedding's inputs are integer ids: their magnitude is what was measured; a layer
     with no numeric input has no max (NaN, shown as unknown), never a 0."""
@@ -137,6 +142,7 @@ def test_forward_origin_measures_integer_inputs_and_nothing_else():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_forward_origin_nan_from_the_data():
     inputs = [t([np.nan, 5.0]), t([np.nan])]
     outputs = [t([np.nan]), t([np.nan])]
@@ -144,6 +150,7 @@ def test_forward_origin_nan_from_the_data():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_forward_origin_all_finite_and_empty():
     assert origin([t([1.0])], [t([65504.0])]) == (-1, 0.0, True)
     assert origin([], []) == (-1, 0.0, True)
@@ -171,6 +178,12 @@ def take_in_function(model, tap, x, jit_compile=False):
         import jax
 
         traced = jax.jit(step)
+    elif keras.backend.backend() == "torch":  # eager: the step's scope tells its calls
+
+        def traced(x):
+            with kmix.backend.step_scope():
+                return step(x)
+
     else:
         traced = tf.function(step, jit_compile=jit_compile)
     stats, found = traced(x)
@@ -196,6 +209,7 @@ def functional_with_shared_layer():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_functional_paths_in_order_and_exact_max(float16_policy):
     model, shared = functional_with_shared_layer()
     tap = ActivationTap(model).install()
@@ -267,6 +281,7 @@ def test_subclassed_model_with_nested_block(float16_policy):
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_float16_overflow_is_named_with_inputs_finite(float16_policy):
     inputs = keras.Input((4,))
     ones = keras.initializers.Constant(1.0)
@@ -285,7 +300,10 @@ def test_float16_overflow_is_named_with_inputs_finite(float16_policy):
 
 
 # On JAX take_in_function always compiles: one of the two runs there.
-@pytest.mark.parametrize("jit_compile", [False, pytest.param(True, marks=pytest.mark.jax)])
+@pytest.mark.parametrize(
+    "jit_compile",
+    [pytest.param(False, marks=pytest.mark.torch), pytest.param(True, marks=pytest.mark.jax)],
+)
 def test_a_cast_overflow_names_the_layer_it_enters_with_the_finite_value(
     float16_policy, jit_compile
 ):

@@ -31,6 +31,7 @@ def interleaved_tensors():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_rows_come_back_in_the_order_given_with_zeros_for_none():
     tensors = interleaved_tensors()
     got = np.asarray(
@@ -43,6 +44,7 @@ def test_rows_come_back_in_the_order_given_with_zeros_for_none():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_large_tensors_are_measured_alone_and_small_ones_of_a_shape_together():
     # Stacking copies what it stacks: a large tensor would cost its size in memory.
     rng = np.random.default_rng(1)
@@ -68,6 +70,7 @@ def test_large_tensors_are_measured_alone_and_small_ones_of_a_shape_together():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_reduce_rows_keeps_each_columns_dtype_and_kind():
     counts = ops.convert_to_tensor(np.array([[1, 0, 1], [0, 0, 0]], "int32"))
     values = ops.convert_to_tensor(np.array([[0.5, 3.0, 2.0], [0.0, 0.0, 0.0]], "float16"))
@@ -79,6 +82,7 @@ def test_reduce_rows_keeps_each_columns_dtype_and_kind():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_health_per_variable_follows_the_variables_when_shapes_repeat():
     kernel = np.array([[1e-6, 1.0], [0.0, 2.0]], "float32")  # 2 of 4 below float16 normal
     bias = np.array([3.0, 0.0, 1e-7], "float32")  # 2 of 3
@@ -94,6 +98,7 @@ def test_health_per_variable_follows_the_variables_when_shapes_repeat():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_activation_statistics_of_repeated_shapes_and_a_two_tensor_output():
     a = np.array([[1.0, 0.0], [np.inf, 4.0]], "float16")
     b = np.array([[2.0, 2.0], [2.0, 3e-5]], "float16")  # 3e-5: a float16 subnormal
@@ -114,6 +119,7 @@ def test_activation_statistics_of_repeated_shapes_and_a_two_tensor_output():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_the_origin_is_the_first_layer_whose_output_breaks_with_finite_inputs():
     x = ops.convert_to_tensor(np.array([[1.0, 2.0]], "float32"))
     h = ops.convert_to_tensor(np.array([[3.0, 9.0]], "float16"))  # same shape as x, other dtype

@@ -16,6 +16,7 @@ F16_TINY = float(np.finfo(np.float16).smallest_normal)
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_float16_constants_match_numpy():
     assert health.FLOAT16_MAX == F16_MAX
     assert health.FLOAT16_SMALLEST_NORMAL == F16_TINY
@@ -51,6 +52,7 @@ def computed(grads, scale):
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_statistics_match_numpy_on_random_gradients(seed):
     rng = np.random.default_rng(seed)
@@ -73,6 +75,7 @@ def test_statistics_match_numpy_on_random_gradients(seed):
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_exact_values_on_a_hand_made_gradient():
     grads = [np.array([3.0, -4.0, 0.0, 2.0**-15, 65504.0 * 2], "float32")]
     got = computed(grads, scale=2.0)
@@ -87,6 +90,7 @@ def test_exact_values_on_a_hand_made_gradient():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_float16_mask_limits_range_statistics_to_float16_variables():
     grads = [np.array([1.0, 0.0], "float32"), np.array([1e6, 1e-9], "float32")]
     mask = ops.convert_to_tensor([1.0, 0.0])  # the second variable computes in float32
@@ -118,6 +122,7 @@ def test_sparse_slices_are_summed_per_row_like_the_update():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_headroom_is_capped_when_all_gradients_are_zero():
     got = computed([np.zeros(3, "float32")], scale=1.0)
     assert got["headroom_bits"] == pytest.approx(health.MAX_HEADROOM_BITS)
@@ -126,6 +131,7 @@ def test_headroom_is_capped_when_all_gradients_are_zero():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_nonfinite_flags_mark_each_variable():
     grads = [np.ones(2, "float32"), None, np.array([1.0, np.nan], "float32"), np.array([-np.inf])]
     flags = ops.convert_to_numpy(health.nonfinite_flags(grads))
@@ -147,6 +153,7 @@ def reference_bins(values):
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_exponent_histogram_matches_reference():
     rng = np.random.default_rng(3)
     values = np.concatenate(
@@ -162,6 +169,7 @@ def test_exponent_histogram_matches_reference():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_exponent_histogram_bins_cover_float16_range():
     edges = tags.exponent_bucket_edges()
     assert len(edges) == tags.NUM_EXPONENT_BINS

@@ -11,7 +11,7 @@ from keras import ops
 from kmix.record import scaling
 from kmix.record.scaling import ScaleConfig, ScaleState
 
-pytestmark = pytest.mark.jax  # the rule in keras.ops, on each backend
+pytestmark = [pytest.mark.jax, pytest.mark.torch]  # the rule in keras.ops, on each backend
 
 KINDS = {
     "none": scaling.NONE,

@@ -11,14 +11,17 @@ from hypothesis import strategies as st
 from keras import ops
 from test_scaling import reference_step
 
+import kmix.backend
 from kmix.record import scaling
 from kmix.record import step_record as record
 from kmix.record.scaling import ScaleConfig
 
 CONFIG = ScaleConfig(growth_steps=3, hysteresis=2, min_scale=1.0, max_scale=2.0**4)
 LOSS = {"finite": record.LOSS_FINITE, "nonfinite": record.LOSS_NONFINITE, "unknown": -1}
-TOP = record.int_max(ops.convert_to_numpy(ops.convert_to_tensor(0, "int64")).dtype)
-"""Where the counters saturate: int64's end; int32's on JAX without jax_enable_x64."""
+INT = kmix.backend.int64_dtype()
+"""The counters' dtype: int64; int32 on JAX without jax_enable_x64, and on torch."""
+TOP = record.int_max(ops.convert_to_numpy(ops.convert_to_tensor(0, INT)).dtype)
+"""Where the counters saturate: the end of :data:`INT` as the backend holds it."""
 
 
 def reference(steps: list[tuple[bool, str]], health_every: int, histogram_every: int) -> list:
@@ -56,7 +59,7 @@ def reference(steps: list[tuple[bool, str]], health_every: int, histogram_every:
 
 def initial_record() -> record.StepRecord:
     """An optimizer's record before its first step, scale 8, as tensors."""
-    counters = ops.convert_to_tensor(list(record.initial_counters(CONFIG.hysteresis)), "int64")
+    counters = ops.convert_to_tensor(list(record.initial_counters(CONFIG.hysteresis)), INT)
     return record.StepRecord(ops.convert_to_tensor(8.0, "float32"), record.unpack(counters))
 
 
@@ -72,7 +75,7 @@ def run_graph(steps, health_every, histogram_every) -> list:
             health_every,
             histogram_every,
         )
-        packed = record.unpack(record.pack(state.counters))  # the variable's round trip
+        packed = record.unpack(record.pack(state.counters, INT))  # the variable's round trip
         counters = {k: int(ops.convert_to_numpy(v)) for k, v in packed._asdict().items()}
         trace.append((float(ops.convert_to_numpy(state.scale)), counters, int(outcome.event)))
         state = record.StepRecord(state.scale, packed)
@@ -80,6 +83,7 @@ def run_graph(steps, health_every, histogram_every) -> list:
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_exact_trace_with_forward_overflows_and_unknown_losses():
     steps = [(True, "finite")] * 3 + [(False, "finite"), (True, "nonfinite"), (False, "unknown")]
     trace = run_graph(steps, health_every=2, histogram_every=3)
@@ -99,6 +103,7 @@ STEP_SEQUENCES = (
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @settings(max_examples=25, deadline=None)
 @given(*STEP_SEQUENCES)
 @pytest.mark.slow
@@ -109,10 +114,11 @@ def test_graph_update_matches_reference(steps, health_every, histogram_every):
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_event_ring_round_trip_and_overwrite():
     capacity = 2
     ring = record.EventRing(
-        ops.zeros((capacity, len(record.EVENT_INT_FIELDS)), "int64"),
+        ops.zeros((capacity, len(record.EVENT_INT_FIELDS)), INT),
         ops.zeros((capacity, len(record.EVENT_FLOAT_FIELDS)), "float32"),
     )
     health = np.full(len(record.HEALTH_FIELDS), np.nan, "float32")
@@ -169,6 +175,7 @@ def test_event_ring_round_trip_and_overwrite():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_no_headroom_is_claimed_when_every_nonzero_value_was_nonfinite():
     values = dict.fromkeys(record.HEALTH_FIELDS, 0.0) | {
         "headroom_bits": 40.0,  # what the capped formula gives for max 0
@@ -192,9 +199,9 @@ def test_a_quiet_step_is_exactly_the_constant_delta(steps, health_every, histogr
     """Where the optimizer adds QUIET_DELTA instead of running the rule, the rule agrees."""
     state = initial_record()
     for grads_finite, loss in steps:
-        packed = record.pack(state.counters)
+        packed = record.pack(state.counters, INT)
         health_due, histogram_due = ops.convert_to_numpy(
-            record.due_now(packed, np.asarray([health_every, histogram_every], "int64"))
+            record.due_now(packed, np.asarray([health_every, histogram_every], INT))
         )
         quiet = record.is_quiet(
             packed, flags(grads_finite, loss), np.asarray([health_due, histogram_due]), CONFIG
@@ -211,7 +218,7 @@ def test_a_quiet_step_is_exactly_the_constant_delta(steps, health_every, histogr
         assert bool(histogram_due) == bool(outcome.histogram_due)
         if bool(quiet):
             before = ops.convert_to_numpy(packed)
-            after = ops.convert_to_numpy(record.pack(new.counters))
+            after = ops.convert_to_numpy(record.pack(new.counters, INT))
             np.testing.assert_array_equal(after - before, list(record.QUIET_DELTA))
             assert float(new.scale) == float(state.scale) and int(outcome.event) == scaling.NONE
         state = new
@@ -226,9 +233,9 @@ def test_which_steps_are_quiet():
     counters = initial_record().counters
 
     def quiet(grads_finite=True, loss="finite", health_every=4, histogram_every=0, **changes):
-        c = counters._replace(**{k: ops.convert_to_tensor(v, "int64") for k, v in changes.items()})
-        packed = record.pack(c)
-        due = record.due_now(packed, np.asarray([health_every, histogram_every], "int64"))
+        c = counters._replace(**{k: ops.convert_to_tensor(v, INT) for k, v in changes.items()})
+        packed = record.pack(c, INT)
+        due = record.due_now(packed, np.asarray([health_every, histogram_every], INT))
         return bool(record.is_quiet(packed, flags(grads_finite, loss), due, CONFIG))
 
     assert quiet()
@@ -247,12 +254,13 @@ def test_which_steps_are_quiet():
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 def test_due_now_is_what_advance_finds_due():
-    every = np.asarray([3, 4], "int64")
+    every = np.asarray([3, 4], INT)
     for attempted in (0, 2, 3, 11, TOP - 1, TOP):
         c = initial_record().counters._replace(
-            attempted_steps=ops.convert_to_tensor(attempted, "int64")
+            attempted_steps=ops.convert_to_tensor(attempted, INT)
         )
         step = min(attempted + 1, TOP)
         expected = [step % 3 == 0, step % 4 == 0]
-        assert ops.convert_to_numpy(record.due_now(record.pack(c), every)).tolist() == expected
+        assert ops.convert_to_numpy(record.due_now(record.pack(c, INT), every)).tolist() == expected

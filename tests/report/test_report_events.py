@@ -169,6 +169,7 @@ def test_the_tab_shows_each_event_in_the_line_of_its_kmix_events_text(logs):
 
 
 @pytest.mark.jax
+@pytest.mark.torch
 @pytest.mark.slow
 def test_the_monitor_writes_a_record_beside_every_line(tmp_path):
     """Through model.fit: five skips, an event ring of 2, one read at the end."""
