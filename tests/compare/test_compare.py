@@ -594,6 +594,10 @@ def test_a_compare_log_dir_reports_each_run_as_it_ended(user_module, monkeypatch
     said = [f["message"] for f in json.loads(capsys.readouterr().out)["findings"]]
     assert len(said) == len(set(said)) == 3  # no problem, computes in float32, the note
     assert said[-1].startswith("note at step 0, 1, 3, 5, 7: ")
+    assert main(["report", os.path.join("runs", "cmp", "float32")]) == 0
+    out = capsys.readouterr().out  # its scale, compiled in but never used, is not charted
+    assert "\nloss scale      not used: this run computes in float32, which needs no " in out
+    assert "loss_scale.png" not in out
 
 
 def test_compare_is_a_kmix_command_with_its_own_help(capsys):
