@@ -63,7 +63,7 @@ from kmix.report.read import (
     read_runs,
     scale_events_of,
 )
-from kmix.report.runs import RunInfo, runs_message
+from kmix.report.runs import RunInfo, end_words, runs_message
 from kmix.report.summary import (
     ExponentShares,
     Forecast,
@@ -108,6 +108,7 @@ __all__ = [
     "build_log",
     "build_logs",
     "compute_dtype",
+    "end_words",
     "exponent_shares",
     "find_logdirs",
     "findings",

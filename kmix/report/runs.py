@@ -196,9 +196,20 @@ def ended_words(info: RunInfo) -> str:
         ``"end not recorded"`` (still running, or the process was killed) when there
         is no run-end record.
     """
-    end = info.end
-    if end is None:
+    if info.end is None:
         return "end not recorded (still running, or its process was killed)"
+    return end_words(info.end)
+
+
+def end_words(end: tags.RunEnd) -> str:
+    """A run-end record in words, as a listing of runs shows it (:func:`ended_words`).
+
+    Args:
+        end: the record.
+
+    Returns:
+        E.g. ``"stopped by kmix compare at step 12: too slow (...)"``.
+    """
     words = f"{RUN_END_WORDS.get(end.reason, end.reason)} at step {end.step}"
     if end.reason in LISTED_WITH_MESSAGE and end.message:
         words += f": {end.message.splitlines()[0]}"
