@@ -19,8 +19,10 @@ def children(layer: Any) -> list[Any]:
 def walk_layers(layer: Any) -> Iterator[tuple[str, Any]]:
     """Yields ``(path, layer)`` for every layer nested in ``layer``, depth first, once each.
 
-    A path names one layer: Keras's ``layer.path`` (for a layer without one, its parent's
-    path and its name) where no other nested layer has the same; else the path through the
+    A path names one layer: Keras's ``layer.path`` (for a layer without one, built when
+    made, its name under the prefix its siblings' Keras paths share, e.g.
+    ``sequential/max_pooling2d`` beside ``sequential/conv2d``, else its parent's path)
+    where no other nested layer has the same; else the path through the
     names of ``layer`` and the layers enclosing it (``net/tower_b/proj``: Keras gives two
     layers built with one name outside any model, e.g. two towers made by one helper
     function, one path), numbered ``~2``, ``~3`` in walk order if even that repeats (two
@@ -52,14 +54,30 @@ def _nested(
     """``(path, qualified path, layer)``, depth first: the path is Keras's ``layer.path``
     or ``parent/name``; the qualified one, every enclosing name from the walk's root. A
     layer reached twice (shared) is yielded the first time only."""
-    for child in children(layer):
+    kids = children(layer)
+    scope = _keras_scope(kids, parent)
+    for child in kids:
         if id(child) in seen:
             continue
         seen.add(id(child))
-        path = getattr(child, "path", None) or "/".join(filter(None, (parent, child.name)))
+        path = getattr(child, "path", None) or "/".join(filter(None, (scope, child.name)))
         inner = "/".join(filter(None, (qualified, child.name)))
         yield path, inner, child
         yield from _nested(child, path, inner, seen)
+
+
+def _keras_scope(kids: list[Any], parent: str) -> str:
+    """Where Keras's paths put ``kids``: the prefix their Keras paths share before their
+    names (``"seq"`` for ``seq/conv``; ``""`` in a Functional model, whose layers are
+    built outside its scope), else ``parent``. A layer Keras builds when it is made
+    (pooling, dropout, an input) gets no path, and is named as its siblings are."""
+    scopes = {
+        path[: -len(kid.name)].rstrip("/")
+        for kid in kids
+        if (path := getattr(kid, "path", None))
+        and (path == kid.name or path.endswith("/" + kid.name))
+    }
+    return scopes.pop() if len(scopes) == 1 else parent
 
 
 def own_variables(layer: Any) -> list[Any]:

@@ -40,7 +40,8 @@ def test_two_layers_with_one_keras_path_get_paths_through_their_towers():
 
 def test_unique_keras_paths_are_kept():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2, name="d")], name="seq")
-    assert [path for path, _ in _layers.walk_layers(model)] == ["input_layer", "seq/d"]
+    # the input, which Keras gives no path, is named as its sibling: seq/input_layer
+    assert [path for path, _ in _layers.walk_layers(model)] == ["seq/input_layer", "seq/d"]
     assert model.layers[0].path == "seq/d"  # Keras's own path, kept
 
 

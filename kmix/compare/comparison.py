@@ -46,6 +46,7 @@ from typing import Any
 from kmix._checks import NotFloat16Note
 from kmix.compare import rules
 from kmix.compare.rounds import (
+    Budget,
     Entry,
     Progress,
     build_entry,
@@ -157,10 +158,11 @@ def compare_policies(
         stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", category=NotFloat16Note)  # the table says it
 
-        def budget(entry: Entry) -> float | None:
+        def budget(entry: Entry) -> Budget | None:
             if entry.policy == "float32" or first.wall_s == 0:  # float32_repeat: the floor
                 return None
-            return rules.slow_budget_s(first.wall_s * steps / max(first.steps, 1))
+            step_s = first.wall_s / max(first.steps, 1)
+            return Budget(rules.slow_budget_s(step_s * steps), step_s)
 
         for entry in entries:
             if entry is first:

@@ -27,6 +27,7 @@ from kmix.compare.values import CompareError
 
 __all__ = [
     "SHUFFLE_BATCHES",
+    "Budget",
     "Entry",
     "Progress",
     "Trained",
@@ -63,6 +64,18 @@ class Progress(NamedTuple):
     step_time_s: float | None
 
 
+class Budget(NamedTuple):
+    """The time a model may spend in ``fit`` in all, and what it was set from.
+
+    Attributes:
+        seconds: the time (:func:`kmix.compare.rules.slow_budget_s`).
+        float32_step_s: float32's time in ``fit`` per step, warm-up included.
+    """
+
+    seconds: float
+    float32_step_s: float
+
+
 @dataclasses.dataclass
 class Entry:
     """One model in the comparison and what was measured of it so far.
@@ -81,7 +94,8 @@ class Entry:
             ``k m_k - (k - 1) m_(k-1)`` (within k rounding errors of the mean;
             non-finite from a non-finite step to the end of that ``fit``).
         wall_s: time spent in ``fit``, warm-up included.
-        stopped: why it was stopped, or "".
+        stopped: why it was stopped, or "" (its run's end record says it too:
+            :data:`kmix.tags.STOPPED_BY_COMPARE`).
         out_of_memory: the device's error, when the model did not fit.
         step_loss: the model's :class:`kmix.compare.step_loss.StepLoss`, or None.
         dataset: the run's own repeated dataset (float32's repeat: the data in another
@@ -270,7 +284,7 @@ class _Turn:
         entry: Entry,
         where: tuple[int, int],
         steps: int,
-        budget_s: float | None,
+        budget: Budget | None,
         progress: Callable[[Progress], None] | None,
     ) -> None:
         import keras
@@ -278,7 +292,7 @@ class _Turn:
         self.callback = keras.callbacks.LambdaCallback(
             on_train_batch_end=lambda batch, logs: self.step_end(batch, logs or {})
         )
-        self.entry, self.where, self.steps, self.budget_s = entry, where, steps, budget_s
+        self.entry, self.where, self.steps, self.budget = entry, where, steps, budget
         self.progress = progress
         self.last: float | None = None
         self.logged: list[float] = []  # logs["loss"]: own losses, or Keras's running means
@@ -294,11 +308,23 @@ class _Turn:
             self.times.append(latest)
         self.last = now
         spent = self.entry.wall_s + (now - self.started)
-        if self.budget_s is not None and spent > self.budget_s:
-            self.entry.stopped = f"stopped after {spent:.0f} s (budget {self.budget_s:.0f} s)"
-            self.callback.model.stop_training = True
+        if self.budget is not None and spent > self.budget.seconds:
+            self.stop(spent, self.entry.steps + count)
         if self.progress is not None:
             self.progress(Progress(self.entry.name, *self.where, count, self.steps, latest))
+
+    def stop(self, spent: float, steps: int) -> None:
+        """Stops the model as too slow: its monitor's run ends with the reason, as the
+        guard ends a run, before Keras's ``on_train_end`` would call it completed."""
+        from kmix import tags
+        from kmix._runs import end_run
+        from kmix.compare.text import slow_stop_words
+
+        budget, model = self.budget, self.callback.model
+        self.entry.stopped = f"stopped after {spent:.0f} s (budget {budget.seconds:.0f} s)"
+        words = slow_stop_words(steps, spent, budget.float32_step_s, budget.seconds)
+        end_run(model, tags.STOPPED_BY_COMPARE, words)
+        model.stop_training = True
 
     def fit(self, dataset: Any) -> None:
         """Trains ``self.steps`` steps of ``dataset``, adding to the entry's record."""
@@ -332,7 +358,7 @@ def warm_up(
     dataset: Any,
     steps: int,
     rounds: int,
-    budget_s: float | None,
+    budget: Budget | None,
     progress: Callable[[Progress], None] | None = None,
 ) -> None:
     """Trains ``steps`` untimed steps: the train function is traced here, not in a round.
@@ -342,17 +368,17 @@ def warm_up(
         dataset: the repeated dataset of :func:`make_dataset` (unless the entry has its own).
         steps: warm-up steps.
         rounds: rounds to come (for the progress line).
-        budget_s: the time the entry may spend in ``fit`` in all, or None.
+        budget: the time the entry may spend in ``fit`` in all, or None.
         progress: called after every step with a :class:`Progress`.
     """
-    _Turn(entry, (0, rounds), steps, budget_s, progress).fit(_data(entry, dataset))
+    _Turn(entry, (0, rounds), steps, budget, progress).fit(_data(entry, dataset))
 
 
 def train(
     entries: Sequence[Entry],
     dataset: Any,
     plan: Sequence[int],
-    budget: Callable[[Entry], float | None],
+    budget: Callable[[Entry], Budget | None],
     progress: Callable[[Progress], None] | None = None,
 ) -> None:
     """Trains the models in rounds, in ABBA order (forward, backward, forward, ...).
@@ -362,7 +388,9 @@ def train(
         dataset: the repeated dataset of :func:`make_dataset` (for the entries without
             their own); each turn continues where the model's previous turn ended.
         plan: steps per round (:func:`round_plan`).
-        budget: an entry -> the time it may spend in ``fit`` in all, or None.
+        budget: an entry -> the time it may spend in ``fit`` in all, or None. One
+            that spends more is stopped, its run ended as
+            :data:`kmix.tags.STOPPED_BY_COMPARE`.
         progress: called after every step with a :class:`Progress`.
     """
     for index, steps in enumerate(plan):

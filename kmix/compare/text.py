@@ -7,13 +7,16 @@ comparison through :func:`comparison_markdown`. An unmeasured value is shown as
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+from kmix._words import plural
 
 # The values (kmix.compare.values) call this module, so it does not import them back:
 # a PolicyRow or PolicyComparison is typed Any here.
 PolicyRow = PolicyComparison = Any
 
-__all__ = ["BUSY_FLOOR", "comparison_markdown", "format_bytes", "row_cells"]
+__all__ = ["BUSY_FLOOR", "comparison_markdown", "format_bytes", "row_cells", "slow_stop_words"]
 
 BUSY_FLOOR = 0.2
 """A noise floor above this says the machine was busy: the table says so."""
@@ -164,3 +167,28 @@ def _notes(comparison: PolicyComparison) -> list[str]:
                 "Headroom: float16's range does not apply (not a float16 policy).", []
             ).append(row.policy)
     return [f"- {', '.join(policies)}: {text}" for text, policies in notes.items()]
+
+
+def slow_stop_words(steps: int, seconds: float, float32_step_s: float, budget_s: float) -> str:
+    """Why a policy was stopped as too slow, in one line: its stopped run's end record.
+
+    Args:
+        steps: the steps it trained before it was stopped.
+        seconds: the time it spent in ``fit`` for them (warm-up included).
+        float32_step_s: float32's time in ``fit`` per step (warm-up included), the
+            time its budget was set from.
+        budget_s: its budget (:func:`kmix.compare.rules.slow_budget_s`).
+
+    Returns:
+        E.g. ``"too slow (×0.019 of float32's speed): 12 steps took 31.0 s in fit,
+        float32 0.6 s for as many; its budget was 30 s"``: the speed as the table's
+        speed-up writes it (float32's time for as many steps ÷ the policy's), to two
+        significant digits.
+    """
+    float32_s = float32_step_s * steps
+    speed = float32_s / seconds if seconds > 0 else math.inf
+    return (
+        f"too slow (×{speed:.2g} of float32's speed): {plural(steps, 'step')} took "
+        f"{seconds:.1f} s in fit, float32 {float32_s:.1f} s for as many; its budget was "
+        f"{budget_s:.0f} s"
+    )

@@ -24,7 +24,8 @@ One module per concern:
 * :mod:`kmix.report.summary`: :class:`KmixLog` -> :class:`Summary`;
 * :mod:`kmix.report.finding_rules`: the :data:`RULES` table over a :class:`Summary`,
   and its thresholds; :mod:`kmix.report.advice`: what would skip fewer steps,
-  from the kinds of skipped steps recorded and kmix's scale rule;
+  from the kinds of skipped steps recorded and kmix's scale rule, and whether a run
+  uses its loss scale at all (:func:`loss_scale_unused`: no chart when it does not);
 * :mod:`kmix.report.whatif`: what the recorded exponent histograms would lose in
   float16, bfloat16 and FP8;
 * :mod:`kmix.report.text`: terminal text and JSON; :mod:`kmix.report.plots`: PNGs.
@@ -37,6 +38,7 @@ package is the function; the module is ``sys.modules["kmix.report.finding_rules"
 """
 
 from kmix._words import format_scale
+from kmix.report.advice import float16_in_use, loss_scale_unused
 from kmix.report.finding_rules import (
     HEADROOM_TIGHT_BITS,
     HEADROOM_WARN_BITS,
@@ -61,7 +63,7 @@ from kmix.report.read import (
     read_runs,
     scale_events_of,
 )
-from kmix.report.runs import RunInfo, runs_message
+from kmix.report.runs import RunInfo, end_words, runs_message
 from kmix.report.summary import (
     ExponentShares,
     Forecast,
@@ -106,14 +108,17 @@ __all__ = [
     "build_log",
     "build_logs",
     "compute_dtype",
+    "end_words",
     "exponent_shares",
     "find_logdirs",
     "findings",
+    "float16_in_use",
     "forecast_zero_crossing",
     "format_scale",
     "format_logdirs",
     "format_summary",
     "logdirs_json",
+    "loss_scale_unused",
     "read_log",
     "read_runs",
     "runs_message",

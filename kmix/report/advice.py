@@ -1,4 +1,5 @@
-"""What would skip fewer steps, from the kinds of skipped steps a run recorded.
+"""What would skip fewer steps, from the kinds of skipped steps a run recorded; whether
+a run uses its loss scale at all.
 
 Free of printing and matplotlib, like :mod:`kmix.report.finding_rules`, whose skip-rate
 rule words its advice with :func:`skip_advice`. The advice follows kmix's scale rule
@@ -15,7 +16,7 @@ from kmix import tags
 from kmix._words import format_scale, plural
 from kmix.report.values import Summary
 
-__all__ = ["skip_advice"]
+__all__ = ["float16_in_use", "loss_scale_unused", "skip_advice"]
 
 
 def skip_advice(summary: Summary) -> str:
@@ -129,3 +130,50 @@ def _backoffs_after_growth(events: tuple[tags.ScaleEvent, ...]) -> list[tags.Sca
                 found.append(event)
             grown = None
     return found
+
+
+def float16_in_use(record: tags.PolicyRecord | None) -> bool | None:
+    """Whether a run computes anything in float16, as its policy record says.
+
+    Args:
+        record: the run's policy record, or None.
+
+    Returns:
+        True when the model computes in float16 or a variable's layer does; False when
+        the record says neither; None without a record (unknown).
+    """
+    if record is None:
+        return None
+    layers = (record.variable_dtypes or {}).values()
+    return record.compute_dtype == "float16" or "float16" in layers
+
+
+def loss_scale_unused(summary: Summary) -> str | None:
+    """Why a run's loss scale is not used, or None when it is (or may be).
+
+    A run that computes nothing in float16 (its policy record says so), whose scale
+    never moved, with no skipped step and no lost event, needs no loss scaling: a
+    ``kmix compare`` float32 reference is compiled with a loss-scale optimizer all the
+    same. A chart of its flat scale would only suggest the scale did something, so
+    ``kmix report`` draws none and says this instead, and so does the tab. A scale that
+    changed, or a skip, is shown as usual.
+
+    Args:
+        summary: the run's summary.
+
+    Returns:
+        E.g. ``"this run computes in float32, which needs no loss scaling (the
+        optimizer's scale stayed at 32768 (2^15) and no step was skipped)"``, or None.
+    """
+    record = summary.policy_record
+    scale = summary.loss_scale
+    if float16_in_use(record) is not False or scale.min is None or scale.min != scale.max:
+        return None
+    if scale.initial not in (None, scale.min):
+        return None
+    if summary.events or summary.skipped_steps or summary.events_lost:
+        return None
+    return (
+        f"this run computes in {record.compute_dtype}, which needs no loss scaling (the "
+        f"optimizer's scale stayed at {format_scale(scale.min)} and no step was skipped)"
+    )

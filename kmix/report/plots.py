@@ -9,6 +9,7 @@ import numpy as np
 
 from kmix import tags
 from kmix._words import plural
+from kmix.report.advice import loss_scale_unused
 from kmix.report.finding_rules import HEADROOM_WARN_BITS, UNDERFLOW_WARN_FRACTION
 from kmix.report.read import KmixLog, scale_events_of
 from kmix.report.summary import TREND_TAGS, Summary
@@ -30,7 +31,8 @@ def write_plots(log: KmixLog, summary: Summary, out_dir: str) -> list[str]:
     """Writes the PNG plots of a run with matplotlib (no global backend is changed).
 
     * ``loss_scale.png``: the loss scale over steps on a log2 axis, skipped steps
-      marked, and the stretches whose scale events were lost shaded;
+      marked, and the stretches whose scale events were lost shaded (none for a run
+      that does not use its scale: :func:`kmix.report.advice.loss_scale_unused`);
     * ``health.png``: overflow headroom, underflow fraction (and its subnormal
       part, and per float16 variable) and gradient norm, those that were logged;
     * ``grad_exponents.png``: a heatmap of the latest gradient exponents per
@@ -100,6 +102,8 @@ def runs_title(summary: Summary) -> str | None:
 
 
 def _plot_loss_scale(figure: Any, log: KmixLog, summary: Summary) -> bool:
+    if loss_scale_unused(summary) is not None:  # a flat line would suggest it did something
+        return False
     events = summary.events
     points = [(0, summary.loss_scale.initial)]
     points += [(e.step, e.new_scale) for e in events]

@@ -35,8 +35,12 @@ RUN_END_WORDS = {
     tags.GUARD_RAISED: "LossScaleGuard raised",
     tags.EXCEPTION: "ended by an exception",
     tags.INTERRUPTED: "interrupted (KeyboardInterrupt)",
+    tags.STOPPED_BY_COMPARE: "stopped by kmix compare",
 }
 """How each reason of :data:`kmix.tags.RUN_END_REASONS` is said."""
+LISTED_WITH_MESSAGE = (tags.STOPPED_BY_COMPARE,)
+"""The reasons whose one-line message a listing of runs shows beside them (the guard's
+diagnosis and an exception's text are many lines: the run's report shows them)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,12 +192,28 @@ def ended_words(info: RunInfo) -> str:
         info: the run.
 
     Returns:
-        The words; ``"end not recorded"`` (still running, or the process was killed)
-        when there is no run-end record.
+        The words, with the message of a reason in :data:`LISTED_WITH_MESSAGE`;
+        ``"end not recorded"`` (still running, or the process was killed) when there
+        is no run-end record.
     """
     if info.end is None:
         return "end not recorded (still running, or its process was killed)"
-    return f"{RUN_END_WORDS.get(info.end.reason, info.end.reason)} at step {info.end.step}"
+    return end_words(info.end)
+
+
+def end_words(end: tags.RunEnd) -> str:
+    """A run-end record in words, as a listing of runs shows it (:func:`ended_words`).
+
+    Args:
+        end: the record.
+
+    Returns:
+        E.g. ``"stopped by kmix compare at step 12: too slow (...)"``.
+    """
+    words = f"{RUN_END_WORDS.get(end.reason, end.reason)} at step {end.step}"
+    if end.reason in LISTED_WITH_MESSAGE and end.message:
+        words += f": {end.message.splitlines()[0]}"
+    return words
 
 
 def run_words(info: RunInfo) -> str:

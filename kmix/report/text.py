@@ -9,6 +9,7 @@ import json
 from kmix import tags
 from kmix._json import json_ready
 from kmix._words import format_scale, percent, plural
+from kmix.report.advice import loss_scale_unused
 from kmix.report.finding_rules import RUN_END_WORDS
 from kmix.report.runs import RunInfo, run_words
 from kmix.report.values import Summary, Trend
@@ -42,6 +43,16 @@ def _trend_line(name: str, trend: Trend | None, percent: bool) -> str:
         + (f", {trend.nonfinite_points} non-finite" if trend.nonfinite_points else "")
         + ")"
     )
+
+
+def _loss_scale_line(summary: Summary) -> str:
+    unused = loss_scale_unused(summary)
+    if unused is not None:
+        return f"loss scale      not used: {unused}"
+    scale = summary.loss_scale
+    keys = ("initial", "final", "min", "max")
+    words = ", ".join(f"{key} {format_scale(getattr(scale, key))}" for key in keys)
+    return f"loss scale      {words}{scale_caveat(summary)}"
 
 
 def _run_end_line(summary: Summary) -> str:
@@ -121,17 +132,12 @@ def format_summary(summary: Summary) -> str:
     Returns:
         Several lines, without a trailing newline.
     """
-    scale, recent = summary.loss_scale, summary.recent_skip_rate
+    recent = summary.recent_skip_rate
     lines = [
         f"kmix report: {summary.logdir}",
         *_run_line(summary),
         f"steps seen      {summary.steps_seen}",
-        "loss scale      "
-        + ", ".join(
-            f"{key} {format_scale(getattr(scale, key))}"
-            for key in ("initial", "final", "min", "max")
-        )
-        + scale_caveat(summary),
+        _loss_scale_line(summary),
         f"skipped steps   {summary.skipped_steps} of {summary.steps_seen} "
         f"({_number(summary.skip_rate, True)})"
         + ("" if recent is None else f"; latest window {_number(recent, True)}"),

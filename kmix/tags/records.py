@@ -242,9 +242,19 @@ STOPPED_BY_GUARD = "stopped_by_guard"
 GUARD_RAISED = "guard_raised"
 EXCEPTION = "exception"
 INTERRUPTED = "interrupted"
-RUN_END_REASONS = (COMPLETED, STOPPED_BY_GUARD, GUARD_RAISED, EXCEPTION, INTERRUPTED)
+STOPPED_BY_COMPARE = "stopped_by_compare"
+RUN_END_REASONS = (
+    COMPLETED,
+    STOPPED_BY_GUARD,
+    GUARD_RAISED,
+    EXCEPTION,
+    INTERRUPTED,
+    STOPPED_BY_COMPARE,
+)
 """Why ``fit`` ended: it ran all its steps; ``LossScaleGuard`` stopped it or raised;
-another exception; ``KeyboardInterrupt``. The only spelling of these reasons."""
+another exception; ``KeyboardInterrupt``; ``kmix compare`` stopped a policy too slow to
+finish (its message says how slow, in one line). The only spelling of these reasons;
+a reader meets reasons it does not know (from a later kmix) as words to show."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,8 @@ Routes, under ``/data/plugin/kmix``:
 
 * ``/runs``: ``{"runs": [runs with kmix data], "other_runs": [runs without],
   "default_run": the run to open on (:func:`kmix.tbplugin.view.default_run`),
-  "compute_dtypes": {run: compute dtype its policy record names}}``;
+  "compute_dtypes": {run: compute dtype its policy record names}, "ended": {run: how
+  it ended, for the runs whose latest end was not "completed"}}``;
 * ``/run?run=NAME[&points=N]``: one run's data (:func:`kmix.tbplugin.view.run_payload`);
 * ``/exponents?run=NAME[&step=S]``: the gradient exponent heatmap at one histogram step;
 * ``/comparison``: ``{"comparisons": [{"run", "markdown", "runs"}]}``, the ``kmix
@@ -33,7 +34,7 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
-from kmix import tags
+from kmix import report, tags
 from kmix._json import json_ready
 from kmix.tbplugin import reader, view
 
@@ -182,11 +183,17 @@ class KmixPlugin(base_plugin.TBPlugin):
         ctx, experiment = self._where(request)
         runs, others = reader.list_runs(self._provider, ctx, experiment)
         records = reader.read_policy_records(self._provider, ctx, experiment)
+        ends = reader.read_run_ends(self._provider, ctx, experiment)
         listing = {
             "runs": runs,
             "other_runs": others,
             "default_run": view.default_run(runs, records),
             "compute_dtypes": {run: records[run].compute_dtype for run in runs if run in records},
+            "ended": {
+                run: report.end_words(end)
+                for run, end in ends.items()
+                if run in runs and end.reason != tags.COMPLETED
+            },
         }
         return _json(request, listing)
 

@@ -14,6 +14,7 @@ at, which tells apart the kmix runs a script wrote into one log dir
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -128,23 +129,50 @@ def read_policy_records(
         Run -> its latest :class:`kmix.tags.PolicyRecord` (the one of the directory's
         latest kmix run, by wall time); runs without a readable record are left out.
     """
-    only = tb_provider.RunTagFilter(tags=[tags.POLICY_RECORD])
+    return _latest_records(
+        provider, ctx, experiment_id, tags.POLICY_RECORD, tags.parse_policy_record
+    )
+
+
+def read_run_ends(
+    provider: tb_provider.DataProvider, ctx: Any, experiment_id: str
+) -> dict[str, tags.RunEnd]:
+    """The latest run-end record of each run (the run list says how a run ended).
+
+    Args:
+        provider: TensorBoard's data provider.
+        ctx: the request's ``RequestContext``.
+        experiment_id: the request's experiment id.
+
+    Returns:
+        Run -> its latest :class:`kmix.tags.RunEnd`; runs without one are left out.
+    """
+    return _latest_records(provider, ctx, experiment_id, tags.RUN_END, tags.parse_run_end)
+
+
+def _latest_records(
+    provider: tb_provider.DataProvider,
+    ctx: Any,
+    experiment_id: str,
+    tag: str,
+    parse: Callable[[str], Any],
+) -> dict[str, Any]:
+    """Run -> the record ``parse`` reads from the latest ``tag`` text (by wall time)."""
     data = provider.read_tensors(
         ctx,
         experiment_id=experiment_id,
         plugin_name=TEXT,
         downsample=TEXT_SAMPLES_DEFAULT,
-        run_tag_filter=only,
+        run_tag_filter=tb_provider.RunTagFilter(tags=[tag]),
     )
     found = {}
     for run, by_tag in (data or {}).items():
-        points = by_tag.get(tags.POLICY_RECORD) or []
+        points = by_tag.get(tag) or []
         if not points:
             continue
         latest = max(points, key=lambda p: (p.wall_time, p.step))
         value = np.asarray(latest.numpy).reshape(-1)[0]
-        text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
-        record = tags.parse_policy_record(text)
+        record = parse(value.decode("utf-8") if isinstance(value, bytes) else str(value))
         if record is not None:
             found[run] = record
     return found

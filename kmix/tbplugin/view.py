@@ -14,8 +14,7 @@ import numpy as np
 
 from kmix import report, tags
 from kmix._json import json_ready
-from kmix._words import format_scale
-from kmix.report import begin_scale, runs_message, scale_caveat, scale_events_of
+from kmix.report import begin_scale, float16_in_use, runs_message, scale_caveat, scale_events_of
 from kmix.tbplugin.reader import TEXT_SAMPLES_DEFAULT, RunPoints
 
 DEFAULT_POINTS = 1000
@@ -298,22 +297,6 @@ def _begin(log: report.KmixLog) -> dict[str, Any] | None:
     return None if begin is None else {"step": begin[0], "value": begin[1]}
 
 
-def float16_in_use(record: tags.PolicyRecord | None) -> bool | None:
-    """Whether a run computes anything in float16, as its policy record says.
-
-    Args:
-        record: the run's policy record, or None.
-
-    Returns:
-        True when the model computes in float16 or a variable's layer does; False when
-        the record says neither; None without a record (unknown).
-    """
-    if record is None:
-        return None
-    layers = (record.variable_dtypes or {}).values()
-    return record.compute_dtype == "float16" or "float16" in layers
-
-
 def default_run(runs: list[str], records: dict[str, tags.PolicyRecord]) -> str | None:
     """The run the tab ticks when it opens: the first that computes in float16.
 
@@ -356,32 +339,9 @@ def float16_note(summary: report.Summary) -> str | None:
 
 
 def loss_scale_note(summary: report.Summary) -> str | None:
-    """Why no loss-scale line is drawn for a run that needs no loss scaling.
-
-    A run that computes nothing in float16 (its policy record says so) whose scale never
-    moved, with no skipped step and no lost event: a flat line would only suggest the
-    scale did something. A scale that changed, or a skip, is drawn as usual.
-
-    Args:
-        summary: the run's summary.
-
-    Returns:
-        The sentence, or None when the chart is drawn.
-    """
-    record = summary.policy_record
-    scale = summary.loss_scale
-    if float16_in_use(record) is not False or scale.min is None or scale.min != scale.max:
-        return None
-    if scale.initial not in (None, scale.min):
-        return None
-    if summary.events or summary.skipped_steps or summary.events_lost:
-        return None
-    dtype = record.compute_dtype
-    return (
-        f"The loss scale is not used: this run computes in {dtype}, which needs no loss "
-        f"scaling (the optimizer's scale stayed at {format_scale(scale.min)} and no step "
-        "was skipped)"
-    )
+    """Why no loss-scale line is drawn (:func:`kmix.report.loss_scale_unused`), or None."""
+    unused = report.loss_scale_unused(summary)
+    return None if unused is None else f"The loss scale is not used: {unused}"
 
 
 def events_check(summary: dict[str, Any]) -> dict[str, Any]:

@@ -553,6 +553,53 @@ def test_a_pathologically_slow_policy_is_stopped_and_reported(user_module, monke
     assert "stopped: too slow" in got.to_markdown()
 
 
+@pytest.mark.slow  # three small models trained side by side
+def test_a_compare_log_dir_reports_each_run_as_it_ended(user_module, monkeypatch, capsys):
+    """Issue 32: in a compare's log dir, a policy stopped as too slow is not "completed"
+    and has a finding saying why; the float32 reference, trained in five fits (a warm-up
+    and four rounds), states each of its notes once; the record is listed as no run."""
+    import re
+
+    import cmpmodels
+
+    from kmix.compare.comparison import compare_policies
+
+    monkeypatch.setattr(rules, "slow_budget_s", lambda float32_s: 0.0)
+    compare_policies(
+        cmpmodels.tiny,
+        cmpmodels.data(),
+        policies=("float32", "mixed_float16"),
+        steps=9,
+        rounds=4,
+        logdir=os.path.join("runs", "cmp"),
+        measure_memory=False,
+    )
+    stop = (
+        r"stopped by kmix compare at step 1: too slow \(×[0-9.e+-]+ of float32's speed\): "
+        r"1 step took \d+\.\d s in fit, float32 \d+\.\d s for as many; its budget was 0 s"
+    )
+    assert main(["report", "runs"]) == 0  # the listing of a parent directory
+    listing = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in listing[1:4]] == [
+        os.path.join("runs", "cmp", name) for name in ("float32", "float32_repeat", "mixed_float16")
+    ]
+    assert listing[1].endswith("steps 0..9, resumed 4x, completed at step 9")
+    assert re.fullmatch(r".*, steps 0\.\.1, " + stop, listing[3])
+    assert main(["report", os.path.join("runs", "cmp", "mixed_float16"), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    findings = out[out.index("\nfindings\n") :].splitlines()[2:]
+    assert "no problems found" not in out
+    assert re.fullmatch(r"  ! the run did not complete: " + stop, findings[0])
+    assert main(["report", os.path.join("runs", "cmp", "float32"), "--json"]) == 0
+    said = [f["message"] for f in json.loads(capsys.readouterr().out)["findings"]]
+    assert len(said) == len(set(said)) == 3  # no problem, computes in float32, the note
+    assert said[-1].startswith("note at step 0, 1, 3, 5, 7: ")
+    assert main(["report", os.path.join("runs", "cmp", "float32")]) == 0
+    out = capsys.readouterr().out  # its scale, compiled in but never used, is not charted
+    assert "\nloss scale      not used: this run computes in float32, which needs no " in out
+    assert "loss_scale.png" not in out
+
+
 def test_compare_is_a_kmix_command_with_its_own_help(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["compare", "--help"])

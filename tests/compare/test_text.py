@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kmix.compare import rules
+from kmix.compare.text import slow_stop_words
 from kmix.compare.values import PolicyComparison, PolicyRow, Recommendation
 
 
@@ -34,3 +35,18 @@ def test_an_unknown_loss_spread_is_said_with_its_reason():
         "final loss higher than float32's is shown, marked 'not judged'."
     ) in text
     assert "| 0.5015 (Δ +0.0015, not judged) |" in text
+
+
+def test_a_policy_stopped_as_too_slow_is_told_its_speed_against_float32s():
+    """What the stopped run's end record says (``kmix report`` shows it): its speed as a
+    speed-up against float32's, as the table's column writes it, and the budget."""
+    words = slow_stop_words(steps=12, seconds=31.0, float32_step_s=0.05, budget_s=30.0)
+    # float32 would take 12 * 0.05 = 0.6 s for as many steps: 0.6 / 31 = x0.019
+    assert words == (
+        "too slow (×0.019 of float32's speed): 12 steps took 31.0 s in fit, float32 0.6 s "
+        "for as many; its budget was 30 s"
+    )
+    assert slow_stop_words(1, 2.0, 1.0, 1.0) == (
+        "too slow (×0.5 of float32's speed): 1 step took 2.0 s in fit, float32 1.0 s for as "
+        "many; its budget was 1 s"
+    )

@@ -79,6 +79,36 @@ def test_rows_of_a_sequential_model_nested_in_a_functional_one():
     )
 
 
+@pytest.mark.parametrize("lazy", [False, True])
+def test_rows_of_a_sequential_model_share_one_prefix(lazy):
+    """Issue 32: Keras gives no path to a layer built when it is made (pooling, dropout,
+    activation, the input) and "sequential/conv2d" to the others; kmix names the former
+    as Keras names their siblings, so no row lacks the prefix the others have."""
+    keras.config.set_dtype_policy("mixed_float16")
+    model = keras.Sequential(
+        ([] if lazy else [keras.Input((8, 8, 1))])
+        + [
+            keras.layers.Conv2D(4, 3, name="conv", padding="same"),
+            keras.layers.MaxPooling2D(name="pool"),
+            keras.layers.Dropout(0.1, name="drop"),
+            keras.layers.Flatten(name="flat"),
+            keras.layers.Dense(2, name="head", dtype="float32"),
+        ],
+        name="seq",
+    )
+    if lazy:
+        model(np.zeros((1, 8, 8, 1), "float32"))
+    assert model.get_layer("pool").path is None  # Keras's: built when made
+    assert [row.path for row in audit(model).rows] == [
+        "seq/input_layer",  # a lazy Sequential makes its input on its first call
+        "seq/conv",
+        "seq/pool",
+        "seq/drop",
+        "seq/flat",
+        "seq/head",
+    ]
+
+
 def test_rows_of_a_subclassed_model_report_unknown_outputs():
     keras.config.set_dtype_policy("mixed_bfloat16")
     model = Subclassed()
@@ -326,8 +356,8 @@ def test_unbuilt_layers():
     model = Subclassed()
     model.unused = keras.layers.Dense(3, name="unused")
     model(np.zeros((1, 4), "float32"))
-    assert findings(model, "not built") == [("info", "unused")]
-    assert [row.params for row in audit(model).rows if row.path == "unused"] == [0]
+    assert findings(model, "not built") == [("info", "sub/unused")]  # as sub/head is named
+    assert [row.params for row in audit(model).rows if row.path == "sub/unused"] == [0]
     assert findings(mlp(), "not built") == []
 
 

@@ -179,3 +179,29 @@ def test_the_plots_of_a_log_dir_written_twice_say_which_run_they_draw(tmp_path, 
         "run 1 of 2 in this log dir (id 20250101-100000-aaaaaa)"
     )
     assert plots.runs_title(report.summarize(one_reading_log())) is None
+
+
+def test_a_float32_run_whose_scale_never_moved_has_no_loss_scale_chart(tmp_path):
+    """Issue 32: kmix compare's float32 reference is compiled with a loss-scale optimizer;
+    its scale never moves and nothing is skipped, so a flat chart would only suggest the
+    scale did something: no loss_scale.png, and the report's line says it is not used (as
+    the tab does). A float32 run whose scale moved, or a float16 one, keeps its chart."""
+    record = dataclasses.replace(
+        RECORD, model_policy="float32", compute_dtype="float32", loss_scale=32768.0
+    )
+    texts = {tags.POLICY_RECORD: [(0, tags.format_policy_record(record))]}
+    flat = {tags.LOSS_SCALE: ([10, 20], [32768.0, 32768.0]), tags.GRAD_NORM: ([10], [1.0])}
+    log = hand_log(scalars=flat, texts=texts)
+    summary = report.summarize(log)
+    unused = (
+        "this run computes in float32, which needs no loss scaling (the optimizer's scale "
+        "stayed at 32768 (2^15) and no step was skipped)"
+    )
+    assert report.loss_scale_unused(summary) == unused
+    written = report.write_plots(log, summary, str(tmp_path))
+    assert [p.rsplit("/", 1)[1] for p in written] == ["health.png"]
+    assert f"\nloss scale      not used: {unused}\n" in report.format_summary(summary)
+    moved = hand_log(scalars={tags.LOSS_SCALE: ([10, 20], [32768.0, 16384.0])}, texts=texts)
+    assert report.loss_scale_unused(report.summarize(moved)) is None
+    mixed = {tags.POLICY_RECORD: [(0, tags.format_policy_record(RECORD))]}
+    assert report.loss_scale_unused(report.summarize(hand_log(scalars=flat, texts=mixed))) is None

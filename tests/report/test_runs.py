@@ -244,3 +244,30 @@ def test_run_words():
     )
     ended = report_runs.RunInfo(1, "x", None, 0, 9, 1, RunEnd(9, tags.STOPPED_BY_GUARD, "m"))
     assert report_runs.run_words(ended) == "id x, steps 0..9, stopped by LossScaleGuard at step 9"
+
+
+def test_a_run_stopped_by_kmix_compare_says_so_and_why_wherever_it_is_listed(tmp_path):
+    """kmix compare stops a policy too slow to finish: its run end says so, with the reason
+    (the listing, the run-end line and the findings), instead of "completed"."""
+    message = "too slow (×0.019 of float32's speed): 12 steps took 31.0 s in fit"
+    end = RunEnd(12, tags.STOPPED_BY_COMPARE, message, "x")
+    assert tags.parse_run_end(tags.format_run_end(end)) == end
+    assert tags.STOPPED_BY_COMPARE in tags.RUN_END_REASONS
+    info = report_runs.RunInfo(1, "x", None, 0, 12, 1, end)
+    assert report_runs.run_words(info) == (
+        f"id x, steps 0..12, stopped by kmix compare at step 12: {message}"
+    )
+    logdir = str(tmp_path / "mixed_float16")
+    write_small_run(logdir, "x", scale=8.0, steps=12, end=False)
+    writer = tf.summary.create_file_writer(os.path.join(logdir, tags.TRAIN_DIR))
+    with writer.as_default():
+        tf.summary.text(tags.RUN_END, tags.format_run_end(end), step=12)
+    writer.close()
+    summary = report.summarize(report.read_log(logdir))
+    assert [(f.severity, f.rule, f.message) for f in report.findings(summary)] == [
+        ("warning", "run_end", f"the run did not complete: stopped by kmix compare at step 12: "
+         f"{message}")
+    ]  # fmt: skip
+    assert f"run ended       stopped by kmix compare at step 12: {message}" in (
+        report.format_summary(summary)
+    )

@@ -144,6 +144,7 @@ def test_runs_route_splits_runs_with_and_without_kmix_data(client):
         "other_runs": ["plain/train"],
         "default_run": "exp/train",  # no policy record: the first run
         "compute_dtypes": {},
+        "ended": {},  # runs whose end is recorded and not "completed"
     }
 
 
@@ -260,6 +261,7 @@ def test_no_run_with_kmix_data(tmp_path):
         "other_runs": ["plain"],
         "default_run": None,
         "compute_dtypes": {},
+        "ended": {},
     }
     context = base_plugin.TBContext(logdir=None, data_provider=provider)
     assert kmix_plugin.KmixPlugin(context).is_active() is False
@@ -682,3 +684,23 @@ def test_all_zero_and_unmeasured_headroom_cells_are_marked_apart(compare_client)
     assert by_layer["l7_nan"] == ["zero", "zero", "nonfinite", "zero"]
     assert by_layer["l4_fine"] == [12.0, None, 12.0, 12.0]
     assert by_layer["l5_far"] == [24.0] * 4
+
+
+def test_the_run_list_says_which_runs_did_not_complete(tmp_path):
+    """Issue 32: a policy kmix compare stopped as too slow is not shown like a completed
+    run: /runs gives how it ended (the page puts it beside the run's name)."""
+    words = "too slow (×0.019 of float32's speed): 12 steps took 31.0 s in fit"
+    for name, compute, end in (
+        ("float32", "float32", tags.RunEnd(20, tags.COMPLETED, "fit returned")),
+        ("mixed_float16", "float16", tags.RunEnd(20, tags.STOPPED_BY_COMPARE, words)),
+    ):
+        path = str(tmp_path / "cmp" / name / "train")
+        write_policy_run(path, compute)
+        writer = tf.summary.create_file_writer(path)
+        with writer.as_default():
+            tf.summary.text(tags.RUN_END, tags.format_run_end(end), step=end.step)
+        writer.close()
+    listing = get_json(serve(default_provider(tmp_path)), f"{URL}/runs")
+    assert listing["ended"] == {
+        "cmp/mixed_float16/train": f"stopped by kmix compare at step 20: {words}"
+    }

@@ -1039,8 +1039,10 @@ async function start() {
   const first = listing.default_run || listing.runs[0];
   const boxes = all.map((name, i) => {
     const box = el('input', {type: 'checkbox', value: name, checked: name === first ? 'checked' : null});
-    const label = el('label', {class: i < listing.runs.length ? null : 'no-data'}, [box, ` ${name}`]);
+    const ended = (listing.ended || {})[name];  // e.g. stopped by kmix compare: too slow
+    const label = el('label', {class: i < listing.runs.length ? null : 'no-data'}, [box, ` ${name}`].concat(ended ? [el('span', {class: 'ended', text: ' (did not complete)'})] : []));
     if (i >= listing.runs.length) label.title = 'no kmix data';
+    if (ended) label.title = ended;
     picker.append(label);
     return box;
   });
