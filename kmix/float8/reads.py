@@ -78,7 +78,7 @@ def tensor_health(
         values = np.abs(np.asarray(kernel, "float32"))
         nonzero = values > 0
         if nonzero.any():
-            flushed = (values / np.float32(scale)) < FORMAT_TINY[tensor.format] / 2
+            flushed = (values / np.float32(scale)) <= FORMAT_TINY[tensor.format] / 2  # ties to 0
             underflow = float(np.count_nonzero(flushed & nonzero) / np.count_nonzero(nonzero))
     return Float8Health(
         layer=tensor.layer,
