@@ -158,3 +158,31 @@ def test_no_float8_layers_no_float8_variables():
     model.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0)
     assert not opt.float8.active and opt.float8_saturations() == []
     assert not [v for v in opt.variables if "fp8" in v.name]
+
+
+def test_monitor_writes_float8_tags_and_every_episode_at_its_step(tmp_path):
+    from test_monitor import read_back, scalars, texts
+
+    from kmix import tags
+    from kmix.callbacks import MixedPrecisionMonitor
+
+    keras.utils.set_random_seed(0)
+    model = mlp()
+    opt = kmix.LossScaleOptimizer("sgd", dynamic_growth_steps=4, initial_scale=256.0)
+    model.compile(optimizer=opt, loss="mse")
+    x, y = data()
+    monitor = MixedPrecisionMonitor(str(tmp_path), update_freq=5)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False, callbacks=[monitor])
+    logged = read_back(tmp_path)
+    layer = float8_layers(model)[0][0]
+    for prefix in (tags.FP8_SCALE, tags.FP8_HEADROOM_BITS, tags.FP8_SATURATED_STEPS):
+        assert scalars(logged, tags.float8_tag(prefix, layer, "inputs"))
+    assert scalars(logged, tags.float8_tag(tags.FP8_UNDERFLOW_FRACTION, layer, "kernel"))
+    final = scalars(logged, tags.float8_tag(tags.FP8_SATURATED_STEPS, layer, "inputs"))
+    assert final[max(final)] == sum(
+        1 for s in opt.float8_saturations() if (s.layer, s.tensor) == (layer, "inputs")
+    )
+    records = [tags.parse_saturation_record(text) for _, text in texts(logged, tags.FP8_RECORD)]
+    assert sorted((r.step, r.layer, r.tensor) for r in records) == sorted(
+        (e.step, e.layer, e.tensor) for e in opt.float8_episodes()
+    )
