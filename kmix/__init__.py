@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "LossScaleOptimizer": "kmix.optimizer",
     "ScaleEvent": "kmix.tags",
+    "Float8Saturation": "kmix.tags",
     "callbacks": "kmix.callbacks",
     "PolicyComparison": "kmix.compare",
     "PolicyRow": "kmix.compare",
@@ -74,7 +75,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from kmix import callbacks  # noqa: F401
     from kmix.compare import PolicyComparison, PolicyRow, compare_policies  # noqa: F401
     from kmix.optimizer import LossScaleOptimizer  # noqa: F401
-    from kmix.tags import ScaleEvent  # noqa: F401
+    from kmix.tags import Float8Saturation, ScaleEvent  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

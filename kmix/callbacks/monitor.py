@@ -12,6 +12,7 @@ from kmix import tags
 from kmix._checks import WarnOnce, check_choice, check_int
 from kmix.callbacks._base import StepCallback
 from kmix.callbacks._batch import SummaryBatch
+from kmix.callbacks._float8 import Float8Monitor
 from kmix.callbacks._forecast import HeadroomForecast, headroom_series
 from kmix.callbacks._layout import layout
 from kmix.callbacks._monitor_begin import (
@@ -138,6 +139,7 @@ class MixedPrecisionMonitor(StepCallback):
         self._share_noted = False
         self._forecast = HeadroomForecast()
         self._batch = SummaryBatch(tags.description)  # one write per step per read
+        self._float8 = Float8Monitor()  # float8 layers' health and saturation episodes
         self._told_origins: set[str] = set()  # layers a forward overflow was printed for
         self._share_written = False  # kmix/float16_share, once the model has weights
         self.run_id: str | None = None  # set at train begin
@@ -205,6 +207,7 @@ class MixedPrecisionMonitor(StepCallback):
         """
         try:
             if self._writer is not None:
+                self._float8.final = True  # episodes still open are written now
                 self._read(logs)
                 step = self._last_state.attempted_steps
                 self._writer.text(
@@ -303,6 +306,8 @@ class MixedPrecisionMonitor(StepCallback):
         for point_step in sorted(scale_points):
             if scale_points[point_step] > 0:
                 self._scalar(tags.LOSS_SCALE_LOG2, math.log2(scale_points[point_step]), point_step)
+        model = self.model
+        self._float8.write(source.optimizer, model, self._writer, self._batch, step, self.run_id)
         self._batch.write(self._writer)
         self._scale_step = max(self._scale_step, step)
         self._last_state = state

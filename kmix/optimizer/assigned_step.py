@@ -99,9 +99,14 @@ def step(
         forward: the forward measurement, or None.
     """
     applies = ops.logical_not(ops.any(flags[: len(aligned) + 1] > 0))
+    float8, recorder = optimizer.float8, optimizer.recorder
+    if float8.active:  # the scales this step used, read before the inner optimizer assigns
+        check, old_scale = float8.before_apply(aligned, applies), ops.copy(recorder.scale)
     ops.cond(applies, apply, _noop)
     on_skip = (lambda: restore(forward_state)) if forward_state else None
-    optimizer.recorder.record(aligned, flags, before, forward, on_skip)
+    recorder.record(aligned, flags, before, forward, on_skip)
+    if float8.active:  # saturations counted; the output gradients follow the scale
+        float8.after_record(check, before.packed, old_scale, ops.copy(recorder.scale))
 
 
 def _noop() -> None:

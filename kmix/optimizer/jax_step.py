@@ -135,6 +135,12 @@ def stateless_apply(
 
     rule = optimizer.config.rule
     due = statistics.due(old.counters)
+    float8 = optimizer.float8
+    float8_new = (
+        float8.step_values(values, where, grads, trainable_variables, applies, old.counters)
+        if float8.active
+        else {}
+    )
 
     def finish(forward: tuple[Any, Any] | None) -> list:
         new = record.record_step(
@@ -150,10 +156,15 @@ def stateless_apply(
         out = list(values[:own])
         for slot, value in zip(slots, new, strict=True):
             out[slot] = value
+        for slot, value in float8_new.items():
+            out[slot] = value
         return out + list(new_inner)
 
     optimizer.parts.trace.get().jax_step = JaxStep(applies, flags[len(grads)] > 0, finish)
-    return new_trainable, finish(None)
+    new_values = finish(None)
+    if float8.active:  # the output gradients' float8 state follows the scale's change
+        new_trainable = float8.rescaled(list(new_trainable), new_values[slots[0]] / old.scale)
+    return new_trainable, new_values
 
 
 def apply(optimizer: Any, grads: list, trainable_variables: list | None) -> None:

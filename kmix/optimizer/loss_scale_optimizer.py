@@ -22,7 +22,14 @@ from keras import ops
 
 from kmix import _runs, backend
 from kmix._checks import KmixDeprecationWarning, check_int
-from kmix.optimizer.config import OWNER, OptimizerConfig, invalid_argument, migrated_scale
+from kmix.float8 import Float8Reads, Float8State
+from kmix.optimizer.config import (
+    OWNER,
+    OptimizerConfig,
+    _check_bool,
+    invalid_argument,
+    migrated_scale,
+)
 from kmix.optimizer.model_hooks import ModelHooks
 from kmix.optimizer.recorder import RecordReads, StepRecorder
 from kmix.optimizer.trace import PerThread, StepTrace
@@ -81,7 +88,7 @@ def _setting(name: str, low: int, doc: str) -> property:
 
 
 @keras.saving.register_keras_serializable(package="kmix")
-class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
+class LossScaleOptimizer(RecordReads, Float8Reads, keras.mixed_precision.LossScaleOptimizer):
     """A dynamic loss-scale optimizer that never corrupts weights and records why.
 
     It subclasses ``keras.mixed_precision.LossScaleOptimizer``, so ``model.compile``
@@ -120,6 +127,11 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
         backoff_on_forward_overflow: False (default) skips a step whose unscaled
             loss is non-finite without lowering the scale; True treats it like a
             gradient overflow, as stock Keras does.
+        float8_follows_loss_scale: True (default) multiplies every float8 layer's
+            ``outputs_grad_scale`` and ``outputs_grad_amax_history`` by the loss scale's
+            change at the step it changes, so the output gradients' float8 range follows
+            it; False keeps stock Keras's behaviour. Saturations are counted either way
+            (:meth:`float8_saturations`).
         name: optimizer name.
         **kwargs: accepted for Keras compatibility (see Keras's class).
 
@@ -143,6 +155,7 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
         histogram_every: int = 0,
         event_capacity: int = 128,
         backoff_on_forward_overflow: bool = False,
+        float8_follows_loss_scale: bool = True,
         name: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -172,12 +185,16 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
         self.recorder = StepRecorder(config, self.initial_scale)
         self.parts = StepParts(self, step)
         self.hooks = ModelHooks(self.parts.trace)
+        self.float8 = Float8State(
+            _check_bool("float8_follows_loss_scale", float8_follows_loss_scale)
+        )
         step.check_at_creation(self)
 
     def build(self, var_list: list[Any]) -> None:
         """Creates the step record's variables (:class:`StepRecorder`), then the inner ones."""
         self.recorder.build(self.add_variable, var_list, self.hooks.float16_mask(var_list))
         self.dynamic_scale = self.recorder.scale  # the name Keras's scale_loss reads
+        self.float8.build(self.add_variable, var_list, backend.int64_dtype())
         self.inner_optimizer.build(var_list)
         keras.optimizers.Optimizer.build(self, var_list)
 
@@ -315,7 +332,8 @@ class LossScaleOptimizer(RecordReads, keras.mixed_precision.LossScaleOptimizer):
     # ------------------------------------------------------------ config
     def get_config(self) -> dict[str, Any]:
         """Returns the constructor arguments, Keras's and kmix's."""
-        return super().get_config() | self.config.arguments()
+        float8 = {"float8_follows_loss_scale": self.float8.follows_loss_scale}
+        return super().get_config() | self.config.arguments() | float8
 
     @classmethod
     def from_keras(

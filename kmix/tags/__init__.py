@@ -54,6 +54,23 @@ from kmix.tags.events import (
     parse_events_lost,
     plain_text,
 )
+from kmix.tags.float8 import (
+    FLOAT8_SATURATION_RECORD,
+    FP8_EVENTS,
+    FP8_HEADROOM_BITS,
+    FP8_RECORD,
+    FP8_SATURATED_STEPS,
+    FP8_SCALE,
+    FP8_STALENESS_BITS,
+    FP8_TAG_PREFIXES,
+    FP8_UNDERFLOW_FRACTION,
+    Float8Saturation,
+    float8_tag,
+    format_saturation,
+    format_saturation_record,
+    parse_float8_tag,
+    parse_saturation_record,
+)
 from kmix.tags.moves import (
     FLOAT16_SHARE,
     PRECISION_MOVE_RECORD,
@@ -84,6 +101,21 @@ from kmix.tags.records import (
 )
 
 __all__ = [
+    "FP8_EVENTS",
+    "FP8_HEADROOM_BITS",
+    "FP8_RECORD",
+    "FP8_SATURATED_STEPS",
+    "FP8_SCALE",
+    "FP8_STALENESS_BITS",
+    "FP8_TAG_PREFIXES",
+    "FP8_UNDERFLOW_FRACTION",
+    "FLOAT8_SATURATION_RECORD",
+    "Float8Saturation",
+    "float8_tag",
+    "format_saturation",
+    "format_saturation_record",
+    "parse_float8_tag",
+    "parse_saturation_record",
     "EventWriter",
     "glob",
     "makedirs",
@@ -286,6 +318,19 @@ LOSS_SCALE_LOG2 = "kmix/loss_scale_log2"
 """log2 of ``kmix/loss_scale``: whole numbers, readable on TensorBoard's linear axis."""
 
 DESCRIPTIONS = {
+    FP8_SCALE: "Delayed float8 scale of a float8 layer's tensor (Keras's <tensor>_scale): "
+    "the tensor is divided by it, then clipped to the format's range (448 for E4M3, 57344 "
+    "for E5M2).",
+    FP8_HEADROOM_BITS: "log2(scale x format max / the newest amax) of a float8 tensor: "
+    "doublings left before Keras clips it at the scale in force; below 0: clipped.",
+    FP8_SATURATED_STEPS: "Cumulative steps at which a float8 tensor's amax exceeded what its "
+    "scale could represent (Keras clipped it, silently).",
+    FP8_UNDERFLOW_FRACTION: "Share of a float8 layer's non-zero kernel values that flush to "
+    "zero at the kernel scale in force.",
+    FP8_STALENESS_BITS: "log2(largest amax in the history / the newest amax): how many bits "
+    "coarser than needed the delayed scale is (a stale spike keeps it coarse for up to the "
+    "history's length).",
+    FP8_EVENTS: "Float8 saturation episodes, one line each at its first step.",
     LOSS_SCALE: "Loss scale (a power of two) multiplying the loss before backprop; written "
     "at every read and at the steps before and after each change. Read it on a log axis: "
     "kmix/loss_scale_log2, or the Mixed Precision tab.",

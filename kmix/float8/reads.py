@@ -1,0 +1,155 @@
+"""What a host read of float8 state says: pure NumPy over values already read.
+
+:func:`tensor_health` describes one float8 tensor from its variables as they are at the
+read (the scale the next step uses, the amax history whose entry 0 is the latest step's
+amax); :func:`decode_saturations` turns the ring of episodes into
+:class:`kmix.tags.Float8Saturation` entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from kmix.float8.saturation import EPISODE_FLOAT_FIELDS, EPISODE_INT_FIELDS
+from kmix.float8.tensors import FORMAT_TINY, Float8Tensor
+from kmix.tags import Float8Saturation
+
+__all__ = ["Float8Health", "decode_saturations", "tensor_health"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Health:
+    """One float8 tensor at a read.
+
+    Attributes:
+        layer: the layer's path.
+        tensor: ``"inputs"``, ``"kernel"`` or ``"outputs_grad"``.
+        scale: the delayed scale in force (what the next step divides by).
+        amax: the latest step's amax (history entry 0); 0 before the first step.
+        headroom_bits: log2(scale x format max / amax); None before the first step.
+        staleness_bits: log2(history max / amax); None before the first step.
+        saturated_steps: steps at which it was clipped (kmix's optimizer counts them;
+            None without it).
+        underflow_fraction: for the kernel, share of its non-zero values that flush to
+            zero at the scale in force; None where not measured.
+    """
+
+    layer: str
+    tensor: str
+    scale: float
+    amax: float
+    headroom_bits: float | None
+    staleness_bits: float | None
+    saturated_steps: int | None = None
+    underflow_fraction: float | None = None
+
+
+def _bits(numerator: float, denominator: float) -> float | None:
+    if not (denominator > 0 and numerator > 0 and math.isfinite(numerator / denominator)):
+        return None
+    return math.log2(numerator / denominator)
+
+
+def tensor_health(
+    tensor: Float8Tensor,
+    scale: float,
+    history: np.ndarray,
+    saturated_steps: int | None = None,
+    kernel: np.ndarray | None = None,
+) -> Float8Health:
+    """One tensor's :class:`Float8Health` from its variables' values.
+
+    Args:
+        tensor: which tensor.
+        scale: its ``<tensor>_scale`` value.
+        history: its ``<tensor>_amax_history`` value.
+        saturated_steps: the optimizer's count, or None.
+        kernel: the layer's kernel values (only for ``tensor == "kernel"``), or None.
+    """
+    history = np.asarray(history, "float32")
+    amax = float(history[0]) if history.size else 0.0
+    peak = float(np.max(history)) if history.size else 0.0
+    underflow = None
+    if kernel is not None and tensor.tensor == "kernel" and scale > 0:
+        values = np.abs(np.asarray(kernel, "float32"))
+        nonzero = values > 0
+        if nonzero.any():
+            flushed = (values / np.float32(scale)) <= FORMAT_TINY[tensor.format] / 2  # ties to 0
+            underflow = float(np.count_nonzero(flushed & nonzero) / np.count_nonzero(nonzero))
+    return Float8Health(
+        layer=tensor.layer,
+        tensor=tensor.tensor,
+        scale=float(scale),
+        amax=amax,
+        headroom_bits=_bits(float(scale) * tensor.format_max, amax),
+        staleness_bits=_bits(peak, amax),
+        saturated_steps=saturated_steps,
+        underflow_fraction=underflow,
+    )
+
+
+def decode_saturations(
+    tensors: Sequence[Float8Tensor],
+    episode_count: int,
+    episode_ints: np.ndarray,
+    episode_floats: np.ndarray,
+    per_step: bool = True,
+    since_step: int = 0,
+) -> list[Float8Saturation]:
+    """The saturations the ring of episodes still holds, in step order.
+
+    Args:
+        tensors: the float8 tensors (the ring's ``tensor`` column indexes them).
+        episode_count: episodes started so far.
+        episode_ints: the ring's integers (:data:`EPISODE_INT_FIELDS`).
+        episode_floats: the ring's floats (:data:`EPISODE_FLOAT_FIELDS`).
+        per_step: one entry per saturated tensor-step (amax and limit as measured at
+            an episode's first and last step, NaN between); False: one per episode,
+            with ``steps`` its length and the first step's amax and limit.
+        since_step: only steps after this one (episodes that end after it).
+
+    Returns:
+        The :class:`kmix.tags.Float8Saturation` entries, by step, then layer order.
+    """
+    ints = np.asarray(episode_ints)
+    floats = np.asarray(episode_floats, "float64")
+    capacity = ints.shape[0]
+    col = {name: i for i, name in enumerate(EPISODE_INT_FIELDS)}
+    fcol = {name: i for i, name in enumerate(EPISODE_FLOAT_FIELDS)}
+    found: list[tuple[int, int, Float8Saturation]] = []
+    for episode in range(max(1, episode_count - capacity + 1), episode_count + 1):
+        row_ints, row_floats = ints[(episode - 1) % capacity], floats[(episode - 1) % capacity]
+        if int(row_ints[col["episode"]]) != episode:
+            continue
+        first, steps = int(row_ints[col["step"]]), int(row_ints[col["steps"]])
+        index = int(row_ints[col["tensor"]])
+        t = tensors[index]
+        if first + steps - 1 <= since_step:
+            continue
+        if not per_step:
+            entry = Float8Saturation(
+                first,
+                t.layer,
+                t.tensor,
+                float(row_floats[fcol["amax"]]),
+                float(row_floats[fcol["limit"]]),
+                steps,
+            )
+            found.append((first, index, entry))
+            continue
+        for step in range(max(first, since_step + 1), first + steps):
+            if step == first:
+                amax, limit = row_floats[fcol["amax"]], row_floats[fcol["limit"]]
+            elif step == first + steps - 1:
+                amax, limit = row_floats[fcol["last_amax"]], row_floats[fcol["last_limit"]]
+            else:
+                amax = limit = math.nan
+            found.append(
+                (step, index, Float8Saturation(step, t.layer, t.tensor, float(amax), float(limit)))
+            )
+    found.sort(key=lambda item: (item[0], item[1]))
+    return [entry for _, _, entry in found]

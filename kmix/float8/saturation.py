@@ -1,0 +1,187 @@
+"""Float8 saturation in the step: pure functions over ``keras.ops`` values.
+
+The step's check, for each float8 tensor (:class:`kmix.float8.tensors.Float8Tensor`)::
+
+    amax   = new amax history[0]        (the step's largest |value|, Keras's gradient)
+    limit  = scale used by the step * format max
+    saturated = the step applies and amax > limit     (Keras clipped it)
+
+A healthy step computes these two vectors and one ``any``; only a step where some tensor
+saturated runs :func:`advance_float8`, which counts it and writes the ring of episodes
+(an episode: consecutive saturated steps of one tensor, one ring row with its length, so
+a tensor that saturates every step never floods the ring)::
+
+    per tensor: saturated_steps += saturated; last_step = step where saturated
+    continuing = saturated and last_step == step - 1 and its row is still in the ring
+    a new episode gets row (episode - 1) % capacity: [step, 1, tensor, episode]
+                                                      [amax, limit, amax, limit]
+    a continuing one: steps += 1, its last amax and limit replaced
+
+When the loss scale changes by ``factor``, :func:`rescaled` multiplies the output
+gradients' scale and amax history by it, so their float8 range follows the loss scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+from keras import ops
+
+from kmix.float8.tensors import Float8Tensor
+
+__all__ = [
+    "EPISODE_FLOAT_FIELDS",
+    "EPISODE_INT_FIELDS",
+    "FIELDS",
+    "TENSOR_FIELDS",
+    "Float8Record",
+    "StepCheck",
+    "advance_float8",
+    "check_step",
+    "rescaled",
+]
+
+TENSOR_FIELDS = ("saturated_steps", "last_saturated_step", "episode")
+"""Columns of the per-tensor counters (one row per float8 tensor)."""
+EPISODE_INT_FIELDS = ("step", "steps", "tensor", "episode")
+"""Columns of the episode ring's integers: first step, length, tensor row, episode (from 1)."""
+EPISODE_FLOAT_FIELDS = ("amax", "limit", "last_amax", "last_limit")
+"""Columns of the episode ring's floats: at the episode's first step and at its last."""
+
+FIELDS = ("fp8_tensors", "fp8_episode_count", "fp8_episode_ints", "fp8_episode_floats")
+"""The float8 record's optimizer variables, in :class:`Float8Record`'s order (their names)."""
+
+
+class Float8Record(NamedTuple):
+    """The float8 part of the step record (values, one per :data:`FIELDS` entry).
+
+    Attributes:
+        tensors: int ``(n, 3)``: :data:`TENSOR_FIELDS` per float8 tensor.
+        episode_count: int scalar: episodes started so far.
+        episode_ints: int ``(capacity, 4)``: :data:`EPISODE_INT_FIELDS`.
+        episode_floats: float32 ``(capacity, 4)``: :data:`EPISODE_FLOAT_FIELDS`.
+    """
+
+    tensors: Any
+    episode_count: Any
+    episode_ints: Any
+    episode_floats: Any
+
+
+class StepCheck(NamedTuple):
+    """One step's check: float32 ``amax`` and ``limit``, boolean ``saturated`` (each ``(n,)``)."""
+
+    amax: Any
+    limit: Any
+    saturated: Any
+
+
+def check_step(
+    tensors: Sequence[Float8Tensor], grads: Sequence[Any], values: Sequence[Any], applies: Any
+) -> StepCheck:
+    """Each float8 tensor's amax at this step against what its scale could represent.
+
+    Args:
+        tensors: the float8 tensors (indices into ``grads`` and ``values``).
+        grads: the step's gradients, one per tracked variable (Keras hands a float8
+            variable its new value as gradient).
+        values: the tracked variables' values before the step (the scales used).
+        applies: boolean scalar: the step is applied (a skipped step changes nothing).
+
+    Returns:
+        The :class:`StepCheck`.
+    """
+    amax = ops.stack([ops.cast(grads[t.history_index][0], "float32") for t in tensors])
+    scale = ops.stack([ops.cast(values[t.scale_index], "float32") for t in tensors])
+    limit = scale * np.asarray([t.format_max for t in tensors], "float32")
+    return StepCheck(amax, limit, ops.logical_and(applies, amax > limit))
+
+
+def advance_float8(old: Float8Record, check: StepCheck, step: Any) -> Float8Record:
+    """The float8 record after a step with at least one saturated tensor (pure).
+
+    Args:
+        old: the record before the step.
+        check: the step's :class:`StepCheck`.
+        step: the attempted step, from 1 (an integer scalar).
+
+    Returns:
+        The record after the step.
+    """
+    dtype = old.tensors.dtype
+    saturated = check.saturated
+    n = saturated.shape[0]
+    capacity = old.episode_ints.shape[0]
+    step = ops.cast(step, dtype)
+    count, last, episode = (old.tensors[:, i] for i in range(3))
+    # Continues only while its row cannot be taken by this step's new episodes (<= n).
+    continuing = (
+        saturated
+        & (last == step - 1)
+        & (episode > 0)
+        & (old.episode_count + n - episode < capacity)
+    )
+    starts = saturated & ops.logical_not(continuing)
+    started = ops.cast(starts, dtype)
+    episode = ops.where(starts, old.episode_count + ops.cumsum(started), episode)
+    rows = ops.mod(episode - 1, capacity)
+    kept_ints = ops.take(old.episode_ints, rows, axis=0)
+    kept_floats = ops.take(old.episode_floats, rows, axis=0)
+    ones = ops.ones((n,), dtype)
+    new_ints = ops.stack(
+        [
+            ops.where(starts, step * ones, kept_ints[:, 0]),
+            ops.where(starts, ones, kept_ints[:, 1] + 1),
+            ops.arange(n, dtype=dtype),
+            episode,
+        ],
+        axis=1,
+    )
+    first = ops.stack([check.amax, check.limit], axis=1)
+    new_floats = ops.concatenate(
+        [ops.where(starts[:, None], first, kept_floats[:, :2]), first], axis=1
+    )
+    hit = ops.logical_and(
+        ops.expand_dims(rows, 1) == ops.expand_dims(ops.arange(capacity, dtype=dtype), 0),
+        ops.expand_dims(saturated, 1),
+    )  # (n, capacity): tensor i writes row r
+    written = ops.any(hit, axis=0)[:, None]
+    hit_ints = ops.cast(hit, dtype)[:, :, None]
+    hit_floats = ops.cast(hit, "float32")[:, :, None]
+    episode_ints = ops.where(
+        written, ops.sum(hit_ints * new_ints[:, None, :], axis=0), old.episode_ints
+    )
+    episode_floats = ops.where(
+        written, ops.sum(hit_floats * new_floats[:, None, :], axis=0), old.episode_floats
+    )
+    tensors = ops.stack(
+        [count + ops.cast(saturated, dtype), ops.where(saturated, step, last), episode], axis=1
+    )
+    return Float8Record(
+        tensors,
+        old.episode_count + ops.sum(started),
+        episode_ints,
+        ops.cast(episode_floats, old.episode_floats.dtype),
+    )
+
+
+def rescaled(tensors: Sequence[Float8Tensor], values: Sequence[Any], factor: Any) -> dict[int, Any]:
+    """The output gradients' scales and amax histories multiplied by ``factor``.
+
+    Args:
+        tensors: the float8 tensors.
+        values: the tracked variables' values after the step.
+        factor: the loss scale's change at this step (new / old; 1 when unchanged).
+
+    Returns:
+        Tracked index -> new value, for each ``outputs_grad`` scale and history.
+    """
+    factor = ops.cast(factor, "float32")
+    found = {}
+    for t in tensors:
+        if t.tensor == "outputs_grad":
+            for index in (t.scale_index, t.history_index):
+                found[index] = ops.cast(values[index], "float32") * factor
+    return found

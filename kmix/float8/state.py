@@ -1,0 +1,279 @@
+"""The float8 record's one owner: its optimizer variables, written in the step, read on the host.
+
+Created by :class:`kmix.LossScaleOptimizer` beside its step record, and only when the
+variables it trains include Keras float8 state (so the saved layout of other models does
+not change). In the step, every backend::
+
+    check = state.check(grads, values, applies)     # two vectors and one any: always
+    TensorFlow: state.record(check, step)            # rare branch: counts and episodes
+                state.rescale(tracked, factor)       # rare branch: scale changed
+    JAX:        state.advanced(old, check, step)     # the same, as values
+                state.rescaled(values, factor)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from kmix.backend import host_value, rare_cond
+from kmix.float8.reads import Float8Health, decode_saturations, tensor_health
+from kmix.float8.saturation import (
+    EPISODE_FLOAT_FIELDS,
+    EPISODE_INT_FIELDS,
+    FIELDS,
+    TENSOR_FIELDS,
+    Float8Record,
+    StepCheck,
+    advance_float8,
+    check_step,
+    rescaled,
+)
+from kmix.float8.tensors import Float8Tensor, float8_tensors
+from kmix.record import Counters
+from kmix.tags import Float8Saturation
+
+ATTEMPTED = Counters._fields.index("attempted_steps")
+"""The attempted steps' position in the step record's packed counters."""
+
+__all__ = ["Float8Reads", "Float8State", "attempted_step", "read_health"]
+
+MIN_CAPACITY = 128
+"""Episodes the ring keeps at least (at least one per float8 tensor)."""
+
+
+def _noop() -> None:
+    return None
+
+
+class Float8State:
+    """Float8 saturation counters and episodes kept in optimizer variables.
+
+    Args:
+        follows_loss_scale: multiply the output gradients' float8 scale and amax history
+            by the loss scale's change at the step it changes.
+
+    Attributes:
+        tensors: the float8 tensors found at build (empty: nothing is kept or done).
+        record: the variables (:class:`Float8Record`), None without float8 tensors.
+    """
+
+    def __init__(self, follows_loss_scale: bool = True) -> None:
+        self.follows_loss_scale = bool(follows_loss_scale)
+        self.tensors: list[Float8Tensor] = []
+        self.record: Float8Record | None = None
+        self._tracked: list[Any] = []
+
+    @property
+    def active(self) -> bool:
+        """Whether the optimizer trains float8 layers (the record exists)."""
+        return self.record is not None
+
+    def build(
+        self, add_variable: Callable[..., Any], var_list: Sequence[Any], int_dtype: str
+    ) -> None:
+        """Creates the record's variables (:data:`FIELDS`) when ``var_list`` holds float8 state."""
+        self._tracked = list(var_list)
+        self.tensors = float8_tensors(var_list)
+        if not self.tensors:
+            return
+        n = len(self.tensors)
+        capacity = max(MIN_CAPACITY, n)
+        shapes = (
+            ((n, len(TENSOR_FIELDS)), int_dtype),
+            ((), int_dtype),
+            ((capacity, len(EPISODE_INT_FIELDS)), int_dtype),
+            ((capacity, len(EPISODE_FLOAT_FIELDS)), "float32"),
+        )
+        self.record = Float8Record(
+            *(
+                add_variable(
+                    shape=shape,
+                    dtype=dtype,
+                    initializer=keras.initializers.Constant(0),
+                    aggregation="only_first_replica",
+                    name=name,
+                )
+                for name, (shape, dtype) in zip(FIELDS, shapes, strict=True)
+            )
+        )
+
+    # ------------------------------------------------------------- in the step
+    def check(self, grads: Sequence[Any], values: Sequence[Any], applies: Any) -> StepCheck:
+        """The step's fused check (:func:`kmix.float8.saturation.check_step`); values before it."""
+        return check_step(self.tensors, grads, values, applies)
+
+    def record_step(self, check: StepCheck, step: Any) -> None:
+        """TensorFlow: assigns the record after the step, in a branch only saturation takes."""
+        variables = self.record
+
+        def write() -> None:
+            old = Float8Record(*(ops.copy(v) for v in variables))
+            for variable, value in zip(variables, advance_float8(old, check, step), strict=True):
+                variable.assign(ops.cast(value, variable.dtype))
+
+        rare_cond(ops.any(check.saturated), write, _noop)
+
+    def advanced(self, old: Float8Record, check: StepCheck, step: Any) -> Float8Record:
+        """JAX: the record's values after the step (as given when nothing saturated)."""
+        return rare_cond(
+            ops.any(check.saturated), lambda: advance_float8(old, check, step), lambda: old
+        )
+
+    def rescale(self, factor: Any) -> None:
+        """TensorFlow: multiplies the output gradients' float8 state by ``factor`` (when not 1)."""
+        if not self.follows_loss_scale:
+            return
+        tracked = self._tracked
+
+        def write() -> None:
+            values = [ops.convert_to_tensor(v) for v in tracked]
+            for index, value in rescaled(self.tensors, values, factor).items():
+                tracked[index].assign(value)
+
+        rare_cond(ops.not_equal(factor, 1.0), write, _noop)
+
+    def rescaled(self, values: list, factor: Any) -> list:
+        """JAX: ``values`` (the tracked variables' after the step) with the rescale applied."""
+        if not self.follows_loss_scale:
+            return values
+        changed = rescaled(self.tensors, values, factor)
+        return [changed.get(i, value) for i, value in enumerate(values)]
+
+    # -------------------------------------------- what each backend's step calls
+    def before_apply(self, aligned: Sequence[Any], applies: Any) -> StepCheck:
+        """TensorFlow, before the inner optimizer assigns: the check over the scales used."""
+        values = {
+            t.scale_index: ops.convert_to_tensor(self._tracked[t.scale_index]) for t in self.tensors
+        }
+        return self.check(aligned, values, applies)
+
+    def after_record(self, check: StepCheck, packed: Any, old_scale: Any, new_scale: Any) -> None:
+        """TensorFlow, after the record: counts saturations, follows the scale's change."""
+        self.record_step(check, attempted_step(packed))
+        self.rescale(ops.divide(new_scale, old_scale))
+
+    def step_values(
+        self,
+        optimizer_values: Sequence[Any],
+        slot_of: dict[int, int],
+        grads: Sequence[Any],
+        trainable: Sequence[Any],
+        applies: Any,
+        packed: Any,
+    ) -> dict[int, Any]:
+        """JAX: optimizer slot -> the float8 record's value after the step.
+
+        Args:
+            optimizer_values: the optimizer's values before the step.
+            slot_of: ``id(variable)`` -> its position among the optimizer's variables.
+            grads: the step's gradients; trainable: the tracked values before it.
+            applies: boolean scalar; packed: the step record's counters before the step.
+        """
+        slots = [slot_of[id(v)] for v in self.record]
+        old = Float8Record(*(optimizer_values[i] for i in slots))
+        new = self.advanced(old, self.check(grads, trainable, applies), attempted_step(packed))
+        return dict(zip(slots, new, strict=True))
+
+    # ------------------------------------------------------------- on the host
+    def saturated_steps(self) -> list[int]:
+        """Steps at which each tensor was clipped, in :attr:`tensors` order."""
+        if self.record is None:
+            return []
+        return [int(c) for c in host_value(self.record.tensors)[:, 0]]
+
+    def saturations(self, per_step: bool = True, since_step: int = 0) -> list[Float8Saturation]:
+        """The saturations the ring holds (see :func:`kmix.float8.reads.decode_saturations`)."""
+        if self.record is None:
+            return []
+        return decode_saturations(
+            self.tensors,
+            int(host_value(self.record.episode_count)),
+            host_value(self.record.episode_ints),
+            host_value(self.record.episode_floats),
+            per_step=per_step,
+            since_step=since_step,
+        )
+
+    def health(self) -> list[Float8Health]:
+        """Each tensor's :class:`Float8Health` now, with the optimizer's counts."""
+        return read_health(self._tracked, self.saturated_steps() or None)
+
+
+def attempted_step(packed: Any) -> Any:
+    """The step being attempted (from 1), from the step record's packed counters before it."""
+    return packed[ATTEMPTED] + 1
+
+
+class Float8Reads:
+    """The optimizer's public float8 reads (mixed into :class:`kmix.LossScaleOptimizer`)."""
+
+    float8: Float8State
+    recorder: Any
+
+    def float8_saturations(self, since_step: int = 0) -> list[Float8Saturation]:
+        """Every saturated float8 tensor-step the ring still holds, in step order.
+
+        Each is a :class:`kmix.Float8Saturation` ``(step, layer, tensor, amax, limit)``:
+        at ``step``, Keras clipped ``tensor`` of ``layer`` (its amax exceeded ``limit``,
+        its scale times the format's max). The ring keeps one row per episode (a run of
+        consecutive saturated steps of one tensor), with amax and limit at its first and
+        last step (NaN between); :meth:`float8_episodes` returns the episodes.
+
+        Args:
+            since_step: only steps after this one.
+        """
+        if not self.float8.active:
+            return []
+        self.recorder.sync()
+        return self.float8.saturations(per_step=True, since_step=since_step)
+
+    def float8_episodes(self, since_step: int = 0) -> list[Float8Saturation]:
+        """One :class:`kmix.Float8Saturation` per episode: its first step, ``steps`` its length."""
+        if not self.float8.active:
+            return []
+        self.recorder.sync()
+        return self.float8.saturations(per_step=False, since_step=since_step)
+
+    def float8_health(self) -> list[Float8Health]:
+        """Each float8 tensor now (:class:`kmix.float8.Float8Health`), with its saturated steps."""
+        if not self.float8.active:
+            return []
+        self.recorder.sync()
+        return self.float8.health()
+
+
+def read_health(
+    variables: Sequence[Any], saturated_steps: Sequence[int] | None = None
+) -> list[Float8Health]:
+    """Each float8 tensor's :class:`Float8Health` from ``variables`` as they are now.
+
+    Works on any model's variables (``model.trainable_variables``), with or without kmix's
+    optimizer: a run with a float32 base and no loss scaling is read this way.
+
+    Args:
+        variables: trainable variables holding float8 state (others are ignored).
+        saturated_steps: the optimizer's counts in :func:`float8_tensors` order, or None.
+
+    Returns:
+        One :class:`Float8Health` per float8 tensor.
+    """
+    variables = list(variables)
+    by_path = {str(v.path): v for v in variables}
+    found = []
+    for i, t in enumerate(float8_tensors(variables)):
+        kernel = by_path.get(f"{t.layer}/kernel") if t.tensor == "kernel" else None
+        found.append(
+            tensor_health(
+                t,
+                float(host_value(variables[t.scale_index])),
+                host_value(variables[t.history_index]),
+                None if saturated_steps is None else int(saturated_steps[i]),
+                None if kernel is None else np.asarray(host_value(kernel)),
+            )
+        )
+    return found

@@ -1,0 +1,145 @@
+"""Float8 in the TensorBoard contract: saturations (line and record) and per-tensor tags.
+
+Part of :mod:`kmix.tags`, which re-exports every public name here. A saturation episode
+(one float8 tensor clipped at consecutive steps) is written at its first step twice, as
+scale events are: a markdown line under ``kmix/fp8_events`` and a JSON record under
+``kmix/fp8_record``. Per-tensor health goes under the prefixes below, each followed by
+``<layer path>/<tensor>``. Nothing here imports TensorFlow or Keras.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from kmix._words import plural
+from kmix.tags.records import json_object, record_fields, record_json
+
+__all__ = [
+    "FP8_EVENTS",
+    "FP8_HEADROOM_BITS",
+    "FP8_RECORD",
+    "FP8_SATURATED_STEPS",
+    "FP8_SCALE",
+    "FP8_STALENESS_BITS",
+    "FP8_TAG_PREFIXES",
+    "FP8_UNDERFLOW_FRACTION",
+    "FLOAT8_SATURATION_RECORD",
+    "Float8Saturation",
+    "float8_tag",
+    "format_saturation",
+    "format_saturation_record",
+    "parse_float8_tag",
+    "parse_saturation_record",
+]
+
+FP8_SCALE = "kmix/fp8_scale/"
+"""+ ``<layer>/<tensor>``: the delayed scale the next step uses (Keras's ``<tensor>_scale``)."""
+FP8_HEADROOM_BITS = "kmix/fp8_headroom_bits/"
+"""+ ``<layer>/<tensor>``: log2(limit / the newest amax); below 0 means clipped."""
+FP8_SATURATED_STEPS = "kmix/fp8_saturated_steps/"
+"""+ ``<layer>/<tensor>``: cumulative steps at which the tensor was clipped."""
+FP8_UNDERFLOW_FRACTION = "kmix/fp8_underflow_fraction/"
+"""+ ``<layer>/kernel``: share of non-zero values that flush to zero at the scale in force."""
+FP8_STALENESS_BITS = "kmix/fp8_staleness_bits/"
+"""+ ``<layer>/<tensor>``: log2(amax history's max / the newest amax): a stale spike."""
+FP8_TAG_PREFIXES = (
+    FP8_SCALE,
+    FP8_HEADROOM_BITS,
+    FP8_SATURATED_STEPS,
+    FP8_UNDERFLOW_FRACTION,
+    FP8_STALENESS_BITS,
+)
+FP8_EVENTS = "kmix/fp8_events"
+"""Markdown lines, one per saturation episode, at its first step."""
+FP8_RECORD = "kmix/fp8_record"
+"""JSON records (:func:`format_saturation_record`), one per saturation episode."""
+FLOAT8_SATURATION_RECORD = "float8_saturation"
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Saturation:
+    """A float8 tensor clipped by Keras at a step: its amax beyond what its scale can hold.
+
+    Attributes:
+        step: the attempted optimizer step, from 1 (the first of the episode's steps).
+        layer: the float8 layer's path.
+        tensor: ``"inputs"``, ``"kernel"`` or ``"outputs_grad"``.
+        amax: the step's largest ``|value|`` of the tensor (NaN where the ring kept only
+            an episode's first and last step).
+        limit: what the step's scale could represent: ``scale * 448`` (E4M3) or
+            ``* 57344`` (E5M2).
+        steps: consecutive saturated steps this entry stands for (an episode; 1 for one
+            tensor-step).
+    """
+
+    step: int
+    layer: str
+    tensor: str
+    amax: float
+    limit: float
+    steps: int = 1
+
+    @property
+    def bits_over(self) -> float:
+        """log2(amax / limit): how far past the limit the tensor went (NaN if unknown)."""
+        if not (self.amax > 0 and self.limit > 0):
+            return math.nan
+        return math.log2(self.amax / self.limit)
+
+
+def format_saturation(item: Float8Saturation) -> str:
+    """The markdown line of a saturation episode (``kmix/fp8_events``)."""
+    over = item.bits_over
+    how = "" if math.isnan(over) else f" ({over:.2f} bits over)"
+    span = (
+        f"step {item.step}"
+        if item.steps == 1
+        else f"steps {item.step}-{item.step + item.steps - 1} ({plural(item.steps, 'step')})"
+    )
+    return (
+        f"**float8 saturation** at {span}: `{item.layer}` {item.tensor} amax "
+        f"{item.amax:.6g} > limit {item.limit:.6g}{how}"
+    )
+
+
+def format_saturation_record(item: Float8Saturation, run_id: str | None = None) -> str:
+    """One JSON record of a saturation episode (``kmix/fp8_record``)."""
+    run = {} if run_id is None else {"run_id": run_id}
+    return record_json(item, type=FLOAT8_SATURATION_RECORD, **run)
+
+
+def parse_saturation_record(text: str) -> Float8Saturation | None:
+    """Reads :func:`format_saturation_record`'s text; None if it is not such a record."""
+    data = json_object(text)
+    if data is None or data.get("type") != FLOAT8_SATURATION_RECORD:
+        return None
+    fields = record_fields(data, Float8Saturation)
+    if fields is None:
+        return None
+    try:
+        return Float8Saturation(
+            step=int(fields["step"]),
+            layer=str(fields["layer"]),
+            tensor=str(fields["tensor"]),
+            amax=float(fields["amax"]),
+            limit=float(fields["limit"]),
+            steps=int(fields.get("steps", 1)),
+        )
+    except (TypeError, ValueError):
+        return None
+
+
+def float8_tag(prefix: str, layer: str, tensor: str) -> str:
+    """``prefix + layer + "/" + tensor``, e.g. ``kmix/fp8_scale/mlp/dense/inputs``."""
+    return f"{prefix}{layer}/{tensor}"
+
+
+def parse_float8_tag(tag: str) -> tuple[str, str, str] | None:
+    """``(prefix, layer, tensor)`` of a float8 tag; None for another tag."""
+    for prefix in FP8_TAG_PREFIXES:
+        if tag.startswith(prefix):
+            layer, _, tensor = tag[len(prefix) :].rpartition("/")
+            if layer and tensor:
+                return prefix, layer, tensor
+    return None

@@ -1,0 +1,181 @@
+"""kmix.float8's pure step functions against plain-Python references."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from keras import ops
+
+from kmix.float8 import (
+    Float8Record,
+    Float8Tensor,
+    StepCheck,
+    advance_float8,
+    check_step,
+    decode_saturations,
+    float8_tensors,
+    rescaled,
+    tensor_health,
+)
+
+pytestmark = pytest.mark.jax
+
+
+def reference(saturated_by_step, amax_by_step, limit_by_step, capacity):
+    """Episodes as a plain list: [first, steps, tensor, amax, limit, last_amax, last_limit]."""
+    episodes, open_ = [], {}
+    for step, row in enumerate(saturated_by_step, start=1):
+        for i, sat in enumerate(row):
+            if not sat:
+                open_.pop(i, None)
+                continue
+            a, lim = amax_by_step[step - 1][i], limit_by_step[step - 1][i]
+            if i in open_ and open_[i][0] + open_[i][1] == step:
+                open_[i][1] += 1
+                open_[i][5:] = [a, lim]
+            else:
+                open_[i] = [step, 1, i, a, lim, a, lim]
+                episodes.append(open_[i])
+    return episodes
+
+
+def run(saturated_by_step, amax_by_step, limit_by_step, capacity):
+    n = len(saturated_by_step[0])
+    rec = Float8Record(
+        np.zeros((n, 3), "int64"),
+        np.zeros((), "int64"),
+        np.zeros((capacity, 4), "int64"),
+        np.zeros((capacity, 4), "float32"),
+    )
+    for step, sat in enumerate(saturated_by_step, start=1):
+        check = StepCheck(
+            np.float32(amax_by_step[step - 1]), np.float32(limit_by_step[step - 1]), np.array(sat)
+        )
+        if any(sat):
+            rec = Float8Record(*(np.asarray(v) for v in advance_float8(rec, check, step)))
+    return rec
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_episodes_and_counts_match_a_plain_replay(seed):
+    rng = np.random.default_rng(seed)
+    n, steps, capacity = 5, 60, 256
+    sat = (rng.random((steps, n)) < 0.3).tolist()
+    amax = rng.random((steps, n)).astype("float32") + 1
+    limit = rng.random((steps, n)).astype("float32")
+    rec = run(sat, amax, limit, capacity)
+    assert np.asarray(rec.tensors)[:, 0].tolist() == np.sum(sat, axis=0).tolist()
+    expected = reference(sat, amax, limit, capacity)
+    assert int(rec.episode_count) == len(expected)
+    tensors = [Float8Tensor(f"l{i}", "inputs", 0, 0, 448.0) for i in range(n)]
+    got = decode_saturations(
+        tensors, int(rec.episode_count), rec.episode_ints, rec.episode_floats, per_step=False
+    )
+    want = sorted(expected, key=lambda e: (e[0], e[2]))
+    assert [(g.step, g.steps, g.layer) for g in got] == [(e[0], e[1], f"l{e[2]}") for e in want]
+    np.testing.assert_allclose([g.amax for g in got], [e[3] for e in want], rtol=0, atol=0)
+    per_step = decode_saturations(
+        tensors, int(rec.episode_count), rec.episode_ints, rec.episode_floats
+    )
+    assert {(s.step, s.layer) for s in per_step} == {
+        (step, f"l{i}") for step, row in enumerate(sat, start=1) for i, x in enumerate(row) if x
+    }
+
+
+@pytest.mark.parametrize("capacity", [4, 128])
+def test_a_tensor_saturating_every_step_never_floods_the_ring(capacity):
+    n, steps = 2, 40
+    sat = [[True, step % 3 == 0] for step in range(1, steps + 1)]
+    ones = np.ones((steps, n), "float32")
+    rec = run(sat, ones * 2, ones, capacity)
+    tensors = [Float8Tensor("a", "inputs", 0, 0, 448.0), Float8Tensor("b", "kernel", 0, 0, 448.0)]
+    args = (tensors, int(rec.episode_count), rec.episode_ints, rec.episode_floats)
+    got = decode_saturations(*args, per_step=False)
+    a = [g for g in got if g.layer == "a"]
+    b = [g.step for g in got if g.layer == "b"]
+    if capacity == 128:  # one row for the whole run, one per single-step episode of b
+        assert [(g.step, g.steps) for g in a] == [(1, steps)]
+        assert b == list(range(3, steps + 1, 3))
+    else:  # the open episode moves to a new row when the ring comes round
+        assert len(got) <= capacity and a[-1].step + a[-1].steps - 1 == steps
+        assert b == list(range(3, steps + 1, 3))[-len(b) :]
+    per_step = decode_saturations(*args, since_step=30 if capacity == 128 else 36)
+    first = 31 if capacity == 128 else 37
+    assert [(s.step, s.layer) for s in per_step if s.layer == "a"] == [
+        (step, "a") for step in range(first, steps + 1)
+    ]
+
+
+def test_check_step_clips_above_scale_times_format_max_only_when_applied():
+    tensors = [
+        Float8Tensor("d", "inputs", 0, 1, 448.0),
+        Float8Tensor("d", "outputs_grad", 2, 3, 57344.0),
+    ]
+    values = [np.float32(0.5), None, np.float32(2.0), None]
+    grads = [None, np.float32([224.1, 0, 0]), None, np.float32([114688.0, 9, 9])]
+    check = check_step(tensors, grads, values, np.bool_(True))
+    assert np.asarray(check.saturated).tolist() == [True, False]  # 224.1 > 224; 114688 = limit
+    np.testing.assert_array_equal(np.asarray(check.limit), np.float32([224.0, 114688.0]))
+    assert not np.asarray(check_step(tensors, grads, values, np.bool_(False)).saturated).any()
+
+
+def test_rescale_touches_only_the_output_gradients():
+    tensors = [
+        Float8Tensor("d", t, 2 * i, 2 * i + 1, 448.0)
+        for i, t in enumerate(["inputs", "kernel", "outputs_grad"])
+    ]
+    values = [np.float32(3.0), np.float32([1, 2])] * 3
+    out = rescaled(tensors, values, np.float32(0.5))
+    assert sorted(out) == [4, 5]
+    np.testing.assert_array_equal(np.asarray(out[5]), np.float32([0.5, 1]))
+
+
+def test_tensor_health_words_the_newest_amax_against_the_scale():
+    t = Float8Tensor("d", "kernel", 0, 1, 448.0)
+    history = np.float32([112.0, 0, 896.0])
+    kernel = np.float32([1.0, 2.0**-11, 0.0, -3.0])  # scale 2**-1: 2**-11 / 0.5 = 2**-10 flushes
+    h = tensor_health(t, 0.5, history, 7, kernel)
+    assert h.headroom_bits == pytest.approx(1.0) and h.staleness_bits == pytest.approx(3.0)
+    assert h.saturated_steps == 7 and h.underflow_fraction == pytest.approx(1 / 3)
+    assert tensor_health(t, 0.5, np.zeros(3, "float32")).headroom_bits is None
+
+
+def test_float8_tensors_found_by_name_and_flag():
+    class V:
+        def __init__(self, path, flag=True):
+            self.path, self.overwrite_with_gradient = path, flag
+
+    names = [
+        "kernel",
+        "inputs_scale",
+        "inputs_amax_history",
+        "outputs_grad_scale",
+        "outputs_grad_amax_history",
+    ]
+    variables = [V(f"m/block/d/{n}", n != "kernel") for n in names] + [
+        V("m/other/inputs_scale", False)
+    ]
+    found = float8_tensors(variables)
+    assert [(t.layer, t.tensor, t.scale_index, t.history_index) for t in found] == [
+        ("m/block/d", "inputs", 1, 2),
+        ("m/block/d", "outputs_grad", 3, 4),
+    ]
+    assert math.isclose(found[1].format_max, 57344.0)
+
+
+def test_advance_runs_on_ops_values():
+    rec = Float8Record(
+        *(
+            ops.convert_to_tensor(v)
+            for v in (
+                np.zeros((1, 3), "int32"),
+                np.int32(0),
+                np.zeros((2, 4), "int32"),
+                np.zeros((2, 4), "float32"),
+            )
+        )
+    )
+    new = advance_float8(rec, StepCheck(np.float32([2]), np.float32([1]), np.array([True])), 5)
+    assert np.asarray(new.episode_ints)[0].tolist() == [5, 1, 0, 1]

@@ -1,0 +1,188 @@
+"""kmix's optimizer on float8 layers: every saturated tensor-step, exact against a NumPy
+replay of Keras's variables (tests/float8/replay.py), and the output gradients' float8
+state following the loss scale. TensorFlow and JAX."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+from replay import Replay, float8_layers
+
+import kmix
+
+pytestmark = pytest.mark.jax
+
+
+@pytest.fixture(autouse=True)
+def _mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def mlp(nested: bool = False) -> keras.Model:
+    inputs = keras.Input((8,))
+    block = keras.Sequential(
+        [keras.layers.Dense(16, activation="relu"), keras.layers.Dense(16, activation="relu")],
+        name="block",
+    )
+    x = block(inputs) if nested else keras.layers.Dense(16, activation="relu")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(x))
+    model.quantize("float8")
+    return model
+
+
+def data(spike_batch: int = 9, batches: int = 16, batch_size: int = 16):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batches * batch_size, 8)).astype("float32")
+    y = rng.standard_normal((batches * batch_size, 1)).astype("float32")
+    x[spike_batch * batch_size : (spike_batch + 1) * batch_size] *= 50  # an injected spike
+    return x, y
+
+
+def train(model, follows=True, inner="sgd", xy=None, **kwargs):
+    keras.utils.set_random_seed(0)
+    opt = kmix.LossScaleOptimizer(
+        inner,
+        dynamic_growth_steps=kwargs.pop("growth", 4),
+        initial_scale=kwargs.pop("initial_scale", 256.0),
+        float8_follows_loss_scale=follows,
+    )
+    model.compile(optimizer=opt, loss="mse", **kwargs)
+    replay = Replay()
+    replay.rescaled = follows
+    x, y = data() if xy is None else xy
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False, callbacks=[replay])
+    return opt, replay
+
+
+@pytest.mark.parametrize("follows", [True, False])
+def test_every_saturated_tensor_step_at_its_step_as_the_replay_says(follows):
+    keras.utils.set_random_seed(0)
+    opt, replay = train(mlp(), follows)
+    got = [(s.step, s.layer, s.tensor) for s in opt.float8_saturations()]
+    assert len(got) == len(set(got))
+    assert set(got) == replay.saturated() and got  # the spike and the growths saturate
+    assert any(s[0] == 10 and s[2] == "inputs" for s in got)  # the spike's batch
+    counts = {(h.layer, h.tensor): h.saturated_steps for h in opt.float8_health()}
+    for (layer, tensor), n in counts.items():
+        assert n == sum(1 for s in got if s[1:] == (layer, tensor))
+    events = {e.step for e in opt.scale_events() if e.kind == "growth"}
+    assert events  # growths happened (every 4 steps)
+
+
+def test_growths_saturate_the_output_gradients_only_without_following():
+    """Weights frozen (lr 0) and one batch repeated: the output gradients change only with
+    the loss scale, so every saturation of them comes from a growth."""
+    x, y = data(spike_batch=-1)
+    x, y = np.tile(x[:16], (24, 1)), np.tile(y[:16], (24, 1))
+
+    def output_grad_saturations(follows):
+        keras.utils.set_random_seed(0)
+        opt, replay = train(mlp(), follows, keras.optimizers.SGD(0.0), (x, y))
+        assert {(s.step, s.layer, s.tensor) for s in opt.float8_saturations()} == replay.saturated()
+        growths = [e.step for e in opt.scale_events() if e.kind == "growth"]
+        return growths, [  # after the warm-up (the delayed scales set by the first steps)
+            s for s in opt.float8_episodes() if s.tensor == "outputs_grad" and s.step > growths[0]
+        ]
+
+    growths, off = output_grad_saturations(False)
+    assert len(growths) >= 4
+    # Stock: each growth doubles the next steps' output gradients past their delayed scale.
+    past = {s.step for s in off if s.bits_over == pytest.approx(1.0, abs=1e-3)}
+    assert past >= {g + 1 for g in growths[1:-1]}
+    # Following the loss scale: the same growths saturate nothing.
+    assert output_grad_saturations(True) == (growths, [])
+
+
+def test_output_gradient_state_is_multiplied_at_growth_and_backoff():
+    keras.utils.set_random_seed(0)
+    on, replay = train(mlp(), True, initial_scale=2.0**24, growth=3)
+    kinds = [e.kind for e in on.scale_events()]
+    assert "backoff" in kinds and "growth" in kinds
+    for before, after in replay.steps:
+        factor = np.float32(after["loss_scale"] / before["loss_scale"])
+        skipped = after["iterations"] == before["iterations"]
+        for key, value in before.items():
+            if not isinstance(key, tuple):
+                continue
+            if skipped:  # nothing applied: the output gradients' state is only rescaled
+                expected = value * factor if key[1] == "outputs_grad" else value
+                np.testing.assert_array_equal(after[key], expected)
+
+
+def test_nested_float8_layers_and_a_lazily_built_model():
+    keras.utils.set_random_seed(0)
+    opt, replay = train(mlp(nested=True))
+    assert {p for p, _ in float8_layers(opt and replay.model)} >= {"block/dense", "block/dense_1"}
+    assert {(s.step, s.layer, s.tensor) for s in opt.float8_saturations()} == replay.saturated()
+
+    lazy = keras.Sequential(
+        [
+            keras.layers.Dense(16, activation="relu", dtype="float8_from_mixed_float16"),
+            keras.layers.Dense(1, dtype="float8_from_mixed_float16"),
+        ]
+    )
+    keras.utils.set_random_seed(0)
+    opt, replay = train(lazy)
+    assert len(opt.float8.tensors) == 6
+    assert {(s.step, s.layer, s.tensor) for s in opt.float8_saturations()} == replay.saturated()
+
+
+def test_keras_file_keeps_float8_state_and_counts(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = mlp()
+    opt, _ = train(model)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    again = loaded.optimizer
+    assert isinstance(again, kmix.LossScaleOptimizer) and again.float8.follows_loss_scale
+    assert again.float8_saturations() == opt.float8_saturations()
+    assert [h.saturated_steps for h in again.float8_health()] == [
+        h.saturated_steps for h in opt.float8_health()
+    ]
+    for (path_a, a), (path_b, b) in zip(float8_layers(model), float8_layers(loaded), strict=True):
+        assert path_a == path_b
+        np.testing.assert_array_equal(
+            np.asarray(a.outputs_grad_amax_history.value),
+            np.asarray(b.outputs_grad_amax_history.value),
+        )
+
+
+def test_no_float8_layers_no_float8_variables():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    opt = kmix.LossScaleOptimizer("sgd")
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0)
+    assert not opt.float8.active and opt.float8_saturations() == []
+    assert not [v for v in opt.variables if "fp8" in v.name]
+
+
+def test_monitor_writes_float8_tags_and_every_episode_at_its_step(tmp_path):
+    from test_monitor import read_back, scalars, texts
+
+    from kmix import tags
+    from kmix.callbacks import MixedPrecisionMonitor
+
+    keras.utils.set_random_seed(0)
+    model = mlp()
+    opt = kmix.LossScaleOptimizer("sgd", dynamic_growth_steps=4, initial_scale=256.0)
+    model.compile(optimizer=opt, loss="mse")
+    x, y = data()
+    monitor = MixedPrecisionMonitor(str(tmp_path), update_freq=5)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False, callbacks=[monitor])
+    logged = read_back(tmp_path)
+    layer = float8_layers(model)[0][0]
+    for prefix in (tags.FP8_SCALE, tags.FP8_HEADROOM_BITS, tags.FP8_SATURATED_STEPS):
+        assert scalars(logged, tags.float8_tag(prefix, layer, "inputs"))
+    assert scalars(logged, tags.float8_tag(tags.FP8_UNDERFLOW_FRACTION, layer, "kernel"))
+    final = scalars(logged, tags.float8_tag(tags.FP8_SATURATED_STEPS, layer, "inputs"))
+    assert final[max(final)] == sum(
+        1 for s in opt.float8_saturations() if (s.layer, s.tensor) == (layer, "inputs")
+    )
+    records = [tags.parse_saturation_record(text) for _, text in texts(logged, tags.FP8_RECORD)]
+    assert sorted((r.step, r.layer, r.tensor) for r in records) == sorted(
+        (e.step, e.layer, e.tensor) for e in opt.float8_episodes()
+    )
