@@ -40,8 +40,9 @@ class Float8Monitor:
         if state is not None and state.active:
             health: list[Float8Health] = optimizer.float8_health()
             episodes = optimizer.float8_episodes()
-        elif model is not None and any(
-            getattr(v, "overwrite_with_gradient", False) for v in model.trainable_variables
+        elif any(
+            getattr(v, "overwrite_with_gradient", False)
+            for v in getattr(model, "trainable_variables", ())
         ):
             health, episodes = read_health(model.trainable_variables), []
         else:
