@@ -1,8 +1,9 @@
-"""kmix.LossScaleOptimizer on Keras's JAX backend (issue 24, first slice).
+"""kmix.LossScaleOptimizer on Keras's JAX backend, and the same behaviours on torch.
 
-The slow tests run tests/scripts/jax_fit.py in a subprocess with ``KERAS_BACKEND=jax``
-(this process has TensorFlow's Keras loaded) and check what it printed against a plain
-Python reference of the scale rule written here. They skip when JAX is not installed.
+The slow tests run tests/scripts/backend_fit.py in a subprocess with ``KERAS_BACKEND=jax``
+and, for the behaviours every backend shares (``any_run``), ``KERAS_BACKEND=torch`` (this
+process has TensorFlow's Keras loaded), and check what it printed against a plain Python
+reference of the scale rule written here. They skip when JAX (torch) is not installed.
 The fast tests check the pure pieces the JAX step adds, on the test process's backend.
 """
 
@@ -26,7 +27,7 @@ from kmix.record.activations import ACTIVATION_CAPACITY, ACTIVATION_FIELDS
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 
-SCRIPT = os.path.join(TESTS, "scripts", "jax_fit.py")
+SCRIPT = os.path.join(TESTS, "scripts", "backend_fit.py")
 TIMEOUT = 120
 # As in the script (kept in step by test_the_reference_reads_the_scripts_settings).
 KINDS = ["ok", "ok", "forward", "ok", *["gradient"] * 4, *["ok"] * 8]
@@ -74,6 +75,8 @@ def reference(kinds: list[str], initial: float, growth: int, low: float, high: f
 
 
 def run_script(scenario: str, tmp_path: os.PathLike, devices: int = 1, **environ: str) -> dict:
+    """Runs backend_fit.py's ``scenario`` in a fresh process (JAX unless ``environ`` says
+    ``KERAS_BACKEND``) and returns what it printed."""
     env = {**os.environ, "KERAS_BACKEND": "jax", "CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"}
     env.pop("JAX_ENABLE_X64", None)
     env |= environ
@@ -96,25 +99,45 @@ def as_rows(events: list[dict]) -> list[list]:
     return [[e[k] for k in keys] for e in events]
 
 
+needs_torch = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None,
+    reason='torch is not installed (pip install ".[torch]" from the repository root)',
+)
+
+
 @pytest.fixture(scope="module")
 def fit_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The fit scenario on JAX."""
     return run_script("fit", tmp_path_factory.mktemp("jax_fit"))
+
+
+@pytest.fixture(scope="module")
+def torch_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The fit scenario on torch (what only JAX has is not run there)."""
+    return run_script("fit", tmp_path_factory.mktemp("torch_fit"), KERAS_BACKEND="torch")
+
+
+@pytest.fixture(
+    params=[pytest.param("jax", marks=needs_jax), pytest.param("torch", marks=needs_torch)]
+)
+def any_run(request: pytest.FixtureRequest) -> dict:
+    """The fit scenario on each backend whose step is not TensorFlow's: the same promises."""
+    return request.getfixturevalue("fit_run" if request.param == "jax" else "torch_run")
 
 
 # ------------------------------------------------------------------ slow: the subprocess
 @pytest.mark.slow
-@needs_jax
-def test_fit_follows_the_rule_at_every_step(fit_run):
+def test_fit_follows_the_rule_at_every_step(any_run):
     expected = reference(KINDS, *SETTINGS.values())
-    assert fit_run["variables"] == VARIABLES
+    assert any_run["variables"] == VARIABLES
     # read during fit, after each batch: the optimizer's reads sync the JAX state first
-    assert fit_run["scales"] == expected["scales"]
-    assert fit_run["attempted"] == list(range(1, len(KINDS) + 1))
+    assert any_run["scales"] == expected["scales"]
+    assert any_run["attempted"] == list(range(1, len(KINDS) + 1))
     assert min(expected["scales"]) == SETTINGS["min_scale"]  # the floor is reached...
     assert max(expected["scales"]) == SETTINGS["max_scale"]  # ...and the ceiling
-    assert as_rows(fit_run["events"]) == expected["events"]
+    assert as_rows(any_run["events"]) == expected["events"]
     assert {e[1] for e in expected["events"]} >= {"overflow_at_floor", "forward_overflow"}
-    state = fit_run["state"]
+    state = any_run["state"]
     assert state["attempted_steps"] == len(KINDS)
     assert state["skipped_steps"] == len(expected["skipped"])
     assert state["last_overflow_step"] == expected["skipped"][-1]
@@ -122,8 +145,9 @@ def test_fit_follows_the_rule_at_every_step(fit_run):
     assert state["consecutive_skips"] == 0 and state["loss_finite"] is True
     assert state["event_count"] == len(expected["events"])
     assert state["loss_scale"] == expected["scales"][-1]
-    assert state["health"] == {} and state["health_step"] == 0  # not measured on JAX yet
-    assert fit_run["counter_dtype"] == "int32"  # int64 without jax_enable_x64
+    assert state["health"] == {} and state["health_step"] == 0  # not measured yet
+    assert any_run["counter_dtype"] == "int32"  # int64 on JAX with jax_enable_x64
+    assert any_run["tensorflow_imported"] is False  # kmix's core path
 
 
 @pytest.mark.slow
@@ -148,11 +172,10 @@ def test_fit_on_jax_reads_the_facts_the_design_relies_on(fit_run):
 
 
 @pytest.mark.slow
-@needs_jax
-def test_a_skipped_step_keeps_weights_and_inner_state_bit_for_bit(fit_run):
-    skips = fit_run["skips"]
+def test_a_skipped_step_keeps_weights_and_inner_state_bit_for_bit(any_run):
+    skips = any_run["skips"]
     assert skips["gradient"]["unchanged"] and skips["forward"]["unchanged"]
-    scale = fit_run["state"]["loss_scale"]
+    scale = any_run["state"]["loss_scale"]
     assert skips["gradient"]["scale_before"] == scale
     assert skips["gradient"]["scale_after"] == max(scale / 2, SETTINGS["min_scale"])
     assert skips["forward"]["scale_after"] == skips["forward"]["scale_before"]  # kept
@@ -160,21 +183,19 @@ def test_a_skipped_step_keeps_weights_and_inner_state_bit_for_bit(fit_run):
 
 
 @pytest.mark.slow
-@needs_jax
-def test_save_and_load_keep_the_scale_counters_and_events(fit_run):
-    saved, loaded = fit_run["saved"], fit_run["loaded"]
+def test_save_and_load_keep_the_scale_counters_and_events(any_run):
+    saved, loaded = any_run["saved"], any_run["loaded"]
     assert loaded["type"] == "LossScaleOptimizer"
     assert loaded["state"] == saved["state"]
     assert loaded["events"] == saved["events"]
     assert saved["state"]["attempted_steps"] == len(KINDS) + 3  # the three single-batch fits
-    assert saved["state"]["skipped_steps"] == fit_run["state"]["skipped_steps"] + 2
+    assert saved["state"]["skipped_steps"] == any_run["state"]["skipped_steps"] + 2
     assert [e["kind"] for e in saved["events"][-2:]] == ["backoff", "forward_overflow"]
 
 
 @pytest.mark.slow
-@needs_jax
-def test_apply_in_a_custom_loop_skips_and_applies(fit_run):
-    loop = fit_run["custom_loop"]
+def test_apply_in_a_custom_loop_skips_and_applies(any_run):
+    loop = any_run["custom_loop"]
     assert loop["skip_unchanged"] and loop["applied_changes_weights"]
     scale = SETTINGS["initial_scale"]
     assert loop["skipped"]["skipped_steps"] == 1 and loop["skipped"]["loss_scale"] == scale / 2
@@ -184,9 +205,8 @@ def test_apply_in_a_custom_loop_skips_and_applies(fit_run):
 
 
 @pytest.mark.slow
-@needs_jax
-def test_a_skipped_step_gives_back_batch_normalizations_statistics(fit_run):
-    state = fit_run["forward_state"]
+def test_a_skipped_step_gives_back_batch_normalizations_statistics(any_run):
+    state = any_run["forward_state"]
     assert state["paths"] == [
         "sequential/batch_normalization/moving_mean",
         "sequential/batch_normalization/moving_variance",
@@ -203,9 +223,8 @@ def test_a_skipped_step_gives_back_batch_normalizations_statistics(fit_run):
 
 
 @pytest.mark.slow
-@needs_jax
-def test_the_callbacks_on_jax_name_each_cast_overflow_and_the_autopilot_moves_it(fit_run):
-    run = fit_run["watched"]
+def test_the_callbacks_name_each_cast_overflow_and_the_autopilot_moves_it(any_run):
+    run = any_run["watched"]
     # Epoch 1, step 3: wide's input cast overflows; epoch 2 (step 11): norm's, at 4 * 90000.
     assert run["moves"] == [
         [3, "wide", "mixed_float16", "float32"],
@@ -241,9 +260,8 @@ def test_a_changed_statistics_setting_reaches_the_jit_step_and_a_repeated_one_re
 
 
 @pytest.mark.slow
-@needs_jax
-def test_a_sequential_without_input_names_the_cast_of_its_data_on_entry(fit_run):
-    (event,) = fit_run["lazy_origin"]  # rows 4-5 are the third batch
+def test_a_sequential_without_input_names_the_cast_of_its_data_on_entry(any_run):
+    (event,) = any_run["lazy_origin"]  # rows 4-5 are the third batch
     assert (event["step"], event["kind"]) == (3, "forward_overflow")
     assert event["origin"] == {
         "layer": "sequential/d",
@@ -254,11 +272,10 @@ def test_a_sequential_without_input_names_the_cast_of_its_data_on_entry(fit_run)
 
 
 @pytest.mark.slow
-@needs_jax
-def test_activation_statistics_describe_the_steps_own_forward_pass_dropout_included(fit_run):
+def test_activation_statistics_describe_the_steps_own_forward_pass_dropout_included(any_run):
     # Statistics every step: each step measures its own pass; a pass with another
     # dropout mask (another seed state) would not show what the layer saw.
-    rows = fit_run["measured_again"]
+    rows = any_run["measured_again"]
     assert len(rows) == 5
     for row in rows:
         assert row["drop"] is not None, rows
