@@ -46,6 +46,7 @@ _active = importlib.import_module(_MODULES.get(NAME, "kmix.backend.generic"))
 USES_TENSORFLOW: bool = _active.USES_TENSORFLOW
 NOTES_CASTS: bool = _active.NOTES_CASTS
 is_first_process = _active.is_first_process
+constant_initializer = _active.constant_initializer
 reachable = _active.reachable
 rare_cond = _active.rare_cond
 retrace_all = _active.retrace_all
@@ -69,6 +70,7 @@ __all__ = [
     "as_arrived",
     "check_supported",
     "compile_function",
+    "constant_initializer",
     "dataset_from_arrays",
     "default_strategy",
     "exact_exponent",

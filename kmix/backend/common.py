@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -36,6 +37,11 @@ def retrace(model: Any) -> None:
 def numpy_value(variable: Any) -> np.ndarray:
     """A Keras variable's value on the host, through Keras."""
     return np.asarray(ops.convert_to_numpy(variable))
+
+
+def constant_initializer(value: float) -> Any:
+    """An initializer of ``value`` everywhere: ``keras.initializers.Constant``."""
+    return keras.initializers.Constant(value)
 
 
 def unchanged(tensor: Any) -> Any:

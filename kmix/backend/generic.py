@@ -12,6 +12,7 @@ from typing import Any
 import keras
 from keras import ops
 
+from kmix.backend.common import constant_initializer as constant
 from kmix.backend.common import numpy_value, reduce_each, retrace, unchanged
 
 USES_TENSORFLOW = False
@@ -49,6 +50,7 @@ def _unsupported(*args: Any, **kwargs: Any) -> Any:
 
 exact_exponent = summed_rows = _unsupported
 retrace_all, reduce_rows, host_value, as_arrived = retrace, reduce_each, numpy_value, unchanged
+constant_initializer = constant
 
 
 def trace_root(outputs: Any) -> Any:

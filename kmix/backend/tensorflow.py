@@ -14,6 +14,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from kmix.backend.common import constant_initializer as constant
 from kmix.backend.common import numpy_value, reduce_each, retrace
 
 USES_TENSORFLOW = True
@@ -25,6 +26,9 @@ retrace_all = retrace
 
 reduce_rows = reduce_each
 """Reduces ``[k, n]`` matrices along their rows, one reduction each."""
+
+constant_initializer = constant
+"""An initializer of ``value`` everywhere: ``keras.initializers.Constant``."""
 
 NOTES_CASTS = False
 """A float16 layer's input as it arrived is read back from the graph (:func:`as_arrived`),
