@@ -10,7 +10,9 @@ Scenarios:
 * ``guard``: process 1's inputs are NaN from step BAD_STEP on; LossScaleGuard(patience=
   PATIENCE) must stop both processes at the same step;
 * ``autopilot``: as ``forward``; PrecisionAutopilot must move ``wide`` in both at the
-  same step.
+  same step;
+* ``hang``: process 1 never joins; process 0 waits for it in ``initialize`` (the
+  launcher's own test: both must be killed at its timeout).
 
 The launcher (tests/callbacks/test_processes.py) starts both with a timeout and kills
 their process groups if they hang. Nothing here decides what is right.
@@ -22,6 +24,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 import warnings
 
 os.environ["KERAS_BACKEND"] = "jax"
@@ -51,6 +54,8 @@ def data(index: int, scenario: str) -> tuple:
 
 
 def main(index: int, port: str, scenario: str, directory: str) -> None:
+    if scenario == "hang" and index == 1:
+        time.sleep(3600)
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -105,6 +110,7 @@ def main(index: int, port: str, scenario: str, directory: str) -> None:
     state = optimizer.read_state()
     result = {
         "index": index,
+        "pid": os.getpid(),
         "processes": jax.process_count(),
         "devices": jax.device_count(),
         "scales": observe.scales,
