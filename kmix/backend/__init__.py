@@ -46,6 +46,7 @@ _active = importlib.import_module(_MODULES.get(NAME, "kmix.backend.generic"))
 USES_TENSORFLOW: bool = _active.USES_TENSORFLOW
 NOTES_CASTS: bool = _active.NOTES_CASTS
 is_first_process = _active.is_first_process
+processes_and_devices = _active.processes_and_devices
 constant_initializer = _active.constant_initializer
 reachable = _active.reachable
 rare_cond = _active.rare_cond
@@ -82,6 +83,7 @@ __all__ = [
     "is_out_of_memory",
     "is_traced",
     "peak_memory",
+    "processes_and_devices",
     "rare_cond",
     "reachable",
     "reduce_rows",

@@ -22,6 +22,11 @@ NOTES_CASTS = False
 """No tap runs here (the optimizer is refused)."""
 
 
+def processes_and_devices() -> tuple[int, int] | None:
+    """None: not known here."""
+    return None
+
+
 def is_first_process() -> bool:
     """True: one process."""
     return True

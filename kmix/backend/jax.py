@@ -76,6 +76,17 @@ def constant_initializer(value: float) -> Any:
     return _Filled(value)
 
 
+def processes_and_devices() -> tuple[int, int] | None:
+    """How many processes run the step, and on how many devices in all.
+
+    The devices are those of ``keras.distribution``'s mesh when a distribution is set,
+    else one (JAX runs the step on its default device).
+    """
+    distribution = keras.distribution.distribution()
+    devices = 1 if distribution is None else int(distribution.device_mesh.devices.size)
+    return jax.process_count(), devices
+
+
 def reachable(value: Any) -> bool:
     """True if ``value`` can be used where the step is being built now.
 

@@ -35,6 +35,12 @@ NOTES_CASTS = False
 so the tap does not note casts."""
 
 
+def processes_and_devices() -> tuple[int, int] | None:
+    """None: ``tf.distribute``'s workers and replicas are told apart by
+    :class:`kmix.callbacks.LoopDriver`, not counted here."""
+    return None
+
+
 def is_first_process() -> bool:
     """True: TensorFlow's workers are told apart by :class:`kmix.callbacks.LoopDriver`."""
     return True
