@@ -69,6 +69,7 @@ __all__ = [
     "USES_TENSORFLOW",
     "any_replica",
     "as_arrived",
+    "check_single_process",
     "check_supported",
     "compile_function",
     "constant_initializer",
@@ -111,6 +112,28 @@ def check_supported(owner: str) -> None:
             "'tensorflow' and 'jax'): set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax "
             "before importing keras."
         )
+
+
+def check_single_process(owner: str, error: type[ValueError] = ValueError) -> None:
+    """Refuses a tool that trains, times and writes as one process, in a run of several.
+
+    Args:
+        owner: the tool, e.g. ``"kmix compare"``.
+        error: the error to raise (a ``ValueError``).
+
+    Raises:
+        ValueError: ``keras.distribution`` runs more than one process here.
+    """
+    shape = processes_and_devices()
+    if shape is None or shape[0] == 1:
+        return
+    raise error(
+        f"{owner} is a single-process tool, but keras.distribution runs {shape[0]} "
+        f"processes here ({shape[1]} devices): run it in one process, without "
+        "keras.distribution.initialize(). To train across processes, use "
+        "kmix.LossScaleOptimizer and kmix's callbacks in your own model.fit (README: "
+        "'Across processes')."
+    )
 
 
 def worker_count(strategy: Any) -> int:

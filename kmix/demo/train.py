@@ -299,13 +299,18 @@ def run(
         A :class:`DemoResult`.
 
     Raises:
-        ValueError: ``epochs`` < 1 or ``policy`` is not a known policy name.
+        ValueError: ``epochs`` < 1 or ``policy`` is not a known policy name, or
+            ``keras.distribution`` runs several processes (the demo is a single-process
+            tool).
         LogdirError: ``logdir`` holds files the demo may not replace (a
             ``ValueError``; see :func:`prepare_logdir`).
         OSError: ``logdir`` cannot be created or written.
     """
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"Invalid `epochs` for kmix demo: epochs={epochs!r}. Use an integer >= 1.")
+    from kmix.backend import check_single_process
+
+    check_single_process("kmix demo")
     start = time.perf_counter()
     prepare_logdir(logdir, overwrite=overwrite)
     try:

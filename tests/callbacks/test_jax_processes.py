@@ -131,10 +131,22 @@ def same_in_both(first: dict, other: dict) -> None:
         assert first[key] == other[key], key
 
 
-def only_process_zero_wrote(results: list[dict], log_dir: str) -> None:
+def only_process_zero_wrote(results: list[dict], log_dir: str, run_end: str = "completed") -> None:
+    """One event file, process 0's; kmix report reads it as the run both processes had."""
     (path,) = event_files(log_dir)
     assert os.path.dirname(path) == os.path.join(log_dir, tags.TRAIN_DIR)
     assert f".{results[0]['pid']}." in os.path.basename(path)
+    state, read = results[0]["state"], results[0]["report"]
+    assert read["processes"] == [
+        "processes       2 processes, 4 devices in all (keras.distribution); this log is "
+        "process 0's, counters and events are global"
+    ]
+    assert read["event_steps"] == [e["step"] for e in results[0]["events"]]
+    assert (read["steps_seen"], read["skipped_steps"]) == (
+        state["attempted_steps"],
+        state["skipped_steps"],
+    )
+    assert read["run_end"] == run_end
 
 
 def test_a_process_that_never_ends_is_killed_at_its_timeout():
@@ -163,6 +175,18 @@ def test_gradient_overflow_in_one_process_skips_the_same_step_in_both(tmp_path):
     state = first["state"]
     assert (state["attempted_steps"], state["skipped_steps"]) == (STEPS, 1)
     assert state["last_overflow_step"] == BAD_STEP
+    for first_or_other in results:
+        refused = first_or_other["refused"]
+        assert refused["compare"][0] == "CompareError"
+        assert refused["demo"][0] == "ValueError"
+        for tool in ("compare", "demo"):
+            assert refused[tool][1] == (
+                f"kmix {tool} is a single-process tool, but keras.distribution runs 2 "
+                "processes here (4 devices): run it in one process, without "
+                "keras.distribution.initialize(). To train across processes, use "
+                "kmix.LossScaleOptimizer and kmix's callbacks in your own model.fit (README: "
+                "'Across processes')."
+            )
     # the kernel moved by the 7 applied steps only
     np.testing.assert_allclose(first["kernel"], expected_kernel(STEPS - 1), rtol=1e-5)
     only_process_zero_wrote(results, str(tmp_path / "logs"))
@@ -223,7 +247,7 @@ def test_guard_stops_both_processes_at_the_same_step(tmp_path):
     assert [e["step"] for e in first["events"]] == [3, 4, 5]
     assert [e["loss_finite"] for e in first["events"]] == [False] * PATIENCE
     assert first["scales"] == [1024.0] * stop_step
-    only_process_zero_wrote(results, str(tmp_path / "logs"))
+    only_process_zero_wrote(results, str(tmp_path / "logs"), "stopped_by_guard")
 
 
 def test_autopilot_moves_the_same_layer_at_the_same_step_in_both(tmp_path):

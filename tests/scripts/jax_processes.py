@@ -71,6 +71,7 @@ def main(index: int, port: str, scenario: str, directory: str) -> None:
     )
 
     import kmix
+    from kmix import demo
 
     keras.mixed_precision.set_global_policy("mixed_float16")
     ones = keras.initializers.Constant(0.5)
@@ -132,6 +133,29 @@ def main(index: int, port: str, scenario: str, directory: str) -> None:
         "moves": [[m.step, m.layer, m.from_policy, m.to_policy] for m in autopilot.moves],
         "wide_policy": model.get_layer("wide").dtype_policy.name,
     }
+    if scenario == "gradient":  # the single-process tools refuse, in every process
+        result["refused"] = {}
+        for tool, call in (
+            ("compare", lambda: kmix.compare_policies(lambda: model, (x, y), steps=9)),
+            ("demo", lambda: demo.run(os.path.join(directory, f"demo{index}"))),
+        ):
+            try:
+                call()
+                result["refused"][tool] = None
+            except ValueError as error:
+                result["refused"][tool] = [type(error).__name__, str(error)]
+    if index == 0:  # what kmix report reads from what process 0 wrote
+        from kmix import report
+
+        summary = report.summarize(report.read_log(log_dir))
+        text = report.format_summary(summary).splitlines()
+        result["report"] = {
+            "processes": [line for line in text if line.startswith("processes")],
+            "event_steps": [e.step for e in summary.events],
+            "skipped_steps": summary.skipped_steps,
+            "steps_seen": summary.steps_seen,
+            "run_end": None if summary.run_end is None else summary.run_end.reason,
+        }
     print(json.dumps(result), flush=True)
 
 
