@@ -3,8 +3,8 @@
 Each scenario starts both processes of tests/scripts/jax_processes.py (process 1's data
 misbehaves), waits at most PROCESS_TIMEOUT seconds, always kills what is left (each
 process in its own group), and shows the processes' output when something fails, so a
-hang fails the test instead of hanging CI. The script sets the backend itself, so these
-run from either pass (``-m jax`` or not).
+hang fails the test instead of hanging CI. The script sets the backend itself; the tests
+run once, in the JAX pass (``KERAS_BACKEND=jax python -m pytest -m jax``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 
+import keras
 import numpy as np
 import pytest
 
@@ -29,7 +30,11 @@ SCRIPT = os.path.join(TESTS, "scripts", "jax_processes.py")
 PROCESS_TIMEOUT = 240
 BAD_STEP, PATIENCE, STEPS = 3, 3, 8  # as in the script
 
-pytestmark = [pytest.mark.slow, pytest.mark.jax]  # two processes per test
+pytestmark = [
+    pytest.mark.slow,  # two processes per test
+    pytest.mark.jax,
+    pytest.mark.skipif(keras.backend.backend() != "jax", reason="runs in the JAX pass"),
+]
 
 
 def free_port() -> int:
