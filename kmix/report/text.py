@@ -214,20 +214,28 @@ def format_summary(summary: Summary) -> str:
     return "\n".join(lines)
 
 
-def _processes_line(summary: Summary) -> list[str]:
-    """How many processes and devices ran the step, where more than one did."""
+def processes_words(summary: Summary) -> str | None:
+    """How many processes and devices ran the step, where more than one did; else None.
+
+    Args:
+        summary: what :func:`kmix.report.summarize` returned.
+    """
     record = summary.policy_record
     if record is None or record.processes is None:
-        return []
+        return None
     devices = record.devices or 1
     if record.processes == 1 and devices == 1:
-        return []
+        return None
     processes = f"{record.processes} process" + ("" if record.processes == 1 else "es")
-    return [
-        f"processes       {processes}, {plural(devices, 'device')} "
-        "in all (keras.distribution); this log is process 0's, counters and events are "
-        "global"
-    ]
+    return (
+        f"{processes}, {plural(devices, 'device')} in all (keras.distribution); this log is "
+        "process 0's, counters and events are global"
+    )
+
+
+def _processes_line(summary: Summary) -> list[str]:
+    words = processes_words(summary)
+    return [] if words is None else [f"processes       {words}"]
 
 
 def _run_line(summary: Summary) -> list[str]:
