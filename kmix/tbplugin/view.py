@@ -15,13 +15,7 @@ import numpy as np
 from kmix import report, tags
 from kmix._json import json_ready
 from kmix._words import format_scale
-from kmix.report import (
-    begin_scale,
-    processes_words,
-    runs_message,
-    scale_caveat,
-    scale_events_of,
-)
+from kmix.report import begin_scale, runs_message, scale_caveat, scale_events_of
 from kmix.tbplugin.reader import TEXT_SAMPLES_DEFAULT, RunPoints
 
 DEFAULT_POINTS = 1000
@@ -442,8 +436,7 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
         draws the variables of ``summary["variables_not_float16"]`` apart, without
         float16's limits), ``headroom_by_variable`` (:func:`headroom_grid`),
         ``scale_caveat`` (what the loss-scale line cannot say, as ``kmix report``
-        words it), ``processes`` (how many processes and devices ran the step, as
-        ``kmix report`` words it; None for one process on one device),
+        words it), ``processes`` (what it says of the processes and devices, or None),
         ``loss_scale_begin`` (``{"step", "value"}`` of the scale written at
         train begin, or None), ``events_lost_between`` (``[first, last]`` steps of
         each stretch whose scale is unknown: events were lost,
@@ -487,7 +480,7 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
         "exponents": exponents,
         "headroom_by_variable": headroom_grid(log.histograms, typed.variables_not_float16),
         "scale_caveat": scale_caveat(typed),
-        "processes": processes_words(typed),
+        "processes": report.processes_words(typed),
         "runs_note": runs_message(typed.run, typed.runs),
         "loss_scale_begin": _begin(log),
         "events_lost_between": [list(pair) for pair in scale_events_of(log).unknown_scale()],
