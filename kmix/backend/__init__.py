@@ -50,6 +50,8 @@ _active = importlib.import_module(_MODULES.get(NAME, "kmix.backend.generic"))
 USES_TENSORFLOW: bool = _active.USES_TENSORFLOW
 NOTES_CASTS: bool = _active.NOTES_CASTS
 is_first_process = _active.is_first_process
+processes_and_devices = _active.processes_and_devices
+constant_initializer = _active.constant_initializer
 reachable = _active.reachable
 rare_cond = _active.rare_cond
 retrace_all = _active.retrace_all
@@ -72,8 +74,10 @@ __all__ = [
     "USES_TENSORFLOW",
     "any_replica",
     "as_arrived",
+    "check_single_process",
     "check_supported",
     "compile_function",
+    "constant_initializer",
     "dataset_from_arrays",
     "default_strategy",
     "exact_exponent",
@@ -85,6 +89,7 @@ __all__ = [
     "is_out_of_memory",
     "is_traced",
     "peak_memory",
+    "processes_and_devices",
     "rare_cond",
     "reachable",
     "reduce_rows",
@@ -113,6 +118,28 @@ def check_supported(owner: str) -> None:
             "'tensorflow', 'jax' and 'torch'): set KERAS_BACKEND to one of them before "
             "importing keras."
         )
+
+
+def check_single_process(owner: str, error: type[ValueError] = ValueError) -> None:
+    """Refuses a tool that trains, times and writes as one process, in a run of several.
+
+    Args:
+        owner: the tool, e.g. ``"kmix compare"``.
+        error: the error to raise (a ``ValueError``).
+
+    Raises:
+        ValueError: ``keras.distribution`` runs more than one process here.
+    """
+    shape = processes_and_devices()
+    if shape is None or shape[0] == 1:
+        return
+    raise error(
+        f"{owner} is a single-process tool, but keras.distribution runs {shape[0]} "
+        f"processes here ({shape[1]} devices): run it in one process, without "
+        "keras.distribution.initialize(). To train across processes, use "
+        "kmix.LossScaleOptimizer and kmix's callbacks in your own model.fit (README: "
+        "'Across processes')."
+    )
 
 
 def worker_count(strategy: Any) -> int:

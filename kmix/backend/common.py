@@ -45,6 +45,11 @@ def no_step_scope() -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def constant_initializer(value: float) -> Any:
+    """An initializer of ``value`` everywhere: ``keras.initializers.Constant``."""
+    return keras.initializers.Constant(value)
+
+
 def unchanged(tensor: Any) -> Any:
     """``tensor`` as it is (where a cast's input is not read back from a graph)."""
     return tensor

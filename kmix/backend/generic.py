@@ -12,13 +12,28 @@ from typing import Any
 import keras
 from keras import ops
 
-from kmix.backend.common import no_step_scope, numpy_value, reduce_each, retrace, unchanged
+from kmix.backend.common import constant_initializer as constant
+from kmix.backend.common import (
+    no_step_scope,
+    numpy_value,
+    reduce_each,
+    retrace,
+    unchanged,
+)
 
 USES_TENSORFLOW = False
 """Keras utilities that import TensorFlow would load it only for them."""
 
+constant_initializer = constant
+"""An initializer of ``value`` everywhere: ``keras.initializers.Constant``."""
+
 NOTES_CASTS = False
 """No tap runs here (the optimizer is refused)."""
+
+
+def processes_and_devices() -> tuple[int, int] | None:
+    """None: not known here."""
+    return None
 
 
 def is_first_process() -> bool:

@@ -52,6 +52,51 @@ def is_first_process() -> bool:
     return jax.process_index() == 0
 
 
+class _Filled(keras.initializers.Initializer):
+    """``value`` everywhere, made where the variable lives (Keras's layout-aware protocol).
+
+    Under ``keras.distribution`` Keras hands a layout-aware initializer the variable's
+    layout; the value is then made on the devices by a compiled fill, never sent from the
+    host. A host value is sent by ``jax.device_put``, which in a run of several processes
+    checks that every process sends the same one, and NaN never equals NaN: a NaN-filled
+    variable (kmix's "not measured yet") fails that check although every process holds it.
+    """
+
+    def __init__(self, value: float) -> None:
+        self.value = float(value)
+
+    def __call__(self, shape: Any, dtype: Any = None, layout: Any = None) -> Any:
+        shape, dtype = tuple(shape), keras.backend.standardize_dtype(dtype or "float32")
+        if layout is None:
+            return ops.full(shape, self.value, dtype)
+        sharding = getattr(layout, "backend_layout", layout)
+        value = self.value
+        return jax.jit(lambda: jax.numpy.full(shape, value, dtype), out_shardings=sharding)()
+
+    def get_config(self) -> dict:
+        return {"value": self.value}
+
+
+def constant_initializer(value: float) -> Any:
+    """An initializer of ``value`` everywhere, made on the devices under a distribution.
+
+    Args:
+        value: the fill (NaN allowed: see :class:`_Filled`).
+    """
+    return _Filled(value)
+
+
+def processes_and_devices() -> tuple[int, int] | None:
+    """How many processes run the step, and on how many devices in all.
+
+    The devices are those of ``keras.distribution``'s mesh when a distribution is set,
+    else one (JAX runs the step on its default device).
+    """
+    distribution = keras.distribution.distribution()
+    devices = 1 if distribution is None else int(distribution.device_mesh.devices.size)
+    return jax.process_count(), devices
+
+
 def reachable(value: Any) -> bool:
     """True if ``value`` can be used where the step is being built now.
 

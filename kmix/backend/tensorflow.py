@@ -14,7 +14,13 @@ from typing import Any
 import keras
 import numpy as np
 
-from kmix.backend.common import no_step_scope, numpy_value, reduce_each, retrace
+from kmix.backend.common import constant_initializer as constant
+from kmix.backend.common import (
+    no_step_scope,
+    numpy_value,
+    reduce_each,
+    retrace,
+)
 
 USES_TENSORFLOW = True
 """Keras utilities that import TensorFlow (its TensorBoard callback, its seeding) cost
@@ -26,9 +32,19 @@ retrace_all = retrace
 reduce_rows = reduce_each
 """Reduces ``[k, n]`` matrices along their rows, one reduction each."""
 
+
+constant_initializer = constant
+"""An initializer of ``value`` everywhere: ``keras.initializers.Constant``."""
+
 NOTES_CASTS = False
 """A float16 layer's input as it arrived is read back from the graph (:func:`as_arrived`),
 so the tap does not note casts."""
+
+
+def processes_and_devices() -> tuple[int, int] | None:
+    """None: ``tf.distribute``'s workers and replicas are told apart by
+    :class:`kmix.callbacks.LoopDriver`, not counted here."""
+    return None
 
 
 def is_first_process() -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from keras import ops
 
+from kmix.backend.common import constant_initializer as constant
 from kmix.backend.common import (
     numpy_value,
     reduce_each,
@@ -28,6 +29,9 @@ from kmix.backend.common import (
 USES_TENSORFLOW = False
 """Keras utilities that import TensorFlow (its TensorBoard callback, its seeding) would
 load it only for them: kmix avoids them here."""
+
+constant_initializer = constant
+"""An initializer of ``value`` everywhere: ``keras.initializers.Constant``."""
 
 NOTES_CASTS = True
 """Eager torch keeps no graph to read a cast's input back from: the tap notes each cast
@@ -64,6 +68,11 @@ def step_scope() -> Iterator[None]:
         yield
     finally:
         _STEP.reset(token)
+
+
+def processes_and_devices() -> tuple[int, int] | None:
+    """None: kmix on torch runs in one process (its step is not counted across several)."""
+    return None
 
 
 def is_first_process() -> bool:

@@ -13,6 +13,7 @@ import keras
 from kmix import tags
 from kmix._checks import KmixWarning, NotFloat16Note
 from kmix._layers import walk_layers
+from kmix.backend import processes_and_devices
 from kmix.callbacks._source import Source
 
 _OWNER = "kmix.callbacks.MixedPrecisionMonitor"
@@ -100,6 +101,7 @@ def policy_record(
     from kmix.policy import audit
 
     min_scale, max_scale = source.scale_bounds or (None, None)
+    processes, devices = processes_and_devices() or (None, None)
     dtypes = variable_compute_dtypes(model)
     try:  # as in _layer_table: an audit unable to read this model is left out
         found = tuple(audit(model).findings)  # tags.AuditFinding values
@@ -120,6 +122,8 @@ def policy_record(
         variable_dtypes={v.path: dtypes[id(v)] for v in getattr(model, "trainable_weights", [])},
         audit_findings=found,
         run_id=run_id,
+        processes=processes,
+        devices=devices,
     )
 
 

@@ -132,10 +132,14 @@ def compare_policies(
 
     Raises:
         CompareError: a bad argument, a log dir that is not new or empty, a function
-            that returns no model, or data that does not fit the model; the message
-            names it and says what to do.
+            that returns no model, data that does not fit the model, or a run of several
+            processes (``keras.distribution``: kmix compare is a single-process tool);
+            the message names it and says what to do.
     """
     policies = _check_arguments(policies, steps, rounds, batch_size)
+    from kmix.backend import check_single_process
+
+    check_single_process("kmix compare", CompareError)
     if logdir is not None and (problem := logdir_problem(logdir, "logdir")):
         raise CompareError(problem)
     import keras

@@ -260,11 +260,6 @@ def _train(
     return Trained(model, str(choice), float(accuracy), clock.median_step_s)
 
 
-def _compute_dtype(policy: str) -> str:
-    """The dtype a Keras policy name computes in: ``"mixed_bfloat16"`` -> ``"bfloat16"``."""
-    return policy.removeprefix("mixed_")
-
-
 def run(
     logdir: str,
     epochs: int = 10,
@@ -299,13 +294,16 @@ def run(
         A :class:`DemoResult`.
 
     Raises:
-        ValueError: ``epochs`` < 1 or ``policy`` is not a known policy name.
+        ValueError: ``epochs`` < 1, an unknown ``policy``, or several processes running.
         LogdirError: ``logdir`` holds files the demo may not replace (a
             ``ValueError``; see :func:`prepare_logdir`).
         OSError: ``logdir`` cannot be created or written.
     """
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"Invalid `epochs` for kmix demo: epochs={epochs!r}. Use an integer >= 1.")
+    from kmix.backend import check_single_process
+
+    check_single_process("kmix demo")
     start = time.perf_counter()
     prepare_logdir(logdir, overwrite=overwrite)
     try:
@@ -416,7 +414,7 @@ def _introduction(
         head += " (chosen by --policy auto)"
     if backend:
         head += f", Keras backend {backend}"
-    dtype = _compute_dtype(policy)
+    dtype = policy.removeprefix("mixed_")  # the dtype it computes in: mixed_bfloat16 -> bfloat16
     if dtype == "float16":
         what = (
             "The loss scale starts at 2^24, too high for float16 on purpose: the first "

@@ -24,12 +24,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import keras
 import numpy as np
 from keras import ops
 
 from kmix import record
-from kmix.backend import host_value, int64_dtype, rare_cond
+from kmix.backend import constant_initializer, host_value, int64_dtype, rare_cond
 from kmix.optimizer.config import OptimizerConfig, RunSettings, invalid_argument
 from kmix.record import (
     ACTIVATION_CAPACITY,
@@ -98,7 +97,7 @@ class StepRecorder:
             return add_variable(
                 shape=shape,
                 dtype=dtype,
-                initializer=keras.initializers.Constant(value),
+                initializer=constant_initializer(value),
                 aggregation="only_first_replica",
                 name=name,
             )

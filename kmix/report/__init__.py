@@ -77,7 +77,14 @@ from kmix.report.summary import (
     forecast_zero_crossing,
     summarize,
 )
-from kmix.report.text import format_logdirs, format_summary, logdirs_json, scale_caveat, to_json
+from kmix.report.text import (
+    format_logdirs,
+    format_summary,
+    logdirs_json,
+    processes_words,
+    scale_caveat,
+    to_json,
+)
 from kmix.report.whatif import FORMATS, FormatShares, PrecisionWhatIf
 
 __all__ = [
@@ -119,6 +126,7 @@ __all__ = [
     "format_summary",
     "logdirs_json",
     "loss_scale_unused",
+    "processes_words",
     "read_log",
     "read_runs",
     "runs_message",

@@ -151,6 +151,7 @@ def format_summary(summary: Summary) -> str:
             f"policy          model `{record.model_name}` policy `{record.model_policy}`; "
             f"loss scaling: {record.loss_scaling}"
         )
+    lines += _processes_line(summary)
     lines.append(f"scale events    {len(summary.events)}")
     lines += ["  " + tags.plain_text(tags.format_event(event)) for event in summary.events]
     if summary.events_lost:
@@ -217,6 +218,30 @@ def format_summary(summary: Summary) -> str:
             message = message[: -len(quoted)] + "quoted above under 'not logged because'"
         lines.append(f"  {marks[f.severity]} {message}")  # each note's text once
     return "\n".join(lines)
+
+
+def processes_words(summary: Summary) -> str | None:
+    """How many processes and devices ran the step, where more than one did; else None.
+
+    Args:
+        summary: what :func:`kmix.report.summarize` returned.
+    """
+    record = summary.policy_record
+    if record is None or record.processes is None:
+        return None
+    devices = record.devices or 1
+    if record.processes == 1 and devices == 1:
+        return None
+    processes = f"{record.processes} process" + ("" if record.processes == 1 else "es")
+    return (
+        f"{processes}, {plural(devices, 'device')} in all (keras.distribution); this log is "
+        "process 0's, counters and events are global"
+    )
+
+
+def _processes_line(summary: Summary) -> list[str]:
+    words = processes_words(summary)
+    return [] if words is None else [f"processes       {words}"]
 
 
 def _run_line(summary: Summary) -> list[str]:

@@ -121,6 +121,11 @@ class PolicyRecord:
         run_id: the run this train begin belongs to (:func:`new_run_id`); a resumed
             run writes its id again. None in logs written before run ids (kmix 0.1.0
             and earlier): such logs read as one run.
+        processes: how many processes ran the training step (``keras.distribution`` on
+            JAX; process 0 writes); None where not known (TensorFlow) and in logs
+            written before this field.
+        devices: how many devices the step ran on, all processes together; None as
+            ``processes``.
     """
 
     global_policy: str
@@ -137,6 +142,8 @@ class PolicyRecord:
     variable_dtypes: dict[str, str] | None = None
     audit_findings: tuple[AuditFinding, ...] | None = None
     run_id: str | None = None
+    processes: int | None = None
+    devices: int | None = None
 
 
 def format_policy_record(record: PolicyRecord) -> str:
@@ -161,8 +168,8 @@ def parse_policy_record(text: str) -> PolicyRecord | None:
     Returns:
         The :class:`PolicyRecord`; None if the text is not such a record (keys
         added by later versions are ignored). Fields added after kmix 0.1.0
-        (``loss_scale``, ``variable_dtypes``, ``audit_findings``, ``run_id``) read
-        as None when missing or malformed.
+        (``loss_scale``, ``variable_dtypes``, ``audit_findings``, ``run_id``,
+        ``processes``, ``devices``) read as None when missing or malformed.
     """
     fields = record_fields(json_object(text), PolicyRecord)
     if fields is None:
@@ -176,7 +183,14 @@ def parse_policy_record(text: str) -> PolicyRecord | None:
         fields["variable_dtypes"] = _variable_dtypes(fields["variable_dtypes"])
     if "audit_findings" in fields:
         fields["audit_findings"] = _audit_findings(fields["audit_findings"])
+    for name in ("processes", "devices"):
+        if name in fields:
+            fields[name] = _count_or_none(fields[name])
     return PolicyRecord(**fields)
+
+
+def _count_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def new_run_id(now: float | None = None) -> str:

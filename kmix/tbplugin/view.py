@@ -396,7 +396,8 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
         draws the variables of ``summary["variables_not_float16"]`` apart, without
         float16's limits), ``headroom_by_variable`` (:func:`headroom_grid`),
         ``scale_caveat`` (what the loss-scale line cannot say, as ``kmix report``
-        words it), ``loss_scale_begin`` (``{"step", "value"}`` of the scale written at
+        words it), ``processes`` (what it says of the processes and devices, or None),
+        ``loss_scale_begin`` (``{"step", "value"}`` of the scale written at
         train begin, or None), ``events_lost_between`` (``[first, last]`` steps of
         each stretch whose scale is unknown: events were lost,
         :meth:`kmix.report.read.EventLog.unknown_scale`), ``activation_headroom``
@@ -439,6 +440,7 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
         "exponents": exponents,
         "headroom_by_variable": headroom_grid(log.histograms, typed.variables_not_float16),
         "scale_caveat": scale_caveat(typed),
+        "processes": report.processes_words(typed),
         "runs_note": runs_message(typed.run, typed.runs),
         "loss_scale_begin": _begin(log),
         "events_lost_between": [list(pair) for pair in scale_events_of(log).unknown_scale()],

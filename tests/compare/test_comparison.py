@@ -99,3 +99,20 @@ def test_one_forward_overflow_is_one_skipped_step_named_and_the_spread_is_measur
     assert "layer 'sequential/wide' overflows float16 in the forward pass" in why
     assert "kmix.callbacks.PrecisionAutopilot" in why
     assert "not finite" not in why
+
+
+@pytest.mark.jax
+def test_compare_and_demo_refuse_a_run_of_several_processes(monkeypatch, tmp_path):
+    """The real refusal, under keras.distribution: tests/callbacks/test_jax_processes.py."""
+    from kmix import backend, demo
+    from kmix.compare import compare_policies
+    from kmix.compare.values import CompareError
+
+    monkeypatch.setattr(backend, "processes_and_devices", lambda: (2, 4))
+    with pytest.raises(CompareError, match=r"^kmix compare is a single-process tool, but "):
+        compare_policies(lambda: None, ([0.0], [0.0]))
+    with pytest.raises(ValueError, match=r"^kmix demo is a single-process tool, but .* 2 proc"):
+        demo.run(str(tmp_path / "demo"))
+    assert not (tmp_path / "demo").exists()
+    monkeypatch.setattr(backend, "processes_and_devices", lambda: (1, 2))
+    backend.check_single_process("kmix demo")  # one process, two devices: fine

@@ -377,3 +377,21 @@ def test_the_gradients_headroom_is_never_forecast():
         for s, b in zip(steps, falling, strict=True)
     ]
     assert told == [[]] * len(steps)
+
+
+def test_a_run_across_processes_says_how_many_and_whose_log_it_is():
+    def lines(record):
+        texts = text(tags.POLICY_RECORD, tags.format_policy_record(record))
+        summary = report.summarize(hand_log(scalars={tags.LOSS_SCALE: ([5], [8.0])}, texts=texts))
+        return [x for x in report.format_summary(summary).splitlines() if "process" in x]
+
+    assert lines(dataclasses.replace(RECORD, processes=2, devices=4)) == [
+        "processes       2 processes, 4 devices in all (keras.distribution); this log is "
+        "process 0's, counters and events are global"
+    ]
+    assert lines(dataclasses.replace(RECORD, processes=1, devices=2)) == [
+        "processes       1 process, 2 devices in all (keras.distribution); this log is "
+        "process 0's, counters and events are global"
+    ]
+    assert lines(dataclasses.replace(RECORD, processes=1, devices=1)) == []
+    assert lines(RECORD) == []  # TensorFlow, and logs written before the fields

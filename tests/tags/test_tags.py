@@ -267,3 +267,20 @@ def test_policy_record_holds_the_begin_scale_dtypes_and_audit():
     ):
         parsed = tags.parse_policy_record(json.dumps(data | bad))
         assert parsed is not None and getattr(parsed, next(iter(bad))) is None, bad
+
+
+def test_policy_record_says_how_many_processes_and_devices():
+    record = PolicyRecord(
+        "mixed_float16", "m", "mixed_float16", "float16", "float32", "kmix", 1.0, 2.0**24, 10, 0,
+        processes=2,
+        devices=4,
+    )  # fmt: skip
+    text = tags.format_policy_record(record)
+    assert (json.loads(text)["processes"], json.loads(text)["devices"]) == (2, 4)
+    assert tags.parse_policy_record(text) == record
+    older = {k: v for k, v in json.loads(text).items() if k not in ("processes", "devices")}
+    parsed = tags.parse_policy_record(json.dumps(older))
+    assert (parsed.processes, parsed.devices) == (None, None)
+    for bad in ({"processes": "2"}, {"processes": 0}, {"devices": True}, {"devices": 2.5}):
+        parsed = tags.parse_policy_record(json.dumps(json.loads(text) | bad))
+        assert parsed is not None and getattr(parsed, next(iter(bad))) is None, bad

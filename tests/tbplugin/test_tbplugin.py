@@ -7,6 +7,7 @@ TensorBoard's multiplexer data provider with its default sampling, as
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -704,3 +705,25 @@ def test_the_run_list_says_which_runs_did_not_complete(tmp_path):
     assert listing["ended"] == {
         "cmp/mixed_float16/train": f"stopped by kmix compare at step 20: {words}"
     }
+
+
+def test_a_run_across_processes_says_so_as_kmix_report_does(tmp_path):
+    record = tags.PolicyRecord(
+        "mixed_float16", "m", "mixed_float16", "float16", "float32", "kmix", 1.0, 2.0**24,
+        10, 0, processes=2, devices=4,
+    )  # fmt: skip
+    for name, written in (("across", record), ("one", dataclasses.replace(record, processes=1))):
+        writer = tf.summary.create_file_writer(str(tmp_path / name / "train"))
+        with writer.as_default():
+            tf.summary.text(tags.POLICY_RECORD, tags.format_policy_record(written), step=0)
+            tf.summary.scalar(tags.LOSS_SCALE, 8.0, step=5)
+        writer.close()
+    client = serve(default_provider(tmp_path))
+    assert get_json(client, f"{URL}/run?run=across/train")["processes"] == (
+        "2 processes, 4 devices in all (keras.distribution); this log is process 0's, "
+        "counters and events are global"
+    )
+    assert get_json(client, f"{URL}/run?run=one/train")["processes"] == (
+        "1 process, 4 devices in all (keras.distribution); this log is process 0's, "
+        "counters and events are global"
+    )

@@ -723,6 +723,7 @@ function summaryPanel(run) {
     ['compute dtype', s.compute_dtype || 'unknown'],
     ['events', counts],
   ];
+  if (run.processes) facts.push(['processes', run.processes]);
   if (s.run && (s.runs || []).length > 1) facts.unshift(['run', `${s.run.index} of ${s.runs.length} kmix runs in this directory${s.run.index === s.runs.length ? ' (the latest)' : ''}`]);
   const dl = el('dl', {class: 'facts'}, facts.flatMap(([k, v]) => [el('dt', {text: k}), el('dd', {text: v})]));
   const findings = el('ul', {class: 'findings'}, (s.findings || []).map((f) =>
