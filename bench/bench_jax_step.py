@@ -1,6 +1,6 @@
 """Issue 24: kmix's compiled train step on JAX against stock Keras's, called directly.
 
-``bench_jax.py`` times ``model.fit``. On the 82-variable stack a step takes about 2 ms,
+``bench_backends.py`` times ``model.fit``. On the 82-variable stack a step takes about 2 ms,
 and on the shared 2-core VM a round of ``fit`` varies by ±30–60 %, which hides a few
 per cent. This script leaves ``fit``'s loop out: each configuration's train step is
 jitted as ``fit`` jits it (the state donated) and called back to back on one batch; the
@@ -19,7 +19,7 @@ Configurations (one model copy each, same seed and weights, ``mixed_float16``):
 * ``kmix_measuring``: the step it runs where they are due (1 in 100), which measures its
   own forward pass.
 
-Models: those of ``bench_jax.py`` (``mlp``, ``transformer``, ``stack82``).
+Models: those of ``bench_backends.py`` (``mlp``, ``transformer``, ``stack82``).
 
 Usage (the backend must be JAX):
     KERAS_BACKEND=jax python bench/bench_jax_step.py [--model mlp|transformer|stack82|all]
@@ -39,7 +39,7 @@ from typing import Any
 os.environ.setdefault("KERAS_BACKEND", "jax")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench_jax  # noqa: E402  (it refuses another backend, in one line)
+import bench_backends as bench_jax  # noqa: E402  (it refuses another backend, in one line)
 import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

@@ -288,7 +288,7 @@ class Run:
     def __init__(self, make_model: Callable, config: str, log_dir: str, jit: bool) -> None:
         _, make_optimizer, self.make_callbacks = CONFIGS[config]
         self.log_dir = log_dir
-        import tensorflow as tf  # here, not at the top: bench_jax.py imports the builders
+        import tensorflow as tf  # here, not at the top: bench_backends.py imports the builders
 
         keras.utils.set_random_seed(0)
         self.model, x = make_model()

@@ -1,6 +1,7 @@
-"""Issue 24: kmix's optimizer, and with the monitor, against stock Keras on the JAX backend.
+"""kmix's optimizer, and with the monitor, against stock Keras on the JAX or torch backend.
 
-Side by side in one process, on Keras's JAX backend, for each model below, one model
+Side by side in one process, on Keras's JAX backend (``KERAS_BACKEND=jax``, the default)
+or its torch backend (``KERAS_BACKEND=torch``), for each model below, one model
 copy per configuration (same seed, same weights), all in ``mixed_float16``:
 
 * ``stock``: ``keras.mixed_precision.LossScaleOptimizer(Adam)``, no callbacks.
@@ -8,8 +9,7 @@ copy per configuration (same seed, same weights), all in ``mixed_float16``:
 * ``kmix``: ``kmix.LossScaleOptimizer(Adam)``, no callbacks.
 * ``kmix_monitor``: ``kmix.LossScaleOptimizer(Adam)`` +
   ``kmix.callbacks.MixedPrecisionMonitor(logdir, verbose=0)`` (defaults otherwise). Where
-  kmix says the monitor is "not yet supported on the JAX backend", the row says "not
-  measured" with that message's first sentence, and the other configurations run on.
+  a configuration fails, its row says why and the other configurations run on.
 
 Models (the builders of ``bench_matrix.py`` and ``bench_optimizer.py``, imported):
 
@@ -23,26 +23,27 @@ Models (the builders of ``bench_matrix.py`` and ``bench_optimizer.py``, imported
   variables).
 
 Timing: ``model.fit`` on in-memory NumPy arrays (one random batch repeated), ``jit_compile``
-left at Keras's default (on for JAX; the script checks it), ``steps_per_execution=1``. Each
-copy is traced and warmed up by one untimed fit of a round's length. A round fits
-``--steps`` + 1 batches per configuration, and the round's step time is the median time
-between batch ends (``bench_optimizer.StepTimer``), so ``--steps`` intervals; the mean of
-those intervals is also kept (it includes the monitor's statistics step and read every
-``update_freq=100`` optimizer steps when a round is that long), and so is the median CPU
-time of the process per step (``time.process_time``: all threads, not the time spent
-waiting for a core). The first step of each fit (where a callback's retrace would
-compile) is not timed: what is measured is the steady state. The configurations take
-turns in ABBA order (forward in even rounds, backward in odd ones), so drift hits all
-alike. A ratio is the median over rounds of (the configuration's round time / stock's
-round time in the same round); the noise floor is ``stock_again``'s ratio, and its widest
-round (max |round ratio - 1|), for the wall time and for the CPU time.
+left at Keras's default (on for JAX, off for torch: eager steps; the script checks it),
+``steps_per_execution=1``. Each copy is traced and warmed up by one untimed fit of a round's
+length. A round fits ``--steps`` + 1 batches per configuration, and the round's step time is
+the median time between batch ends (``bench_optimizer.StepTimer``), so ``--steps``
+intervals; the mean of those intervals is also kept (it includes the monitor's statistics
+step and read every ``update_freq=100`` optimizer steps when a round is that long), and so
+is the median CPU time of the process per step (``time.process_time``: all threads, not the
+time spent waiting for a core). The first step of each fit (where a callback's retrace would
+compile) is not timed: what is measured is the steady state. The configurations take turns
+in ABBA order (forward in even rounds, backward in odd ones), so drift hits all alike. A
+ratio is the median over rounds of (the configuration's round time / stock's round time in
+the same round); the noise floor is ``stock_again``'s ratio, and its widest round (max
+|round ratio - 1|), for the wall time and for the CPU time.
 
 Ratios mean something only on a quiet machine: the 1-minute load average is printed
 before and after each model.
 
-Usage (the backend must be JAX; the script says so in one line otherwise):
-    KERAS_BACKEND=jax python bench/bench_jax.py [--model mlp|transformer|stack82|all]
+Usage (the backend must be JAX or torch; the script says so in one line otherwise):
+    KERAS_BACKEND=jax python bench/bench_backends.py [--model mlp|transformer|stack82|all]
         [--rounds 4] [--steps N]
+    KERAS_BACKEND=torch python bench/bench_backends.py ...
 
 ``--steps`` defaults to each model's own count (mlp 10, transformer 10, stack82 100:
 a few hundred ms per round on a 2-core CPU).
@@ -53,7 +54,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -63,10 +63,10 @@ import time
 from collections.abc import Callable
 
 BACKEND = os.environ.setdefault("KERAS_BACKEND", "jax")
-if BACKEND != "jax":
+if BACKEND not in ("jax", "torch"):
     sys.exit(
-        f"bench_jax.py measures Keras's JAX backend, but KERAS_BACKEND={BACKEND}: "
-        "run it as KERAS_BACKEND=jax python bench/bench_jax.py"
+        f"bench_backends.py measures Keras's JAX or torch backend, but KERAS_BACKEND={BACKEND}: "
+        "run it as KERAS_BACKEND=jax (or torch) python bench/bench_backends.py"
     )
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -74,15 +74,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 try:
     import keras
 except ImportError as error:
-    sys.exit(f"bench_jax.py: Keras could not load its JAX backend ({error}); install jax")
-if keras.backend.backend() != "jax":
+    sys.exit(f"bench_backends.py: Keras could not load its {BACKEND} backend ({error})")
+if keras.backend.backend() != BACKEND:
     sys.exit(
-        f"bench_jax.py: Keras loaded the {keras.backend.backend()} backend, not JAX "
-        "(was keras imported before KERAS_BACKEND was set?)"
+        f"bench_backends.py: Keras loaded the {keras.backend.backend()} backend, not "
+        f"{BACKEND} (was keras imported before KERAS_BACKEND was set?)"
     )
 
 import bench_matrix  # noqa: E402
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_matrix import (  # noqa: E402  (the same builders and optimizers, one definition)
     CLASSES,
@@ -97,7 +96,10 @@ from bench_optimizer import StepTimer  # noqa: E402
 import kmix  # noqa: E402
 
 BOUND = 1.05
-"""Issue 24's bound on kmix's ratio to stock Keras on JAX."""
+"""The bound on kmix's ratio to stock Keras (issue 24 on JAX, issue 33 on torch)."""
+
+JIT = BACKEND == "jax"
+"""Keras's default ``jit_compile`` on this backend (what the models must run with)."""
 
 # name -> (title, model factory, default steps per round)
 MODELS: dict[str, tuple[str, Callable, int]] = {
@@ -122,17 +124,9 @@ CONFIGS: dict[str, tuple[str, Callable, Callable[[str], list]]] = {
     ),
 }
 
-NOT_ON_JAX = "not yet supported on the JAX backend"
-
-
-def first_sentence(text: str) -> str:
-    return re.split(r"(?<=[.!?])\s+", text.strip(), maxsplit=1)[0]
-
 
 def why_not(error: Exception) -> str:
     """The table's words for a configuration that did not run."""
-    if NOT_ON_JAX in str(error):
-        return f"not measured: {first_sentence(str(error))}"
     return f"FAILED: {reason(error)}"
 
 
@@ -228,10 +222,10 @@ def bench(name: str, steps: int, rounds: int, root: str) -> None:
         return
     stock = runs["stock"]
     policy = next(layer for layer in stock.model.layers if layer.weights).dtype_policy.name
-    if policy != "mixed_float16" or stock.model.jit_compile is not True:
+    if policy != "mixed_float16" or stock.model.jit_compile is not JIT:
         sys.exit(
-            f"bench_jax.py: expected mixed_float16 and jit, got {policy}, jit_compile="
-            f"{stock.model.jit_compile}"
+            f"bench_backends.py: expected mixed_float16 and jit_compile={JIT}, got {policy}, "
+            f"jit_compile={stock.model.jit_compile}"
         )
 
     times: dict[str, dict[str, list[float]]] = {c: {m: [] for m in METRICS} for c in runs}
@@ -307,6 +301,18 @@ def kmix_source() -> str:
     return f"at {head}" + (" with uncommitted changes in kmix/" if dirty else "")
 
 
+def library_version() -> str:
+    """The backend library's version and devices."""
+    if BACKEND == "jax":
+        import jax
+
+        return f"jax {jax.__version__}, devices {[str(d) for d in jax.devices()]}"
+    import torch
+
+    threads, cuda = torch.get_num_threads(), torch.cuda.is_available()
+    return f"torch {torch.__version__}, {threads} threads, CUDA {cuda}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=[*MODELS, "all"], default="all")
@@ -325,11 +331,10 @@ def main() -> None:
         if value is not None and value < 1:
             parser.error(f"argument --{flag}: expected an integer >= 1, got {value}")
     print(
-        f"kmix bench on JAX: jax {jax.__version__}, Keras {keras.__version__}, kmix "
-        f"{kmix.__version__} ({kmix_source()}), devices {[str(d) for d in jax.devices()]}, "
-        f"{os.cpu_count()} CPUs"
+        f"kmix bench on {BACKEND}: {library_version()}, Keras {keras.__version__}, kmix "
+        f"{kmix.__version__} ({kmix_source()}), {os.cpu_count()} CPUs"
     )
-    root = tempfile.mkdtemp(prefix="kmix_bench_jax_")
+    root = tempfile.mkdtemp(prefix=f"kmix_bench_{BACKEND}_")
     try:
         for name, (_, _, default_steps) in MODELS.items():
             if args.model in ("all", name):
