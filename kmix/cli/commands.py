@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
             "why, the time of a small float32, float16 and bfloat16 matmul and convolution "
             "measured on this CPU (about a second) as ratios to float32, with the known fix "
             "and its measured effect where one applies, the versions of TensorFlow, Keras, "
-            "TensorBoard and JAX, the Keras backend and what kmix runs on JAX, with a "
+            "TensorBoard, JAX and torch, the Keras backend and what kmix runs on JAX and "
+            "torch, with a "
             "warning for combinations known not to work."
         ),
     )
