@@ -109,9 +109,7 @@ def keep_keras_backend(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("KERAS_BACKEND", was)
 
 
-def python(
-    code: str, timeout: float = 120, env: dict | None = None
-) -> subprocess.CompletedProcess:
+def python(code: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     """Runs a Python snippet in a fresh interpreter (with ``env``, or the tests' own)."""
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
@@ -619,7 +617,8 @@ def test_doctor_on_torch_times_torch_s_kernels_and_imports_no_tensorflow():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
-    assert "\n  torch's CPU kernels (eager), as Keras's torch backend runs them; measured in " in out
+    kernels = "torch's CPU kernels (eager), as Keras's torch backend runs them"
+    assert f"\n  {kernels}; measured in " in out
     assert "oneDNN" not in out
     assert re.search(r"\n  matmul 128x512 @ 512x512, forward and backward: float32 .+ a call", out)
     assert "\nKeras backend: torch (KERAS_BACKEND=torch)\n" in out

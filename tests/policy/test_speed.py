@@ -709,7 +709,8 @@ def test_measure_in_subprocess_on_torch_imports_no_tensorflow():
         "from kmix.policy import timing\n"
         "m = timing.measure_in_subprocess({}, ('matmul',))\n"
         "print(json.dumps({'tensorflow': 'tensorflow' in sys.modules, 'backend': m.backend,\n"
-        "    'cells': [[t.op, t.dtype] for t in m.timings], 'measuring': timing.measuring_backend(),\n"
+        "    'cells': [[t.op, t.dtype] for t in m.timings],\n"
+        "    'measuring': timing.measuring_backend(),\n"
         "    'tensorflow_after_keras': 'tensorflow' in sys.modules}))"
     )
     env = {**os.environ, "KERAS_BACKEND": "torch"}
