@@ -62,7 +62,7 @@ BAD_INPUT = 2
 """The exit status for bad input: arguments, a log dir without kmix data, a log dir the
 demo may not write to."""
 
-BACKENDS = ("tensorflow", "jax")
+BACKENDS = ("tensorflow", "jax", "torch")
 """The Keras backends ``kmix demo --backend`` trains on."""
 
 
@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
             "MixedPrecisionMonitor and LossScaleGuard. The loss scale starts far too "
             "high for float16, so with a float16 policy the first steps overflow and "
             "back off; the report shows the recovery. Then the same model trains in "
-            "float32 for comparison. --backend jax runs it on Keras's JAX backend."
+            "float32 for comparison. --backend jax or --backend torch runs it on Keras's "
+            "JAX or torch backend."
         ),
     )
     demo.add_argument(
@@ -135,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=BACKENDS,
         help=(
             "the Keras backend to train on (default: KERAS_BACKEND if set, else tensorflow); "
-            'jax needs JAX: pip install ".[jax]" from the root of kmix\'s checkout'
+            'jax needs JAX: pip install ".[jax]" from the root of kmix\'s checkout; torch '
+            "needs torch: pip install torch"
         ),
     )
     demo.add_argument(
@@ -180,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
             "why, the time of a small float32, float16 and bfloat16 matmul and convolution "
             "measured on this CPU (about a second) as ratios to float32, with the known fix "
             "and its measured effect where one applies, the versions of TensorFlow, Keras, "
-            "TensorBoard and JAX, the Keras backend and what kmix runs on JAX, with a "
+            "TensorBoard, JAX and torch, the Keras backend and what kmix runs on JAX and "
+            "torch, with a "
             "warning for combinations known not to work."
         ),
     )
@@ -283,7 +286,8 @@ def choose_backend(requested: str | None, environ: Mapping[str, str]) -> str:
 
     Raises:
         ValueError: one line saying what to do: ``KERAS_BACKEND`` names another backend,
-            JAX is chosen but not installed (:func:`jax_installed`), or Keras is already
+            JAX or torch is chosen but not installed (:func:`jax_installed`,
+            :func:`torch_installed`), or Keras is already
             imported in this process with another backend (:func:`loaded_backend`; Keras
             fixes its backend at import).
     """
@@ -294,12 +298,17 @@ def choose_backend(requested: str | None, environ: Mapping[str, str]) -> str:
     if backend not in BACKENDS:
         raise ValueError(
             f"KERAS_BACKEND={backend} is not a backend the demo trains on: use "
-            "--backend tensorflow or --backend jax"
+            "--backend tensorflow, --backend jax or --backend torch"
         )
     if backend == "jax" and not jax_installed():
         raise ValueError(
             f"--backend jax{source} needs JAX, which is not installed: "
             'pip install ".[jax]" from the root of kmix\'s checkout, or use --backend tensorflow'
+        )
+    if backend == "torch" and not torch_installed():
+        raise ValueError(
+            f"--backend torch{source} needs torch, which is not installed: "
+            "pip install torch (a CPU wheel is enough), or use --backend tensorflow"
         )
     loaded = loaded_backend()
     if loaded is not None and loaded != backend:
@@ -314,6 +323,11 @@ def choose_backend(requested: str | None, environ: Mapping[str, str]) -> str:
 def jax_installed() -> bool:
     """Whether ``jax`` and ``jaxlib`` can be imported (looked up, not imported)."""
     return all(importlib.util.find_spec(name) is not None for name in ("jax", "jaxlib"))
+
+
+def torch_installed() -> bool:
+    """Whether ``torch`` can be imported (looked up, not imported)."""
+    return importlib.util.find_spec("torch") is not None
 
 
 def loaded_backend() -> str | None:

@@ -4,7 +4,8 @@ The rules are pure (:func:`version_warnings` over :class:`VersionFacts`; the spe
 ratios and their judgement in ``kmix/policy/speed.py``, the timing in
 ``kmix/policy/timing.py``); only :func:`run_doctor` reads
 the machine, importing the Keras backend's library when it runs (TensorFlow, or JAX with
-``KERAS_BACKEND=jax``, which imports no TensorFlow). It times a small float32, float16 and
+``KERAS_BACKEND=jax``, or torch with ``KERAS_BACKEND=torch``; those two import no
+TensorFlow). It times a small float32, float16 and
 bfloat16 matmul and convolution on the CPU with that backend's kernels (about a second)
 and, on TensorFlow only, where oneDNN's float16 path is pathologically slow, times float16
 again in a fresh process with ``TF_ENABLE_ONEDNN_OPTS=0`` (a few seconds more, TensorFlow's
@@ -28,6 +29,7 @@ PACKAGES = (
     "tf-keras",
     "jax",
     "jaxlib",
+    "torch",
     "numpy",
     "matplotlib",
     "kmix",
@@ -41,6 +43,15 @@ ON_JAX = (
     "LoopDriver (it drives tf.distribute: TensorFlow only)"
 )
 """What kmix runs on Keras's JAX backend, as ``kmix doctor`` says it."""
+
+ON_TORCH = (
+    "kmix.LossScaleOptimizer in model.fit (the bounded scale, skipped steps, events, "
+    "gradient health, exponent histograms, activation statistics, the forward origin), "
+    "MixedPrecisionMonitor, LossScaleGuard and kmix report, without TensorFlow; kmix "
+    "compare (its input pipeline is tf.data, which imports TensorFlow, as on JAX); not "
+    "LoopDriver (it drives tf.distribute: TensorFlow only)"
+)
+"""What kmix runs on Keras's torch backend, as ``kmix doctor`` says it."""
 
 
 def package_versions(names: Sequence[str] = PACKAGES) -> dict[str, str | None]:
@@ -140,11 +151,10 @@ VERSION_RULES: tuple[tuple[Callable[[VersionFacts], bool], Callable[[VersionFact
         ),
     ),
     (
-        lambda f: f.backend not in (None, "", "tensorflow", "jax"),
+        lambda f: f.backend not in (None, "", "tensorflow", "jax", "torch"),
         lambda f: (
             f"the Keras backend is {f.backend!r}: kmix.LossScaleOptimizer and the "
-            "callbacks need 'tensorflow' or 'jax' (set KERAS_BACKEND=tensorflow or "
-            "KERAS_BACKEND=jax)"
+            "callbacks need 'tensorflow', 'jax' or 'torch' (set KERAS_BACKEND to one of them)"
         ),
     ),
     (
@@ -152,6 +162,13 @@ VERSION_RULES: tuple[tuple[Callable[[VersionFacts], bool], Callable[[VersionFact
         lambda f: (
             "the Keras backend is 'jax' but JAX is not installed: pip install \".[jax]\" "
             "from the root of kmix's checkout (or set KERAS_BACKEND=tensorflow)"
+        ),
+    ),
+    (
+        lambda f: f.backend == "torch" and f.missing("torch"),
+        lambda f: (
+            "the Keras backend is 'torch' but torch is not installed: pip install torch "
+            "(a CPU wheel is enough), or set KERAS_BACKEND=tensorflow"
         ),
     ),
     (
@@ -269,7 +286,8 @@ def speed_section(detected: Any, measured: Any) -> list[str]:
 def backend_section(
     backend: str | None, environ: Mapping[str, str], versions: Mapping[str, str | None]
 ) -> list[str]:
-    """Says which Keras backend is in use, whether JAX is installed, and what kmix runs on it.
+    """Says which Keras backend is in use, whether JAX and torch are installed, and what kmix
+    runs on each.
 
     Args:
         backend: the Keras backend in use, or None when Keras does not import.
@@ -278,7 +296,8 @@ def backend_section(
 
     Returns:
         The lines: ``Keras backend: NAME (...)``, then, indented, JAX's versions (or how
-        to install it) and :data:`ON_JAX`.
+        to install it) and :data:`ON_JAX`, torch's version (or how to install it) and
+        :data:`ON_TORCH`.
     """
     chosen = environ.get("KERAS_BACKEND")
     where = f"KERAS_BACKEND={chosen}" if chosen else "KERAS_BACKEND is not set"
@@ -292,7 +311,18 @@ def backend_section(
             'not installed (pip install ".[jax]" from the root of kmix\'s checkout, '
             "for KERAS_BACKEND=jax)"
         )
-    return lines + [f"  JAX: {jax}", f"  kmix on JAX: {ON_JAX}"]
+    if versions.get("torch"):
+        torch = f"torch {versions['torch']}"
+        if backend != "torch":
+            torch += " (KERAS_BACKEND=torch trains on it; kmix demo --backend torch shows it)"
+    else:
+        torch = "not installed (pip install torch, for KERAS_BACKEND=torch)"
+    return lines + [
+        f"  JAX: {jax}",
+        f"  kmix on JAX: {ON_JAX}",
+        f"  torch: {torch}",
+        f"  kmix on torch: {ON_TORCH}",
+    ]
 
 
 def run_doctor(args: argparse.Namespace, measure: Callable[[], Any] | None = None) -> int:

@@ -4,7 +4,9 @@ Measures float32, mixed_float16 and mixed_bfloat16 (or the policies given) side 
 side on the user's model and data, and recommends one, with reasons that follow from
 the table (:func:`kmix.compare.rules.recommend`).
 
-How it measures (in one process; TensorFlow is imported once):
+How it measures (in one process; TensorFlow is imported once, on every Keras backend: the
+input is a ``tf.data.Dataset``, ``kmix.backend.dataset_from_arrays``; on JAX and torch
+Keras's trainer reads it as NumPy batches, and the models train on their own backend):
 
 * every policy's model is built under its policy, compiled with the user's loss and
   :class:`kmix.LossScaleOptimizer`, and logged by
@@ -366,7 +368,12 @@ def _table(
     floor = rules.noise_floor(ratios, overall)
     f32_loss, repeat_loss = rules.final_loss(float32.losses), rules.final_loss(repeat.losses)
     spread = rules.loss_spread(f32_loss, repeat_loss)
-    onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").lower() not in ("0", "false")
+    from kmix import backend
+
+    # oneDNN's float16 path is TensorFlow's kernels' (on JAX and torch tf.data only reads)
+    onednn = backend.USES_TENSORFLOW and os.environ.get(
+        "TF_ENABLE_ONEDNN_OPTS", "1"
+    ).lower() not in ("0", "false")
     accelerators = bool(detected.gpus or detected.tpus)
     rows = []
     for entry in entries:

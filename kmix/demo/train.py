@@ -9,8 +9,9 @@ overflow episode, the recovery, the growth events that follow, gradient health
 and exponent histograms. The same model is then trained in float32 from the same
 seed, to compare test accuracies.
 
-It runs on the Keras backend in use, TensorFlow or JAX (``kmix demo --backend jax``); on
-JAX it imports no TensorFlow of its own (``kmix/demo/scalars.py``). What the demo may
+It runs on the Keras backend in use, TensorFlow, JAX or torch (``kmix demo --backend jax``,
+``--backend torch``); on JAX and torch it imports no TensorFlow of its own
+(``kmix/demo/scalars.py``). What the demo may
 write where (its log dir and the marker file) is decided in ``kmix/demo/logdir.py``;
 those names are importable from here too.
 
@@ -94,13 +95,13 @@ class DemoResult:
         logdir: the TensorBoard log dir of the run.
         policy: the dtype policy of the mixed-precision run, and why.
         mixed_accuracy: test accuracy of the mixed-precision model.
-        float32_accuracy: test accuracy of the same model trained in float32, or
-            None when the comparison was not run.
+        float32_accuracy: the same model's test accuracy in float32 (None: not run).
         guard_diagnosis: why LossScaleGuard stopped training, or None.
         summary: the :class:`kmix.report.Summary` of the run.
         plots: the PNG files written (empty without matplotlib).
         seconds: wall time of the whole demo.
         mixed_step_s, float32_step_s: each run's median step time in s (None: unmeasured).
+        float32_steps_a_call: steps a call of the float32 run (1 on torch); None: not run.
     """
 
     logdir: str
@@ -113,6 +114,7 @@ class DemoResult:
     seconds: float
     mixed_step_s: float | None = None
     float32_step_s: float | None = None
+    float32_steps_a_call: int | None = None
 
 
 def load_digits() -> tuple[np.ndarray, np.ndarray]:
@@ -121,8 +123,7 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
     See ``kmix/data/README.md`` for the source (UCI, CC BY 4.0).
 
     Returns:
-        ``(images, labels)``: uint8 arrays of shapes (1797, 8, 8), values 0..16,
-        and (1797,), values 0..9.
+        ``(images, labels)``: uint8, shapes (1797, 8, 8) (0..16) and (1797,) (0..9).
     """
     resource = importlib.resources.files("kmix").joinpath("data", "digits.npz")
     with resource.open("rb") as file, np.load(file) as data:
@@ -178,12 +179,14 @@ class Trained(NamedTuple):
         policy: its dtype policy and why it was chosen, as ``str(PolicyChoice)``.
         accuracy: its test accuracy.
         step_s: its median time of a training step, in seconds (None: not measured).
+        steps_a_call: the steps one call of its train function ran.
     """
 
     model: Any
     policy: str
     accuracy: float
     step_s: float | None = None
+    steps_a_call: int = 1
 
 
 def _train(
@@ -210,8 +213,8 @@ def _train(
         verbose: Keras's verbosity for ``fit``.
         logged: validate after every epoch and run the callbacks after every step. When
             False (the float32 comparison, of which only the test accuracy is shown),
-            Keras runs a whole epoch per call (``steps_per_execution``): the same steps
-            and weights, about 30% faster.
+            Keras runs a whole epoch per call (``steps_per_execution``; not on torch:
+            ``steps.compile_model``): the same steps and weights, about 30% faster.
         detected: the hardware to choose ``"auto"`` for; ``None`` detects it.
 
     Returns:
@@ -221,10 +224,10 @@ def _train(
 
     import kmix
     from kmix import backend
-    from kmix.demo.steps import StepClock
+    from kmix.demo.steps import StepClock, compile_model
 
     clock = StepClock()
-    backend.set_random_seed(seed)  # on JAX without importing TensorFlow
+    backend.set_random_seed(seed)  # on JAX and torch without importing TensorFlow
     with contextlib.ExitStack() as stack:
         with warnings.catch_warnings():  # the choice's reason says when float16 is slow here
             warnings.filterwarnings("ignore", category=SpeedWarning)
@@ -236,12 +239,7 @@ def _train(
             optimizer = kmix.LossScaleOptimizer(
                 optimizer, initial_scale=INITIAL_SCALE, dynamic_growth_steps=GROWTH_STEPS
             )
-        model.compile(
-            optimizer=optimizer,
-            loss="sparse_categorical_crossentropy",
-            metrics=["accuracy"],
-            steps_per_execution=1 if logged else math.ceil(len(x_train) / BATCH_SIZE),
-        )
+        compile_model(model, optimizer, 1 if logged else math.ceil(len(x_train) / BATCH_SIZE))
         with warnings.catch_warnings():
             # The monitor's note that float16's statistics do not apply to this policy is
             # said by the demo's introduction and report; as a warning it would point at
@@ -257,7 +255,7 @@ def _train(
                 verbose=verbose,
             )
         _, accuracy = model.evaluate(x_test, y_test, batch_size=256, verbose=0)
-    return Trained(model, str(choice), float(accuracy), clock.median_step_s)
+    return Trained(model, str(choice), float(accuracy), clock.median_step_s, clock.steps_a_call)
 
 
 def run(
@@ -387,6 +385,7 @@ def _train_and_report(
         seconds=0.0,
         mixed_step_s=mixed.step_s,
         float32_step_s=None if reference is None else reference.step_s,
+        float32_steps_a_call=None if reference is None else reference.steps_a_call,
     )
 
 
@@ -481,7 +480,8 @@ def main(
     if result.mixed_step_s is not None and result.float32_step_s is not None:
         from kmix.policy import step_line
 
-        print(step_line(name, result.mixed_step_s, result.float32_step_s))
+        calls = "an epoch a call" if (result.float32_steps_a_call or 1) > 1 else None
+        print(step_line(name, result.mixed_step_s, result.float32_step_s, calls))
     print()
     print(report.format_summary(result.summary))
     print()

@@ -79,17 +79,26 @@ def onednn_note(measured: SpeedMeasurement) -> str | None:
     )
 
 
-def step_line(policy: str, policy_step_s: float, float32_step_s: float) -> str:
+def step_line(
+    policy: str,
+    policy_step_s: float,
+    float32_step_s: float,
+    float32_calls: str | None = "an epoch a call",
+) -> str:
     """What ``kmix demo`` says of its own step times: the policy's run against float32's.
 
     The two runs differ in more than the dtype (the policy's run takes one step a call,
-    with kmix's callbacks; float32's a whole epoch a call, with none), so only a ratio of
-    :data:`PATHOLOGICAL` or more is called slow: no overhead of that kind explains it.
+    with kmix's callbacks; float32's a whole epoch a call where Keras's trainer allows it,
+    with none), so only a ratio of :data:`PATHOLOGICAL` or more is called slow: no
+    overhead of that kind explains it.
 
     Args:
         policy: the policy of the logged run, e.g. ``"mixed_float16"``.
         policy_step_s: its median time of a training step, in seconds.
         float32_step_s: the float32 run's.
+        float32_calls: how the float32 run called its steps, e.g. ``"an epoch a call"``;
+            None: one step a call (on torch, whose trainer runs no more), said as
+            ``"without callbacks"``.
 
     Returns:
         One line, e.g. ``"step time: mixed_float16 4.10 ms, float32 3.02 ms (1.36x)"``.
@@ -98,7 +107,8 @@ def step_line(policy: str, policy_step_s: float, float32_step_s: float) -> str:
     mixed, float32 = format_seconds(policy_step_s), format_seconds(float32_step_s)
     line = (
         f"step time: {policy} {mixed} (one step a call, with kmix's callbacks), "
-        f"float32 {float32} (an epoch a call): {format_ratio(ratio)}"
+        f"float32 {float32} ({float32_calls or 'one step a call, without callbacks'}): "
+        f"{format_ratio(ratio)}"
     )
     if ratio >= PATHOLOGICAL:
         line += (

@@ -2,7 +2,8 @@
 
 ``kmix.hardware()`` returns a small, printable, JSON-serialisable :class:`Hardware`
 value. Detection asks the Keras backend's own library for its devices (JAX:
-``jax.local_devices()``, and TensorFlow is never imported; otherwise TensorFlow's physical
+``jax.local_devices()``; torch: ``torch.cuda``'s devices, with their names and compute
+capabilities; on both TensorFlow is never imported; otherwise TensorFlow's physical
 devices) and reads the CPU flags from ``/proc/cpuinfo`` on Linux; it uses no network and
 starts no subprocess.
 
@@ -34,8 +35,8 @@ class GPU:
     """One GPU as the Keras backend's library reports it.
 
     Attributes:
-        device: the device's name: TensorFlow's, e.g. ``"/physical_device:GPU:0"``, or
-            JAX's platform and id, e.g. ``"gpu:0"``.
+        device: the device's name: TensorFlow's, e.g. ``"/physical_device:GPU:0"``,
+            JAX's platform and id, e.g. ``"gpu:0"``, or torch's, e.g. ``"cuda:0"``.
         name: the product name, e.g. ``"NVIDIA A100-SXM4-40GB"``; ``""`` if unknown.
         compute_capability: CUDA compute capability as ``(major, minor)``, or
             ``None`` when the device reports none (e.g. a non-CUDA GPU).
@@ -58,7 +59,8 @@ class Hardware:
     Attributes:
         devices: every physical device TensorFlow sees, e.g.
             ``("/physical_device:CPU:0",)``; on Keras's JAX backend every local device
-            JAX sees, its CPU included, e.g. ``("cpu:0", "gpu:0")``.
+            JAX sees, its CPU included, e.g. ``("cpu:0", "gpu:0")``; on Keras's torch
+            backend torch's CPU and CUDA devices, e.g. ``("cpu", "cuda:0")``.
         gpus: one :class:`GPU` per GPU.
         tpus: the TPU device names.
         cpu_model: the CPU's model name from ``/proc/cpuinfo``; ``""`` if unknown.
@@ -105,10 +107,16 @@ def hardware(cpuinfo_path: str = CPUINFO_PATH) -> Hardware:
              compute_capability=(8, 0)),)
     """
     cpu_model, cpu_flags = read_cpuinfo(cpuinfo_path)
-    if keras_backend() == "jax":
-        import jax
+    backend = keras_backend()
+    if backend in ("jax", "torch"):
+        if backend == "jax":
+            import jax
 
-        devices = jax_devices(_local_jax_devices(jax))
+            devices = jax_devices(_local_jax_devices(jax))
+        else:
+            import torch
+
+            devices = torch_devices(torch.cuda)
         return dataclasses.replace(devices, cpu_model=cpu_model, cpu_flags=cpu_flags)
     try:
         import tensorflow as tf
@@ -178,6 +186,42 @@ def jax_devices(devices: Sequence[Any]) -> Hardware:
         name for name, device in zip(names, devices, strict=True) if device.platform == "tpu"
     )
     return Hardware(devices=names, gpus=gpus, tpus=tpus)
+
+
+def torch_devices(cuda: Any) -> Hardware:
+    """The devices and GPUs of a :class:`Hardware` from torch's CUDA module.
+
+    Rule: the CPU is ``"cpu"``; when ``cuda.is_available()``, each of
+    ``cuda.device_count()`` devices is ``"cuda:{i}"``, a :class:`GPU` named by
+    ``cuda.get_device_name(i)`` with capability ``cuda.get_device_capability(i)``
+    (:func:`parse_compute_capability`; ROCm builds of torch answer through ``torch.cuda``
+    too). torch has no TPUs of its own (torch_xla's are not looked for).
+
+    Args:
+        cuda: ``torch.cuda``, or an object with its ``is_available``, ``device_count``,
+            ``get_device_name`` and ``get_device_capability``.
+
+    Returns:
+        A :class:`Hardware` with ``devices`` and ``gpus`` set, the CPU fields empty.
+
+    Example:
+        >>> from types import SimpleNamespace as Cuda
+        >>> cuda = Cuda(is_available=lambda: True, device_count=lambda: 1,
+        ...             get_device_name=lambda i: "NVIDIA H200",
+        ...             get_device_capability=lambda i: (9, 0))
+        >>> torch_devices(cuda).gpus
+        (GPU(device='cuda:0', name='NVIDIA H200', compute_capability=(9, 0)),)
+    """
+    count = cuda.device_count() if cuda.is_available() else 0
+    gpus = tuple(
+        GPU(
+            device=f"cuda:{index}",
+            name=str(cuda.get_device_name(index) or ""),
+            compute_capability=parse_compute_capability(cuda.get_device_capability(index)),
+        )
+        for index in range(count)
+    )
+    return Hardware(devices=("cpu", *(gpu.device for gpu in gpus)), gpus=gpus)
 
 
 _CAPABILITY = re.compile(r"\s*(\d+)\.(\d+)\s*")

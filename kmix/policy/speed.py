@@ -7,8 +7,9 @@ same in float32 and float16 once per process on machines without a GPU or TPU, a
 ``kmix demo`` in a fresh process before TensorFlow starts; each judges with
 :func:`float16_cpu_finding` (the slowest op decides: training runs them all);
 ``kmix/policy/timing.py`` takes the times with the Keras backend's own library (the only
-part that touches TensorFlow or JAX: TensorFlow's CPU kernels in a ``tf.function``, or on
-Keras's JAX backend XLA's, jit-compiled) and this module judges them, pure functions over typed
+part that touches TensorFlow, JAX or torch: TensorFlow's CPU kernels in a ``tf.function``,
+on Keras's JAX backend XLA's, jit-compiled, on its torch backend torch's own, eager) and
+this module judges them, pure functions over typed
 values (:class:`Timing`, :class:`SpeedMeasurement`, :class:`Ratio`). A cell that could
 not be timed is absent from ``timings`` and explained in ``missing``; no number stands in
 for it.
@@ -29,8 +30,9 @@ from typing import Any
 OPS = ("matmul", "conv2d")
 """The ops timed, in the order shown."""
 
-BACKENDS = ("tensorflow", "jax")
-"""Whose kernels are timed: TensorFlow's, or (on Keras's JAX backend) XLA's through JAX."""
+BACKENDS = ("tensorflow", "jax", "torch")
+"""Whose kernels are timed: TensorFlow's, on Keras's JAX backend XLA's through JAX, or on
+its torch backend torch's own (eager, as Keras's torch backend runs them by default)."""
 
 DTYPES = ("float32", "float16", "bfloat16")
 """The dtypes timed; float32 is the reference of every ratio."""
@@ -106,9 +108,10 @@ class SpeedMeasurement:
         timings: one :class:`Timing` per cell that was timed.
         missing: one :class:`Missing` per cell that could not be.
         onednn: whether TensorFlow's oneDNN CPU kernels were on; None when unknown, and
-            always None when ``backend`` is ``"jax"`` (oneDNN is TensorFlow's).
+            always None when ``backend`` is not ``"tensorflow"`` (this oneDNN switch is
+            TensorFlow's).
         onednn_setting: ``TF_ENABLE_ONEDNN_OPTS`` as it was set, None when unset; always
-            None when ``backend`` is ``"jax"``.
+            None when ``backend`` is not ``"tensorflow"``.
         seconds: the wall time the measurement took, in seconds.
         backend: whose kernels were timed, one of :data:`BACKENDS`.
         onednn_float16_cpu: whether the CPU has a flag of :data:`ONEDNN_FLOAT16_FLAGS`,
@@ -291,7 +294,8 @@ def onednn_fix_applies(measured: SpeedMeasurement) -> bool:
     Returns:
         True when TensorFlow's kernels were timed with oneDNN on, on a CPU where oneDNN
         runs float16 itself (or one not known), and a float16 op took
-        :data:`PATHOLOGICAL` times float32's time or more (never for JAX's).
+        :data:`PATHOLOGICAL` times float32's time or more (never for JAX's or torch's
+        kernels: ``TF_ENABLE_ONEDNN_OPTS`` is read by TensorFlow only).
     """
     return (
         measured.backend == "tensorflow"
@@ -373,10 +377,13 @@ def kernels_timed(measured: SpeedMeasurement) -> str:
 
     Returns:
         E.g. ``"oneDNN CPU kernels: off (TF_ENABLE_ONEDNN_OPTS '0')"`` for TensorFlow, or
-        ``"XLA's CPU kernels (JAX, jit-compiled), as Keras's jax backend runs them"``.
+        ``"XLA's CPU kernels (JAX, jit-compiled), as Keras's jax backend runs them"``, or
+        ``"torch's CPU kernels (eager), as Keras's torch backend runs them"``.
     """
     if measured.backend == "jax":
         return "XLA's CPU kernels (JAX, jit-compiled), as Keras's jax backend runs them"
+    if measured.backend == "torch":
+        return "torch's CPU kernels (eager), as Keras's torch backend runs them"
     onednn = {True: "on", False: "off", None: "unknown"}[measured.onednn]
     setting = "unset" if measured.onednn_setting is None else repr(measured.onednn_setting)
     return f"oneDNN CPU kernels: {onednn} (TF_ENABLE_ONEDNN_OPTS {setting})"

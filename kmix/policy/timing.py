@@ -4,20 +4,23 @@ Each op (a matmul, a convolution) is timed forward and backward, as a training s
 it: the forward pass alone hides where half precision is slow (oneDNN's float16
 convolution on Xeons with AVX512_FP16: forward 2.7x float32's time, forward and backward
 over 100x). The kernels timed are those the Keras backend runs: TensorFlow's, in a
-``tf.function``, or on Keras's JAX backend XLA's, each step a ``jax.jit``-compiled
-function (and then TensorFlow is never imported). What the times mean is judged in
+``tf.function``; on Keras's JAX backend XLA's, each step a ``jax.jit``-compiled
+function; on its torch backend torch's own, eager, the backward pass by autograd, with
+torch's thread count as it is (on JAX and torch TensorFlow is never imported). What the
+times mean is judged in
 ``kmix/policy/speed.py``. How they are taken (:func:`measure`): every cell (op, dtype) is
 run once untimed (kernel set-up or compilation), once timed to size its rounds, then the
 cells take turns in :data:`ROUNDS`
 rounds of about :data:`ROUND_SECONDS` each; a round's time is its fastest call (on a
 machine shared with other jobs, the one they disturbed least), a JAX call's time ending
-when its result is ready (``block_until_ready``). A call slower than :data:`SLOW_CALL_S`
+when its result is ready (``block_until_ready``; torch's CPU ops return when done). A
+call slower than :data:`SLOW_CALL_S`
 is timed in two rounds only (where float16 is 300x slow). :func:`measure_in_subprocess`
 does the same in a fresh process on the same backend, e.g. with
 ``TF_ENABLE_ONEDNN_OPTS=0``, which TensorFlow reads when it is imported.
 
 Run as ``python -m kmix.policy.timing [--ops matmul,conv2d] [--dtypes float32,float16]
-[--backend tensorflow|jax]`` it prints the measurement as JSON (what
+[--backend tensorflow|jax|torch]`` it prints the measurement as JSON (what
 :func:`measure_in_subprocess` reads).
 """
 
@@ -62,11 +65,11 @@ INPUT_SHAPES = {"matmul": ((128, 512), (512, 512)), "conv2d": ((8, 32, 32, 32), 
 
 
 def measuring_backend() -> str:
-    """Whose kernels :func:`measure` times here: ``"jax"`` on Keras's JAX backend, else
-    ``"tensorflow"`` (also when Keras does not import). Imports Keras."""
+    """Whose kernels :func:`measure` times here: ``"jax"`` or ``"torch"`` on Keras's JAX or
+    torch backend, else ``"tensorflow"`` (also when Keras does not import). Imports Keras."""
     from kmix.policy.machine import keras_backend
 
-    return "jax" if keras_backend() == "jax" else "tensorflow"
+    return _timed_backend(keras_backend())
 
 
 def onednn_enabled() -> bool | None:
@@ -95,11 +98,12 @@ def measure(
         rounds: rounds per cell.
         round_seconds: about how long one cell's calls take in one round.
         backend: one of :data:`BACKENDS` (``"tensorflow"`` imports TensorFlow, ``"jax"``
-            imports JAX only); None: :func:`measuring_backend`.
+            imports JAX only, ``"torch"`` torch only); None: :func:`measuring_backend`.
 
     Returns:
         The :class:`SpeedMeasurement`; a cell the backend cannot run is in ``missing``.
-        On JAX its oneDNN fields are None (oneDNN is TensorFlow's).
+        On JAX and torch its oneDNN fields are None (``TF_ENABLE_ONEDNN_OPTS`` is
+        TensorFlow's).
 
     Raises:
         ValueError: ``backend`` is not one of :data:`BACKENDS`.
@@ -160,7 +164,7 @@ def measure_in_subprocess(
             as ``--backend`` and as ``KERAS_BACKEND``. None: this process's Keras backend
             (:func:`backend_without_importing`), or, when that is not known, the one the
             fresh process's Keras finds.
-        timeout_s: how long the process may take, TensorFlow's or JAX's start-up included.
+        timeout_s: how long the process may take, its library's start-up included.
 
     Returns:
         The measurement; its ``seconds`` is the process's whole wall time.
@@ -198,7 +202,8 @@ def backend_without_importing(modules: Mapping[str, Any], environ: Mapping[str, 
 
     Rule: the imported Keras's backend when Keras is imported, else ``KERAS_BACKEND``
     when set and not empty, else None (Keras's config file decides there); a backend
-    that is not ``"jax"`` times TensorFlow's kernels (:func:`measuring_backend`).
+    that is neither ``"jax"`` nor ``"torch"`` times TensorFlow's kernels
+    (:func:`measuring_backend`).
 
     Args:
         modules: the imported modules, ``sys.modules``.
@@ -209,9 +214,13 @@ def backend_without_importing(modules: Mapping[str, Any], environ: Mapping[str, 
     """
     keras = modules.get("keras")
     name = keras.backend.backend() if keras is not None else environ.get("KERAS_BACKEND")
-    if not name:
-        return None
-    return "jax" if name == "jax" else "tensorflow"
+    return _timed_backend(name) if name else None
+
+
+def _timed_backend(keras_backend: str | None) -> str:
+    """Whose kernels time for a Keras backend: its own library's where the probe has them
+    (``"jax"``, ``"torch"``), else TensorFlow's (also for None: Keras did not import)."""
+    return keras_backend if keras_backend in ("jax", "torch") else "tensorflow"
 
 
 _float16_probe: list[SpeedMeasurement] = []
@@ -246,6 +255,11 @@ def _cpu_op_calls(backend: str) -> Iterator[OpCall]:
         import jax
 
         yield functools.partial(_jax_op_call, jax)
+        return
+    if backend == "torch":
+        import torch
+
+        yield functools.partial(_torch_op_call, torch)
         return
     import logging
 
@@ -328,12 +342,39 @@ def _jax_op_call(jax: Any, op: str, dtype: str) -> Callable[[], Any]:
     return lambda: jax.block_until_ready(compiled(a, b))
 
 
+def _torch_op_call(torch: Any, op: str, dtype: str) -> Callable[[], Any]:
+    """A function running ``op`` forward and backward once in ``dtype`` with torch's own CPU
+    kernels, eagerly, as Keras's torch backend runs a step by default (the backward pass:
+    autograd's gradient with respect to both inputs, for an upstream gradient of ones).
+
+    The convolution takes torch's layout, NCHW images and an OIHW kernel, of the sizes of
+    :data:`INPUT_SHAPES` (Keras's torch backend hands torch that layout too). torch's
+    thread count is left as it is. A call returns when its gradients are computed (torch's
+    CPU ops are synchronous) and returns nothing: NumPy cannot read bfloat16 tensors.
+    """
+    a, b = (torch.from_numpy(x) for x in _inputs(op))
+    if op == "conv2d":  # NHWC, HWIO -> NCHW, OIHW
+        a, b = a.permute(0, 3, 1, 2), b.permute(3, 2, 0, 1)
+    a, b = (t.to(getattr(torch, dtype)).contiguous().requires_grad_() for t in (a, b))
+
+    def forward() -> Any:
+        if op == "matmul":
+            return torch.matmul(a, b)
+        return torch.nn.functional.conv2d(a, b, padding="same")
+
+    def train() -> None:
+        out = forward()
+        torch.autograd.grad(out, (a, b), grad_outputs=torch.ones_like(out))
+
+    return train
+
+
 def _time_calls(call: Callable[[], Any], count: int) -> float:
     """The fastest of ``count`` calls, in seconds: the one other jobs disturbed least.
 
-    TensorFlow runs eager ops synchronously by default and a JAX call waits for its result
-    (``block_until_ready``), so a call's time is its op's; the last result is read anyway,
-    so that nothing is left running.
+    TensorFlow runs eager ops synchronously by default, a JAX call waits for its result
+    (``block_until_ready``) and torch's CPU ops are synchronous, so a call's time is its
+    op's; the last result (if any) is read anyway, so that nothing is left running.
     """
     fastest = float("inf")
     for _ in range(count):
@@ -341,7 +382,8 @@ def _time_calls(call: Callable[[], Any], count: int) -> float:
         result = call()
         fastest = min(fastest, time.perf_counter() - start)
     for value in result if isinstance(result, list | tuple) else [result]:
-        np.asarray(value)
+        if value is not None:
+            np.asarray(value)
     return fastest
 
 

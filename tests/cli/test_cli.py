@@ -109,13 +109,13 @@ def keep_keras_backend(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("KERAS_BACKEND", was)
 
 
-def python(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Runs a Python snippet in a fresh interpreter."""
+def python(code: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Runs a Python snippet in a fresh interpreter (with ``env``, or the tests' own)."""
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
         text=True,
-        env=ENV,
+        env=ENV if env is None else env,
         timeout=timeout,
         check=False,
     )
@@ -602,6 +602,33 @@ def test_quiet_startup_keeps_every_other_line():
     )
 
 
+@pytest.mark.slow  # sets KERAS_BACKEND=torch in its own process, from either pass
+def test_doctor_on_torch_times_torch_s_kernels_and_imports_no_tensorflow():
+    pytest.importorskip("torch")
+    result = python(
+        """
+        import sys
+        from kmix.cli import commands as cli
+        status = cli.main(["doctor"])
+        print("tensorflow imported:", "tensorflow" in sys.modules)
+        raise SystemExit(status)
+        """,
+        env={**ENV, "KERAS_BACKEND": "torch", "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    kernels = "torch's CPU kernels (eager), as Keras's torch backend runs them"
+    assert f"\n  {kernels}; measured in " in out
+    assert "oneDNN" not in out
+    assert re.search(r"\n  matmul 128x512 @ 512x512, forward and backward: float32 .+ a call", out)
+    assert "\nKeras backend: torch (KERAS_BACKEND=torch)\n" in out
+    version = cli.package_versions(("torch",))["torch"]
+    assert f"\n  torch        {version}\n" in out  # the versions table
+    assert f"\n  torch: torch {version}\n" in out  # the backend section
+    assert "hardware\n  devices: cpu\n" in out
+    assert out.endswith("tensorflow imported: False\n")
+
+
 @pytest.mark.slow
 def test_doctor_prints_no_tensorflow_startup_lines():
     result = kmix("doctor", env=USER_ENV)
@@ -631,12 +658,13 @@ def test_doctor(kmix_here, monkeypatch):
     for name, version in versions.items():
         assert f"  {name:<11}  {version or 'not installed'}\n" in out
     assert f"\n  kmix on JAX: {_cli_doctor.ON_JAX}\n" in out
+    assert f"\n  kmix on torch: {_cli_doctor.ON_TORCH}\n" in out
 
 
 def test_doctor_backend_section():
     jax = {"jax": "0.10.2", "jaxlib": "0.10.2"}
     on_jax = _cli_doctor.backend_section("jax", {"KERAS_BACKEND": "jax"}, jax)
-    assert on_jax == [
+    assert on_jax[:3] == [
         "Keras backend: jax (KERAS_BACKEND=jax)",
         "  JAX: jax 0.10.2, jaxlib 0.10.2",
         f"  kmix on JAX: {_cli_doctor.ON_JAX}",
@@ -650,6 +678,24 @@ def test_doctor_backend_section():
         '  JAX: not installed (pip install ".[jax]" from the root of kmix\'s checkout, '
         "for KERAS_BACKEND=jax)"
     )
+    torch = {"torch": "2.13.0+cpu"}
+    assert _cli_doctor.backend_section("torch", {"KERAS_BACKEND": "torch"}, jax | torch) == [
+        "Keras backend: torch (KERAS_BACKEND=torch)",
+        "  JAX: jax 0.10.2, jaxlib 0.10.2 (KERAS_BACKEND=jax trains on it; kmix demo "
+        "--backend jax shows it)",
+        f"  kmix on JAX: {_cli_doctor.ON_JAX}",
+        "  torch: torch 2.13.0+cpu",
+        f"  kmix on torch: {_cli_doctor.ON_TORCH}",
+    ]
+    assert _cli_doctor.backend_section("tensorflow", {}, torch)[3] == (
+        "  torch: torch 2.13.0+cpu (KERAS_BACKEND=torch trains on it; kmix demo --backend "
+        "torch shows it)"
+    )
+    assert _cli_doctor.backend_section("tensorflow", {}, {"torch": None})[3] == (
+        "  torch: not installed (pip install torch, for KERAS_BACKEND=torch)"
+    )
+    assert "not LoopDriver (it drives tf.distribute: TensorFlow only)" in _cli_doctor.ON_TORCH
+    assert "as on JAX" in _cli_doctor.ON_TORCH  # kmix compare's tf.data, said where it is
     # What kmix runs on JAX, and what not: LoopDriver is tf.distribute's.
     assert "not LoopDriver (it drives tf.distribute: TensorFlow only)" in _cli_doctor.ON_JAX
     assert "LossScaleGuard, PrecisionAutopilot and kmix report" in _cli_doctor.ON_JAX
@@ -685,6 +731,8 @@ def test_version_warnings_good_combination():
     assert cli.version_warnings(GOOD, {}, ["keras>=3.12.0", "numpy>=1.26"], "tensorflow") == []
     on_jax = GOOD | {"jax": "0.10.2", "jaxlib": "0.10.2"}
     assert cli.version_warnings(on_jax, {"KERAS_BACKEND": "jax"}, ["keras>=3.12.0"], "jax") == []
+    on_torch = GOOD | {"torch": "2.13.0+cpu"}
+    assert cli.version_warnings(on_torch, {}, ["keras>=3.12.0"], "torch") == []
 
 
 @pytest.mark.parametrize(
@@ -697,7 +745,8 @@ def test_version_warnings_good_combination():
         ({"keras": "3.3.3"}, {}, "Keras 3.3.3 is older than 3.8"),
         ({"keras": "3.10.0"}, {}, "TensorFlow 2.21.0 expects keras>=3.12.0 but Keras 3.10.0"),
         ({"tf-keras": "2.21.0"}, {"TF_USE_LEGACY_KERAS": "1"}, "TF_USE_LEGACY_KERAS is set"),
-        ({}, {"KERAS_BACKEND": "torch"}, "the Keras backend is 'torch': kmix.LossScaleOptimizer"),
+        ({}, {"KERAS_BACKEND": "openvino"}, "the Keras backend is 'openvino': kmix.LossScale"),
+        ({"torch": None}, {"KERAS_BACKEND": "torch"}, "the Keras backend is 'torch' but torch is"),
         ({"jax": None}, {"KERAS_BACKEND": "jax"}, "the Keras backend is 'jax' but JAX is not"),
         ({"tensorboard": None}, {}, "TensorBoard is not installed"),
         ({"tensorboard": "1.15.0"}, {}, "TensorBoard 1.15.0 is too old for TensorFlow 2.21.0"),
@@ -711,7 +760,7 @@ def test_version_warnings_known_bad(changes, environ, says):
 def test_version_warnings_one_per_rule_in_table_order():
     versions = {"tensorflow": "2.15.1", "keras": "3.3.3", "tensorboard": None, "tf-keras": "2.15"}
     found = cli.version_warnings(
-        versions, {"TF_USE_LEGACY_KERAS": "true", "KERAS_BACKEND": "torch"}, ["keras>=3.12"]
+        versions, {"TF_USE_LEGACY_KERAS": "true", "KERAS_BACKEND": "openvino"}, ["keras>=3.12"]
     )
     assert found == [
         "TensorFlow 2.15.1 is older than 2.16 and uses Keras 2 (tf.keras); kmix needs "
@@ -722,8 +771,8 @@ def test_version_warnings_one_per_rule_in_table_order():
         "TF_USE_LEGACY_KERAS is set, so tf.keras is Keras 2 (tf-keras 2.15): models built "
         "with tf.keras do not work with kmix; use `import keras` (Keras 3) or unset "
         "TF_USE_LEGACY_KERAS",
-        "the Keras backend is 'torch': kmix.LossScaleOptimizer and the callbacks need "
-        "'tensorflow' or 'jax' (set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax)",
+        "the Keras backend is 'openvino': kmix.LossScaleOptimizer and the callbacks need "
+        "'tensorflow', 'jax' or 'torch' (set KERAS_BACKEND to one of them)",
         "TensorBoard is not installed: MixedPrecisionMonitor and kmix report need it "
         "(pip install tensorboard)",
     ]

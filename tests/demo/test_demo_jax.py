@@ -81,22 +81,22 @@ def test_backend_is_the_flag_else_keras_backend_else_tensorflow(
     assert cli.choose_backend(requested, environ) == chosen
 
 
-def test_backend_flag_accepts_tensorflow_and_jax_only(kmix_here):
-    result = kmix_here("demo", "--backend", "torch")
+def test_backend_flag_accepts_tensorflow_jax_and_torch_only(kmix_here):
+    result = kmix_here("demo", "--backend", "openvino")
     assert result.returncode == 2
-    assert "argument --backend: invalid choice: 'torch' (choose from" in result.stderr
+    assert "argument --backend: invalid choice: 'openvino' (choose from" in result.stderr
     help_text = cli.build_parser().commands["demo"].format_help()
-    assert "{tensorflow,jax}" in help_text
+    assert "{tensorflow,jax,torch}" in help_text
     assert "KERAS_BACKEND if set, else tensorflow" in " ".join(help_text.split())
 
 
 def test_keras_backend_naming_another_backend_is_a_one_line_error(kmix_here, monkeypatch, tmp_path):
-    monkeypatch.setenv("KERAS_BACKEND", "torch")
+    monkeypatch.setenv("KERAS_BACKEND", "openvino")
     logdir = tmp_path / "run"
     line = one_line_error(kmix_here("demo", "--logdir", str(logdir)))
     assert line == (
-        "kmix demo: KERAS_BACKEND=torch is not a backend the demo trains on: use "
-        "--backend tensorflow or --backend jax"
+        "kmix demo: KERAS_BACKEND=openvino is not a backend the demo trains on: use "
+        "--backend tensorflow, --backend jax or --backend torch"
     )
     assert not logdir.exists()
 

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import kmix
 from kmix import hardware as hardware_module
+from kmix.policy import choose_auto
 from kmix.policy.machine import (
     GPU,
     Hardware,
@@ -19,6 +20,7 @@ from kmix.policy.machine import (
     jax_devices,
     parse_compute_capability,
     read_cpuinfo,
+    torch_devices,
 )
 
 CPUINFO = """\
@@ -239,3 +241,62 @@ def test_hardware_on_jax_imports_no_tensorflow():
     assert done.returncode == 0, done.stderr[-2000:]
     facts = json.loads(done.stdout.strip().splitlines()[-1])
     assert facts == {"tensorflow": False, "devices": ["cpu:0"]}
+
+
+# ------------------------------------------------------------ Keras's torch backend (issue 33)
+def fake_cuda(*gpus: tuple[str, tuple[int, int]], available: bool = True):
+    """A stand-in for ``torch.cuda`` with the given ``(name, capability)`` devices."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        is_available=lambda: available,
+        device_count=lambda: len(gpus),
+        get_device_name=lambda i: gpus[i][0],
+        get_device_capability=lambda i: gpus[i][1],
+    )
+
+
+def test_torch_devices_list_the_cpu_and_cuda_s_devices():
+    cuda = fake_cuda(("NVIDIA H200", (9, 0)), ("Tesla V100-SXM2-16GB", (7, 0)))
+    assert torch_devices(cuda) == Hardware(
+        devices=("cpu", "cuda:0", "cuda:1"),
+        gpus=(GPU("cuda:0", "NVIDIA H200", (9, 0)), GPU("cuda:1", "Tesla V100-SXM2-16GB", (7, 0))),
+    )
+    # The rule of kmix.use("auto") applies to them as to TensorFlow's and JAX's: the lowest decides.
+    assert choose_auto(torch_devices(cuda))[0] == "mixed_float16"
+    # A CUDA build on a machine without a GPU answers device_count() 0 or raises: not asked.
+    assert torch_devices(fake_cuda(("?", (9, 0)), available=False)) == Hardware(devices=("cpu",))
+    assert torch_devices(fake_cuda()) == Hardware(devices=("cpu",))
+
+
+def test_hardware_on_torch_lists_torch_s_devices_and_reads_the_cpuinfo(monkeypatch, cpuinfo):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(sys.modules["kmix.policy.machine"], "keras_backend", lambda: "torch")
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # importing it would raise
+    hw = hardware(cpuinfo)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert hw.devices == ("cpu", *(f"cuda:{i}" for i in range(count)))
+    assert hw.cpu_model == "Intel(R) Xeon(R) Platinum 8480+"
+    assert hw.cpu_flags == ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "f16c")
+
+
+@pytest.mark.slow
+def test_hardware_and_use_on_torch_import_no_tensorflow():
+    """kmix.hardware() and kmix.use("mixed_float16") (its float16 probe: torch's kernels)."""
+    pytest.importorskip("torch")
+    code = (
+        "import json, sys, warnings, kmix\n"
+        "hw = kmix.hardware()\n"
+        "warnings.simplefilter('ignore')\n"
+        "choice = kmix.use('mixed_float16')\n"
+        "print(json.dumps({'tensorflow': 'tensorflow' in sys.modules, 'devices': hw.devices,\n"
+        "    'reason': choice.reason}))"
+    )
+    env = {**os.environ, "KERAS_BACKEND": "torch", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (facts["tensorflow"], facts["devices"]) == (False, ["cpu"])
+    assert "on this CPU a float16 " in facts["reason"]  # measured, with torch's kernels

@@ -468,10 +468,12 @@ def keras_on(backend):
     [
         ({"keras": keras_on("jax")}, {}, "jax"),
         ({"keras": keras_on("tensorflow")}, {"KERAS_BACKEND": "jax"}, "tensorflow"),  # fixed
-        ({"keras": keras_on("torch")}, {}, "tensorflow"),
+        ({"keras": keras_on("torch")}, {}, "torch"),
+        ({"keras": keras_on("openvino")}, {}, "tensorflow"),  # no kernels of its own here
         ({}, {"KERAS_BACKEND": "jax"}, "jax"),
         ({}, {"KERAS_BACKEND": "tensorflow"}, "tensorflow"),
-        ({}, {"KERAS_BACKEND": "torch"}, "tensorflow"),
+        ({}, {"KERAS_BACKEND": "torch"}, "torch"),
+        ({}, {"KERAS_BACKEND": "openvino"}, "tensorflow"),
         ({}, {"KERAS_BACKEND": ""}, None),  # empty is unset, as for Keras
         ({}, {}, None),  # Keras's config file decides, in the fresh process
     ],
@@ -502,8 +504,8 @@ def test_measure_in_subprocess_runs_the_child_on_the_same_backend(monkeypatch):
 
 
 def test_measure_refuses_an_unknown_backend():
-    with pytest.raises(ValueError, match=r"^Invalid backend for kmix's speed probe: 'torch'\. "):
-        probe.measure(backend="torch")
+    with pytest.raises(ValueError, match=r"^Invalid backend for kmix's speed probe: 'openvino'\. "):
+        probe.measure(backend="openvino")
 
 
 def test_measure_on_jax_times_xla_s_float32_and_float16_matmul():
@@ -638,3 +640,88 @@ def test_the_probe_says_whether_the_cpu_runs_float16_on_onednn():
     assert measured.onednn_float16_cpu == any(
         flag in flags for flag in probe_rules.ONEDNN_FLOAT16_FLAGS
     )
+
+
+# ------------------------------------------------------------ Keras's torch backend (issue 33)
+ON_TORCH = dataclasses.replace(ON_JAX, missing=(), backend="torch")
+
+
+def test_kernels_timed_on_torch_are_torch_s_eager_kernels_and_no_onednn_fix():
+    assert probe_rules.kernels_timed(ON_TORCH) == (
+        "torch's CPU kernels (eager), as Keras's torch backend runs them"
+    )
+    assert not onednn_fix_applies(dataclasses.replace(XEON, backend="torch"))
+    assert doctor_lines(ON_TORCH)[0] == (
+        "torch's CPU kernels (eager), as Keras's torch backend runs them; measured in 1.5 s"
+    )
+    assert doctor_lines(ON_TORCH)[-1].startswith("no fix kmix knows for the pathologically slow")
+    assert SpeedMeasurement.from_dict(json.loads(json.dumps(ON_TORCH.to_dict()))) == ON_TORCH
+
+
+@pytest.mark.torch
+def test_measure_on_torch_times_torch_s_kernels_forward_and_backward(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # importing it would raise
+    threads = torch.get_num_threads()
+    measured = probe.measure(OPS, DTYPES, rounds=2, round_seconds=0.002, backend="torch")
+    assert [(t.op, t.dtype, len(t.seconds)) for t in measured.timings] == [
+        (op, dtype, 2) for op in OPS for dtype in DTYPES
+    ]  # torch 2.13's CPU kernels run every cell, float16 convolution's backward included
+    assert measured.missing == ()
+    assert all(0 < s < 10 for t in measured.timings for s in t.seconds)
+    assert (measured.backend, measured.onednn, measured.onednn_setting) == ("torch", None, None)
+    assert measured.onednn_float16_cpu is None
+    assert torch.get_num_threads() == threads  # left as it was
+
+
+def test_torch_op_call_runs_the_op_and_its_gradients_in_the_dtype():
+    """The probe's call computes what autograd gives for the op (an independent reference:
+    NumPy's matmul and the gradients of sum(a @ b): ones @ b.T and a.T @ ones)."""
+    torch = pytest.importorskip("torch")
+    seen = []
+    real_grad = torch.autograd.grad
+
+    def grad(outputs, inputs, grad_outputs):
+        seen.append((outputs, inputs, real_grad(outputs, inputs, grad_outputs=grad_outputs)))
+        return seen[-1][2]
+
+    a, b = probe._inputs("matmul")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.autograd, "grad", grad)
+        assert probe._torch_op_call(torch, "matmul", "float32")() is None
+        probe._torch_op_call(torch, "conv2d", "bfloat16")()
+    out, inputs, grads = seen[0]
+    np.testing.assert_allclose(out.detach().numpy(), a @ b, rtol=1e-4, atol=1e-3)
+    ones = np.ones((a.shape[0], b.shape[1]), np.float32)
+    np.testing.assert_allclose(grads[0].numpy(), ones @ b.T, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(grads[1].numpy(), a.T @ ones, rtol=1e-4, atol=1e-3)
+    out, inputs, grads = seen[1]  # torch's layout, the sizes of INPUT_SHAPES
+    assert [tuple(x.shape) for x in inputs] == [(8, 32, 32, 32), (32, 32, 3, 3)]
+    assert tuple(out.shape) == (8, 32, 32, 32)
+    assert {x.dtype for x in (*inputs, out, *grads)} == {torch.bfloat16}
+
+
+@pytest.mark.slow
+def test_measure_in_subprocess_on_torch_imports_no_tensorflow():
+    pytest.importorskip("torch")
+    code = (
+        "import json, sys\n"
+        "from kmix.policy import timing\n"
+        "m = timing.measure_in_subprocess({}, ('matmul',))\n"
+        "print(json.dumps({'tensorflow': 'tensorflow' in sys.modules, 'backend': m.backend,\n"
+        "    'cells': [[t.op, t.dtype] for t in m.timings],\n"
+        "    'measuring': timing.measuring_backend(),\n"
+        "    'tensorflow_after_keras': 'tensorflow' in sys.modules}))"
+    )
+    env = {**os.environ, "KERAS_BACKEND": "torch"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "tensorflow": False,
+        "backend": "torch",  # the child timed torch's kernels: KERAS_BACKEND said so
+        "cells": [["matmul", "float32"], ["matmul", "float16"]],
+        "measuring": "torch",  # and here, with Keras imported on torch
+        "tensorflow_after_keras": False,
+    }
