@@ -90,6 +90,11 @@ def summarize_float8(log: KmixLog, events: tuple[tags.ScaleEvent, ...]) -> Float
     if not pairs:
         return None
     layers = tuple(dict.fromkeys(layer for layer, _ in pairs))
+    episodes = tuple(  # as the optimizer lists them: by step, then layer and tensor
+        sorted(
+            episodes, key=lambda e: (e.step, layers.index(e.layer), _TENSOR_ORDER.get(e.tensor, 3))
+        )
+    )
     ordered = sorted(pairs, key=lambda p: (layers.index(p[0]), _TENSOR_ORDER.get(p[1], 3), p[1]))
     tensors = []
     for layer, tensor in ordered:
