@@ -90,7 +90,9 @@ class MixedPrecisionMonitor(StepCallback):
     ``fit`` (requests of several monitors compose, and are withdrawn at the end).
     With the stock Keras optimizer it logs the scale and inferred skipped steps and
     warns once; without loss scaling it logs the policy and a note saying why the
-    rest is missing.
+    rest is missing. Float8 layers' health (``kmix/fp8_*``) is written at every read
+    whatever the optimizer: with kmix's optimizer with saturation counts and episodes,
+    with any other from the layers' variables alone.
 
     Example:
         >>> model.fit(x, y, callbacks=[                     # doctest: +SKIP
@@ -276,7 +278,15 @@ class MixedPrecisionMonitor(StepCallback):
 
     def _on_read(self, logs: dict) -> None:
         source = self._source
-        if not source.scales_loss or self._writer is None:
+        if self._writer is None:
+            return
+        if not source.scales_loss:  # float8 layers are read from their variables alone
+            step = self._read_state().attempted_steps
+            self._float8.write(
+                source.optimizer, self.model, self._writer, self._batch, step, self.run_id
+            )
+            self._batch.write(self._writer)
+            self._writer.flush()
             return
         state = self._read_state()
         step = state.attempted_steps

@@ -20,6 +20,7 @@ from typing import Any
 from kmix import _layers
 from kmix._json import json_ready
 from kmix._layers import own_variables, walk_layers
+from kmix.policy.float8_audit import float8_layers
 from kmix.tags import AuditFinding
 
 SEVERITIES = ("error", "warning", "info")
@@ -456,5 +457,6 @@ RULES: tuple[Callable[[Any, Layers], list[Finding]], ...] = (
     _float16_without_loss_scaling,
     _fragile_half_precision,
     _tensor_core_alignment,
+    float8_layers,
     _unbuilt_layers,
 )

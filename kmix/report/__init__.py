@@ -28,6 +28,8 @@ One module per concern:
   uses its loss scale at all (:func:`loss_scale_unused`: no chart when it does not);
 * :mod:`kmix.report.whatif`: what the recorded exponent histograms would lose in
   float16, bfloat16 and FP8;
+* :mod:`kmix.report.float8`: the Float8 section (episodes, each float8 tensor as last
+  read, findings, its text);
 * :mod:`kmix.report.text`: terminal text and JSON; :mod:`kmix.report.plots`: PNGs.
 
 ``read``, ``values``, ``summary``, ``findings``, ``advice`` and ``whatif`` neither
@@ -85,6 +87,7 @@ from kmix.report.text import (
     scale_caveat,
     to_json,
 )
+from kmix.report.values import Float8Summary, Float8TensorHealth, GrowthSaturation
 from kmix.report.whatif import FORMATS, FormatShares, PrecisionWhatIf
 
 __all__ = [
@@ -99,8 +102,11 @@ __all__ = [
     "EventLog",
     "ExponentShares",
     "Finding",
+    "Float8Summary",
+    "Float8TensorHealth",
     "Forecast",
     "FormatShares",
+    "GrowthSaturation",
     "KmixLog",
     "LossScale",
     "Note",

@@ -40,6 +40,7 @@ from kmix import tags
 from kmix._words import format_scale, percent, plural, steps_list
 from kmix.precision_plan import base_path
 from kmix.report.advice import skip_advice
+from kmix.report.float8 import float8_findings
 from kmix.report.runs import RUN_END_WORDS, runs_message
 from kmix.report.values import Finding, Summary
 
@@ -443,6 +444,7 @@ RULES: tuple[Callable[[Summary], list[Finding]], ...] = (
     _rule_audit,
     _rule_not_float16,
     _rule_other_dtypes,
+    float8_findings,
     _rule_forecast,
     _rule_culprit,
     _rule_overflow_episodes,

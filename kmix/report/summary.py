@@ -18,6 +18,7 @@ import numpy as np
 
 from kmix import tags
 from kmix.report.finding_rules import HEADROOM_WARN_BITS, findings
+from kmix.report.float8 import summarize_float8
 from kmix.report.read import EventLog, KmixLog, Series, scale_events_of
 from kmix.report.values import (
     ExponentShares,
@@ -149,6 +150,7 @@ def summarize(log: KmixLog) -> Summary:
             )
         ),
         float16_share=_trend(log.scalars.get(tags.FLOAT16_SHARE)),
+        float8=summarize_float8(log, tuple(events)),
     )
     return dataclasses.replace(summary, findings=tuple(findings(summary)))
 

@@ -11,6 +11,7 @@ from kmix._json import json_ready
 from kmix._words import format_scale, percent, plural
 from kmix.report.advice import loss_scale_unused
 from kmix.report.finding_rules import RUN_END_WORDS
+from kmix.report.float8 import float8_lines
 from kmix.report.runs import RunInfo, run_words
 from kmix.report.values import Summary, Trend
 from kmix.report.whatif import FORMATS
@@ -210,6 +211,7 @@ def format_summary(summary: Summary) -> str:
     else:
         lines.append(_histogram_hint(summary))
     lines += _whatif_lines(summary)
+    lines += float8_lines(summary.float8)
     lines.append("findings")
     marks = {"warning": "!", "info": "-"}
     for f in summary.findings:

@@ -16,7 +16,7 @@ from kmix._json import json_ready
 from kmix.precision_plan import PrecisionMove, PrecisionPlan
 from kmix.report.runs import RunInfo
 from kmix.report.whatif import PrecisionWhatIf
-from kmix.tags import PolicyRecord, RunEnd, ScaleEvent
+from kmix.tags import Float8Saturation, PolicyRecord, RunEnd, ScaleEvent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +133,71 @@ class Forecast:
 
 
 @dataclasses.dataclass(frozen=True)
+class Float8TensorHealth:
+    """One float8 tensor of one layer as the monitor last read it (``kmix/fp8_*``).
+
+    Attributes:
+        layer: the float8 layer's path.
+        tensor: ``"inputs"``, ``"kernel"`` or ``"outputs_grad"``.
+        step: the step of the latest read.
+        scale: the delayed scale in force at that read; None if not logged.
+        headroom_bits: log2(scale x format max / the latest amax) at that read.
+        min_headroom_bits: the lowest headroom over every read.
+        staleness_bits: log2(amax history's max / the latest amax) at that read.
+        saturated_steps: cumulative steps at which it was clipped (counted by kmix's
+            optimizer; None without it).
+        underflow_fraction: for the kernel, share of its non-zero values that flush to
+            zero at the scale in force; None where not measured.
+        episodes: saturation episodes recorded for it.
+    """
+
+    layer: str
+    tensor: str
+    step: int
+    scale: float | None
+    headroom_bits: float | None
+    min_headroom_bits: float | None
+    staleness_bits: float | None
+    saturated_steps: int | None
+    underflow_fraction: float | None
+    episodes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GrowthSaturation:
+    """A loss-scale growth whose next step saturated float8 output gradients.
+
+    Attributes:
+        step: the step of the growth (the scale grew after it).
+        layers: the float8 layers whose output gradients were clipped at the next step.
+    """
+
+    step: int
+    layers: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Summary:
+    """What a run's float8 layers went through (``kmix report``'s "Float8" section).
+
+    Attributes:
+        layers: the float8 layers' paths, in the order they were written.
+        tensors: each layer's tensors as last read, layer by layer.
+        episodes: every saturation episode recorded (a tensor clipped at consecutive
+            steps), in step order; ``steps`` is its length.
+        saturated_tensor_steps: saturated tensor-steps: the optimizer's counts where
+            logged, else the episodes' lengths.
+        growth_saturations: loss-scale growths followed by output-gradient saturations.
+    """
+
+    layers: tuple[str, ...]
+    tensors: tuple[Float8TensorHealth, ...]
+    episodes: tuple[Float8Saturation, ...]
+    saturated_tensor_steps: int
+    growth_saturations: tuple[GrowthSaturation, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Summary:
     """What a run did to its loss scale and gradients, and what it means.
 
@@ -176,6 +241,8 @@ class Summary:
         plots: the PNG files written for it (set by the caller).
         precision_moves: the layers ``PrecisionAutopilot`` moved out of float16, in order.
         float16_share: :class:`Trend` of ``kmix/float16_share``, None if not logged.
+        float8: the float8 layers' saturations and health; None for a run without
+            float8 layers.
     """
 
     logdir: str
@@ -208,6 +275,7 @@ class Summary:
     plots: tuple[str, ...] = ()
     precision_moves: tuple[PrecisionMove, ...] = ()
     float16_share: Trend | None = None
+    float8: Float8Summary | None = None
 
     @property
     def precision_plan(self) -> PrecisionPlan:

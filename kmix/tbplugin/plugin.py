@@ -46,6 +46,7 @@ MAX_RUN_NAME = 1000
 
 STATIC_FILES = {
     "index.js": "text/javascript",
+    "float8.js": "text/javascript",
     "index.html": "text/html",
     "style.css": "text/css",
 }

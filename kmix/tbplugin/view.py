@@ -15,6 +15,7 @@ import numpy as np
 from kmix import report, tags
 from kmix._json import json_ready
 from kmix.report import begin_scale, float16_in_use, runs_message, scale_caveat, scale_events_of
+from kmix.tbplugin.float8 import float8_payload
 from kmix.tbplugin.reader import TEXT_SAMPLES_DEFAULT, RunPoints
 
 DEFAULT_POINTS = 1000
@@ -405,7 +406,8 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
         output), ``float16``, ``float16_note`` (:func:`float16_note`) and
         ``loss_scale_note`` (:func:`loss_scale_note`); ``runs_note``: what the report
         says when the directory holds several kmix runs (the summary is of the latest,
-        ``summary["runs"]`` lists them), else None.
+        ``summary["runs"]`` lists them), else None; ``float8``: the Float8 section
+        (:func:`kmix.tbplugin.float8.float8_payload`), None without float8 layers.
     """
     if points.empty:
         return {
@@ -447,6 +449,7 @@ def run_payload(points: RunPoints, limit: int = DEFAULT_POINTS) -> dict[str, Any
         "activation_headroom": _activation_grid(log, MAX_HEADROOM_STEPS),
         "float16_note": float16_note(typed),
         "loss_scale_note": loss_scale_note(typed),
+        "float8": float8_payload(log, typed, MAX_HEADROOM_STEPS),
         "float16": {
             "min_subnormal_exponent": tags.FLOAT16_MIN_SUBNORMAL_EXPONENT,
             "min_normal_exponent": tags.FLOAT16_MIN_NORMAL_EXPONENT,

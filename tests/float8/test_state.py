@@ -186,3 +186,35 @@ def test_monitor_writes_float8_tags_and_every_episode_at_its_step(tmp_path):
     assert sorted((r.step, r.layer, r.tensor) for r in records) == sorted(
         (e.step, e.layer, e.tensor) for e in opt.float8_episodes()
     )
+
+
+def test_monitor_reads_float8_health_without_a_loss_scale(tmp_path):
+    """A float32 base and a plain optimizer: no loss scale, so the variables alone are read
+    at each read (scale, headroom, staleness, kernel flush; no counts, no episodes)."""
+    from test_monitor import read_back, scalars
+
+    from kmix import tags
+    from kmix.callbacks import MixedPrecisionMonitor
+
+    keras.mixed_precision.set_global_policy("float32")
+    keras.utils.set_random_seed(0)
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    x, y = data()
+    monitor = MixedPrecisionMonitor(str(tmp_path), update_freq=4, verbose=0)
+    with pytest.warns(kmix.KmixWarning, match="No loss-scale optimizer"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False, callbacks=[monitor])
+    logged = read_back(tmp_path)
+    for path, layer in float8_layers(model):
+        for tensor in ("inputs", "kernel", "outputs_grad"):
+            scale = scalars(logged, tags.float8_tag(tags.FP8_SCALE, path, tensor))
+            assert sorted(scale) == [4, 8, 12, 16]  # every read, and none at run end again
+            history = np.asarray(getattr(layer, f"{tensor}_amax_history").value, "float32")
+            expected_scale = float(np.asarray(getattr(layer, f"{tensor}_scale").value))
+            assert scale[16] == pytest.approx(expected_scale, rel=1e-6)
+            headroom = scalars(logged, tags.float8_tag(tags.FP8_HEADROOM_BITS, path, tensor))
+            limit = expected_scale * {"outputs_grad": 57344.0}.get(tensor, 448.0)
+            assert headroom[16] == pytest.approx(np.log2(limit / history[0]), abs=1e-5)
+            assert not scalars(logged, tags.float8_tag(tags.FP8_SATURATED_STEPS, path, tensor))
+        flushed = tags.float8_tag(tags.FP8_UNDERFLOW_FRACTION, path, "kernel")
+        assert 0.0 <= scalars(logged, flushed)[16] <= 1.0

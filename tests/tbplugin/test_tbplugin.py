@@ -322,6 +322,7 @@ def test_bad_requests_answer_400_with_a_message(client):
 def test_static_files_come_from_a_fixed_list(client):
     for name, kind in (
         ("index.js", "text/javascript"),
+        ("float8.js", "text/javascript"),
         ("style.css", "text/css"),
         ("index.html", "text/html"),
     ):

@@ -492,3 +492,52 @@ def test_headroom_colours_grow_calmer_with_headroom(page, tensorboard, compare_l
     section.locator("div.headroom-grid").locator("xpath=..").screenshot(path=str(shot))  # the panel
     keep(shot)
     assert page.errors == []
+
+
+def write_float8_run(path) -> tuple:
+    """A float8 MLP trained by kmix's optimizer without following the loss scale: its
+    growths saturate the output gradients. Returns the optimizer's episodes."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "float8"))
+    import numpy as np
+    from test_state import data, mlp
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y = data(spike_batch=-1)
+        x, y = np.tile(x[:16], (24, 1)), np.tile(y[:16], (24, 1))
+        keras.utils.set_random_seed(0)
+        model = mlp()
+        opt = kmix.LossScaleOptimizer(
+            keras.optimizers.SGD(0.0),
+            dynamic_growth_steps=4,
+            initial_scale=256.0,
+            float8_follows_loss_scale=False,
+        )
+        model.compile(optimizer=opt, loss="mse")
+        monitor = MixedPrecisionMonitor(str(path), update_freq=2, verbose=0)
+        model.fit(x, y, batch_size=16, verbose=0, shuffle=False, callbacks=[monitor])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return tuple(opt.float8_episodes())
+
+
+def test_the_float8_section_draws_headroom_grid_and_episodes(page, tensorboard, tmp_path):
+    episodes = write_float8_run(tmp_path / "float8")
+    frame = open_run(page, tensorboard, tmp_path, "float8")
+    panel = frame.locator(".float8-panel")
+    assert panel.is_visible()
+    grid = panel.locator("svg.headroom-grid")
+    names = grid.locator("text title").all_text_contents()
+    assert len(names) == 6 and names[0].endswith(" inputs") and names[2].endswith(" outputs_grad")
+    assert grid.locator("rect.cell").count() == 6 * 12  # a read every 2 of 24 steps
+    rows = panel.locator(".float8-episodes tbody tr")
+    assert rows.count() == len(episodes) > 0
+    assert [int(s) for s in rows.evaluate_all("rs => rs.map(r => r.dataset.step)")] == [
+        e.step for e in episodes
+    ]
+    assert panel.locator(".float8-tensors tbody tr").count() == 6
+    assert "float8" in frame.locator(".findings").text_content()
+    shot = tmp_path / "mixed_precision_float8.png"
+    panel.screenshot(path=str(shot))
+    keep(shot)
+    assert page.errors == []

@@ -5,6 +5,8 @@
 // hand-written SVG. Text from the logs only ever goes into textContent or SVG
 // text nodes, never into HTML.
 
+import {fillFloat8} from './float8.js';
+
 const SVG_NS = 'http://www.w3.org/2000/svg';
 
 /** Event kinds: marker shape and colour, and the words of the legend. */
@@ -936,6 +938,10 @@ function fillRun(section, run) {
     declutter(grid);
   }
   if (grids.length) grids[grids.length - 1][0].append(headroomLegend());
+  if (run.float8) {
+    q('.float8-panel').hidden = false;
+    fillFloat8(q('.float8'), run.float8, {el, svg, headroomGrid, headroomLegend, declutter});
+  }
   q('.whatif').append(whatIfTables(run.summary, run.float16_note));
   q('.summary').append(summaryPanel(run));
   const policy = run.summary.policy;

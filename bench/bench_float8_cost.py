@@ -1,0 +1,109 @@
+"""What float8 monitoring costs on healthy steps (issue 35): the same monitor with and
+without it, side by side in one process, alternated round by round.
+
+Two copies of one float8 MLP (``model.quantize("float8")`` over ``mixed_float16``, the
+model of ``bench_float8.py``), each compiled with ``kmix.LossScaleOptimizer`` and watched
+by ``MixedPrecisionMonitor(update_freq=N)``:
+
+- float8 on: kmix as shipped: the fused saturation check in every step, the output
+  gradients following the loss scale, and the monitor writing ``kmix/fp8_*`` at each read;
+- float8 off: the same optimizer with its float8 state never built (no check, no record,
+  no rescale: ``opt.float8.build`` is a no-op here) and the monitor's float8 part
+  switched off (``monitor._float8.write`` is a no-op).
+
+Each round fits both once more on the same batches (ABBA order); the time counted runs
+from the end of batch ``--skip`` to the end of the last, so reads and writes inside it are
+counted, train begin and end are not. Growth is every 2000 steps: every step is healthy.
+
+Usage:
+    python bench/bench_float8_cost.py [--steps 300] [--rounds 6] [--update-freq 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import keras  # noqa: E402
+from bench_float8 import BATCH, data, model  # noqa: E402
+
+import kmix  # noqa: E402
+
+
+class Clock(keras.callbacks.Callback):
+    """Seconds per step from the end of batch ``skip`` to the end of the last batch."""
+
+    def __init__(self, skip: int) -> None:
+        super().__init__()
+        self.skip = skip
+        self.per_step: list[float] = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.skip:
+            self._start = time.perf_counter()
+        self._last, self._batches = time.perf_counter(), batch
+
+    def on_train_end(self, logs=None):
+        self.per_step.append((self._last - self._start) / (self._batches - self.skip))
+
+
+KINDS = ("float8 on", "float8 off", "step only")
+"""``step only``: the optimizer's float8 check on, the monitor's float8 part off (where
+the cost sits)."""
+
+
+def contender(kind: str, update_freq: int):
+    m = model()
+    opt = kmix.LossScaleOptimizer(keras.optimizers.Adam(1e-3), dynamic_growth_steps=2000)
+    if kind == "float8 off":
+        opt.float8.build = lambda *args, **kwargs: None  # no check, no record, no rescale
+    m.compile(optimizer=opt, loss="mse")
+    monitor = kmix.callbacks.MixedPrecisionMonitor(
+        tempfile.mkdtemp(), update_freq=update_freq, verbose=0
+    )
+    if kind != "float8 on":
+        monitor._float8.write = lambda *args, **kwargs: None
+    return m, monitor
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--update-freq", type=int, default=100)
+    parser.add_argument("--skip", type=int, default=10)
+    args = parser.parse_args()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    x, y = data(args.steps)
+    runs = {}
+    for kind in KINDS:
+        m, monitor = contender(kind, args.update_freq)
+        m.fit(x[: 4 * BATCH], y[: 4 * BATCH], batch_size=BATCH, verbose=0, callbacks=[monitor])
+        runs[kind] = (m, monitor, Clock(args.skip))
+    assert not runs["float8 off"][0].optimizer.float8.active
+    assert runs["float8 on"][0].optimizer.float8.active
+    for r in range(args.rounds):
+        for kind in KINDS if r % 2 == 0 else KINDS[::-1]:
+            m, monitor, clock = runs[kind]
+            m.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[monitor, clock])
+    median = {kind: statistics.median(runs[kind][2].per_step) for kind in KINDS}
+    print(f"backend {keras.backend.backend()}, {args.steps} steps a fit, {args.rounds} rounds")
+    for kind in KINDS:
+        times = " ".join(f"{t * 1e3:.2f}" for t in runs[kind][2].per_step)
+        print(f"  {kind:<10}: {times} ms; median {median[kind] * 1e3:.3f}")
+    off = median["float8 off"]
+    print(
+        f"median ratio to float8 off: float8 on x{median['float8 on'] / off:.3f}, "
+        f"step only x{median['step only'] / off:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

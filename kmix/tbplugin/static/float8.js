@@ -1,0 +1,81 @@
+// The Float8 section of a run in the "Mixed Precision" tab (kmix/tbplugin/float8.py's JSON).
+//
+// index.js imports fillFloat8 and hands it its drawing helpers (el, svg, headroomGrid,
+// headroomLegend, declutter), so the section draws as the other panels do. Text from the
+// logs only goes into textContent or SVG text nodes.
+
+const MAX_ROWS = 200;
+
+function fmt(value, digits = 4) {
+  if (value === null || value === undefined) return 'n/a';
+  return Number(value).toPrecision(digits).replace(/\.?0+(e|$)/, '$1');
+}
+
+function bits(value) {
+  if (value === null || value === undefined) return 'n/a';
+  const text = Number(value).toFixed(2);
+  return text === '-0.00' ? '0.00' : text;
+}
+
+function episodesTable(float8, {el}) {
+  const wrap = el('div', {class: 'table-wrap float8-episodes'});
+  if (!float8.episodes.length) {
+    wrap.append(el('p', {class: 'hint', text: 'No saturation episode was recorded (kmix.LossScaleOptimizer records them; with another optimizer only the grid is known).'}));
+    return wrap;
+  }
+  const head = ['first step', 'steps', 'layer', 'tensor', 'amax', 'limit', 'bits over'];
+  const body = el('tbody');
+  for (const e of float8.episodes.slice(0, MAX_ROWS)) {
+    body.append(el('tr', {'data-step': e.step, title: e.line}, [
+      el('td', {class: 'num', text: String(e.step)}),
+      el('td', {class: 'num', text: String(e.steps)}),
+      el('td', {text: e.layer}),
+      el('td', {text: e.tensor}),
+      el('td', {class: 'num', text: fmt(e.amax)}),
+      el('td', {class: 'num', text: fmt(e.limit)}),
+      el('td', {class: 'num', text: bits(e.bits_over)}),
+    ]));
+  }
+  wrap.append(el('table', {class: 'float8-table'}, [
+    el('thead', {}, el('tr', {}, head.map((h, i) => el('th', {class: [0, 1, 4, 5, 6].includes(i) ? 'num' : null, text: h})))),
+    body,
+  ]));
+  if (float8.episode_count > MAX_ROWS) {
+    wrap.append(el('p', {class: 'hint', text: `Showing the first ${MAX_ROWS} of ${float8.episode_count} episodes; kmix report --json lists every one.`}));
+  }
+  return wrap;
+}
+
+function tensorsTable(float8, {el}) {
+  const head = ['layer', 'tensor', 'read at', 'scale', 'headroom', 'min headroom', 'staleness', 'saturated steps', 'kernel flushed'];
+  const body = el('tbody');
+  for (const t of float8.tensors) {
+    const cells = [t.layer, t.tensor, String(t.step), fmt(t.scale), bits(t.headroom_bits), bits(t.min_headroom_bits), bits(t.staleness_bits),
+      t.saturated_steps === null ? 'n/a' : String(t.saturated_steps),
+      t.underflow_fraction === null ? '' : `${(100 * t.underflow_fraction).toFixed(1)}%`];
+    body.append(el('tr', {}, cells.map((c, i) => el('td', {class: i >= 2 ? 'num' : null, text: c}))));
+  }
+  return el('div', {class: 'table-wrap float8-tensors'}, el('table', {class: 'float8-table'}, [
+    el('thead', {}, el('tr', {}, head.map((h, i) => el('th', {class: i >= 2 ? 'num' : null, text: h})))),
+    body,
+  ]));
+}
+
+/** Fills the Float8 panel's slot: counts, the headroom grid, the episodes, each tensor. */
+export function fillFloat8(slot, float8, helpers) {
+  const {el, headroomGrid, headroomLegend, declutter} = helpers;
+  const tensors = float8.tensors.length;
+  slot.append(el('p', {class: 'float8-counts', text:
+    `${float8.layers.length} float8 layers, ${tensors} tensors; ${float8.episode_count} saturation episodes, `
+    + `${float8.saturated_tensor_steps} saturated tensor-steps.`}));
+  if (float8.headroom.steps.length) {
+    const grid = headroomGrid(float8.headroom, 'float8 headroom per layer and tensor (bits: log2 of scale x format max / amax) over reads');
+    slot.append(grid);
+    declutter(grid);
+    slot.append(headroomLegend());
+  }
+  slot.append(el('h4', {text: 'Saturation episodes (a tensor clipped at consecutive steps)'}));
+  slot.append(episodesTable(float8, helpers));
+  slot.append(el('h4', {text: 'Each tensor as last read (bits; staleness: the amax history\'s max over the latest amax)'}));
+  slot.append(tensorsTable(float8, helpers));
+}

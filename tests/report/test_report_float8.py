@@ -1,0 +1,201 @@
+"""kmix report's Float8 section: exact text and JSON on hand-written logs, and on a real
+short fit whose float8 output gradients do not follow the loss scale (tests/float8)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from test_report import event_line, hand_log
+
+from kmix import report, tags
+from kmix.tags import Float8Saturation
+
+LAYERS = ("mlp/dense", "mlp/dense_1")
+
+
+def float8_log(stale_bits=0.0, episodes=(), events=(), counts=True, steps=(10, 20)):
+    """Two float8 layers read at ``steps``; ``mlp/dense``'s inputs ``stale_bits`` stale."""
+    scalars = {tags.LOSS_SCALE: (list(steps), [256.0] * len(steps))}
+    for layer in LAYERS:
+        for tensor in ("inputs", "kernel", "outputs_grad"):
+            stale = stale_bits if (layer, tensor) == (LAYERS[0], "inputs") else 0.0
+            scalars[tags.float8_tag(tags.FP8_SCALE, layer, tensor)] = (steps, [0.5, 0.25])
+            scalars[tags.float8_tag(tags.FP8_HEADROOM_BITS, layer, tensor)] = (
+                steps,
+                [0.5, 0.25 + stale],
+            )
+            scalars[tags.float8_tag(tags.FP8_STALENESS_BITS, layer, tensor)] = (steps, [0, stale])
+            if counts:
+                scalars[tags.float8_tag(tags.FP8_SATURATED_STEPS, layer, tensor)] = (steps, [1, 2])
+        scalars[tags.float8_tag(tags.FP8_UNDERFLOW_FRACTION, layer, "kernel")] = (
+            steps,
+            [0.0, 0.375],
+        )
+    records = [(e.step, tags.format_saturation_record(e, "run")) for e in episodes]
+    return hand_log(scalars=scalars, texts={tags.FP8_RECORD: records, tags.EVENTS: list(events)})
+
+
+def section(summary) -> list[str]:
+    lines = report.format_summary(summary).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("float8 "))
+    return lines[start : lines.index("findings")]
+
+
+def test_a_run_without_float8_layers_has_no_section():
+    summary = report.summarize(hand_log(scalars={tags.LOSS_SCALE: ([10], [8.0])}))
+    assert summary.float8 is None
+    assert summary.to_dict()["float8"] is None
+    assert not any(line.startswith("float8") for line in report.format_summary(summary).split("\n"))
+    assert [f.rule for f in summary.findings] == ["healthy"]
+
+
+def test_the_section_lists_episodes_and_each_tensor_as_last_read():
+    episodes = [
+        Float8Saturation(11, LAYERS[1], "outputs_grad", 2.0, 1.0, 3),
+        Float8Saturation(4, LAYERS[0], "kernel", 0.75, 0.5),
+    ]
+    summary = report.summarize(float8_log(episodes=episodes))
+    assert section(summary) == [
+        "float8          2 layers, 6 tensors; 2 saturation episodes, 12 saturated tensor-steps",
+        "  saturation episodes (first step, length, layer and tensor, amax vs limit)",
+        "    step 4      1 step    `mlp/dense` kernel: amax 0.75 > limit 0.5 (0.58 bits over)",
+        "    step 11     3 steps   `mlp/dense_1` outputs_grad: amax 2 > limit 1 (1.00 bits over)",
+        "  latest read (headroom, its min over reads and staleness in bits; saturated steps "
+        "so far; kernel values flushed to zero)",
+        "    layer tensor              step  scale  headroom   min  stale  saturated  flushed",
+        "    mlp/dense inputs            20   0.25      0.25  0.25   0.00          2",
+        "    mlp/dense kernel            20   0.25      0.25  0.25   0.00          2      38%",
+        "    mlp/dense outputs_grad      20   0.25      0.25  0.25   0.00          2",
+        "    mlp/dense_1 inputs          20   0.25      0.25  0.25   0.00          2",
+        "    mlp/dense_1 kernel          20   0.25      0.25  0.25   0.00          2      38%",
+        "    mlp/dense_1 outputs_grad    20   0.25      0.25  0.25   0.00          2",
+    ]
+    data = json.loads(report.to_json(summary))["float8"]
+    assert data["layers"] == list(LAYERS)
+    assert [(e["step"], e["steps"]) for e in data["episodes"]] == [(4, 1), (11, 3)]
+    assert data["tensors"][1] == {
+        "layer": "mlp/dense",
+        "tensor": "kernel",
+        "step": 20,
+        "scale": 0.25,
+        "headroom_bits": 0.25,
+        "min_headroom_bits": 0.25,
+        "staleness_bits": 0.0,
+        "saturated_steps": 2,
+        "underflow_fraction": 0.375,
+        "episodes": 1,
+    }
+    assert [f.message for f in summary.findings if f.rule.startswith("float8")] == [
+        "float8: 12 saturated tensor-steps in 2 episodes (a tensor clipped at a step: its amax "
+        "beyond its delayed scale x the format's max)"
+    ]
+
+
+def test_a_growth_that_saturated_output_gradients_is_said_in_plain_words():
+    episodes = [Float8Saturation(16, layer, "outputs_grad", 2.0, 1.0) for layer in LAYERS]
+    growth = event_line(15, "growth", 256.0, 512.0)
+    summary = report.summarize(float8_log(episodes=episodes, events=[growth]))
+    assert summary.float8.growth_saturations == (report.values.GrowthSaturation(15, LAYERS),)
+    (finding,) = [f for f in summary.findings if f.rule == "float8_growth"]
+    assert (finding.severity, finding.message) == (
+        "warning",
+        "the loss-scale growth at step 15 saturated the output gradients of 2 float8 layers "
+        "(at step 16); their float8 scales did not follow the loss scale: "
+        "kmix.LossScaleOptimizer with float8_follows_loss_scale=True (its default) "
+        "multiplies them by each change of the scale in the same step",
+    )
+    # An episode that starts at the growth's own step is not the growth's.
+    early = [Float8Saturation(15, LAYERS[0], "outputs_grad", 2.0, 1.0)]
+    assert not report.summarize(
+        float8_log(episodes=early, events=[growth])
+    ).float8.growth_saturations
+
+
+def test_several_growths_are_one_finding():
+    steps = (100, 200, 300)
+    episodes = [Float8Saturation(s + 1, LAYERS[0], "outputs_grad", 2.0, 1.0) for s in steps]
+    episodes += [Float8Saturation(201, LAYERS[1], "outputs_grad", 2.0, 1.0)]
+    events = [event_line(s, "growth", 2.0**k, 2.0 ** (k + 1)) for k, s in enumerate(steps, 8)]
+    summary = report.summarize(float8_log(episodes=episodes, events=events, steps=(100, 300)))
+    (finding,) = [f for f in summary.findings if f.rule == "float8_growth"]
+    assert finding.message.startswith(
+        "3 loss-scale growths (at steps 100, 200, 300) each saturated the output gradients "
+        "of 1 to 2 float8 layers at the next step; "
+    )
+
+
+def test_a_stale_spike_names_its_step_and_what_flushes():
+    spike = Float8Saturation(310, LAYERS[0], "inputs", 64.0, 1.0)
+    summary = report.summarize(float8_log(stale_bits=6.0, episodes=[spike], steps=(300, 400)))
+    (finding,) = [f for f in summary.findings if f.rule == "float8_stale"]
+    assert finding.message == (
+        "a spike at step 310 keeps `mlp/dense`'s inputs' scale 6.0 bits too coarse at step "
+        "400: values below 2^-12.8 of its latest amax flush to zero (2^-18.8 with a fresh "
+        "scale); the scale stays until the spike leaves the amax history (Keras keeps "
+        "amax_history_length steps, 1024 by default)"
+    )
+    # Without kmix's optimizer nothing recorded the spike's step; 3 bits are not stale.
+    assert (
+        report.summarize(float8_log(stale_bits=6.0, counts=False))
+        .findings[0]
+        .message.startswith("a spike keeps `mlp/dense`'s inputs' scale 6.0 bits too coarse")
+    )
+    assert not [f for f in report.summarize(float8_log(3.0)).findings if f.rule == "float8_stale"]
+
+
+def test_tensors_clipped_at_many_steps_are_a_warning():
+    summary = report.summarize(float8_log(steps=(5, 10)))
+    (finding,) = [f for f in summary.findings if f.rule == "float8_saturated"]
+    assert finding.severity == "warning"
+    assert finding.message == (
+        "float8: 12 saturated tensor-steps in 0 episodes (a tensor clipped at a step: its amax "
+        "beyond its delayed scale x the format's max); clipped at more than 10% of the steps: "
+        "`mlp/dense` inputs (2 of 10, 20%), `mlp/dense` kernel (2 of 10, 20%), `mlp/dense` "
+        "outputs_grad (2 of 10, 20%) and 3 more. Delayed scaling clips any amax above every "
+        "amax still in the history: values that keep growing are clipped step after step"
+    )
+
+
+@pytest.mark.slow
+def test_a_real_fit_without_following_reports_its_growth_saturations(tmp_path):
+    """Weights frozen, one batch repeated (tests/float8/test_state.py): every output-gradient
+    saturation after the warm-up comes from a growth; the report says so at those steps."""
+    import keras
+    from test_state import data, mlp
+
+    import kmix
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y = data(spike_batch=-1)
+        x, y = np.tile(x[:16], (24, 1)), np.tile(y[:16], (24, 1))
+        keras.utils.set_random_seed(0)
+        model = mlp()
+        opt = kmix.LossScaleOptimizer(
+            keras.optimizers.SGD(0.0),
+            dynamic_growth_steps=4,
+            initial_scale=256.0,
+            float8_follows_loss_scale=False,
+        )
+        model.compile(optimizer=opt, loss="mse")
+        monitor = kmix.callbacks.MixedPrecisionMonitor(str(tmp_path), update_freq=5, verbose=0)
+        model.fit(x, y, batch_size=16, verbose=0, shuffle=False, callbacks=[monitor])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    summary = report.summarize(report.read_log(str(tmp_path)))
+    f8 = summary.float8
+    assert f8.episodes == tuple(opt.float8_episodes())
+    assert f8.saturated_tensor_steps == len(opt.float8_saturations())
+    assert len(f8.layers) == 2 and len(f8.tensors) == 6
+    growths = {e.step for e in opt.scale_events() if e.kind == "growth"}
+    expected = {
+        e.step - 1
+        for e in opt.float8_episodes()
+        if e.tensor == "outputs_grad" and e.step - 1 in growths
+    }
+    assert {g.step for g in f8.growth_saturations} == expected and len(expected) >= 3
+    assert any(f.rule == "float8_growth" for f in summary.findings)
+    text = report.format_summary(summary)
+    assert f"float8          2 layers, 6 tensors; {len(f8.episodes)} saturation episode" in text
