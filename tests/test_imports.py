@@ -123,19 +123,21 @@ def test_few_modules_at_the_top_and_no_prefix_family():
 
 
 BACKEND_TEST = re.compile(
-    r"on_jax\(\)|backend\(\) *[!=]=|name\(\) *[!=]=|^\s*import (tensorflow|jax)\b"
-    r"|^\s*from (tensorflow|jax)\b",
+    r"on_jax\(\)|backend\(\) *[!=]=|name\(\) *[!=]=|^\s*import (tensorflow|jax|torch)\b"
+    r"|^\s*from (tensorflow|jax|torch)\b",
     re.MULTILINE,
 )
 BACKEND_OWNERS = {
     "kmix.backend",
     "kmix.backend.tensorflow",
     "kmix.backend.jax",
+    "kmix.backend.torch",
     "kmix.backend.generic",
     "kmix.optimizer.tensorflow_step",
     "kmix.optimizer.jax_step",
+    "kmix.optimizer.torch_step",
 }
-"""The backend package and the two step modules: where kmix asks which backend it runs on."""
+"""The backend package and the step modules: where kmix asks which backend it runs on."""
 LIBRARY_USERS = {
     "kmix.tags.event_file": "tf.io.gfile for remote log dirs: the tags folder imports no Keras",
     "kmix.policy.machine": "lists a library's devices, before Keras is imported",
