@@ -173,7 +173,7 @@ class StepRecorder:
             return record.advance_record(old, aligned, flags, self.statistics(), forward, rule)
 
         def count(delta: np.ndarray) -> None:  # the common step: nothing else moves
-            self.counters.assign_add(delta)
+            self.counters.assign_add(ops.convert_to_tensor(delta))  # torch.compile: a tensor
 
         def write(new: record.RecordValues, outcome: Any) -> None:
             for variable, value in zip(fields, new, strict=True):
