@@ -246,7 +246,12 @@ def any_replica(strategy: Any, flag: bool) -> bool:
 
 
 def is_dataset(data: Any) -> bool:
-    """True for a ``tf.data.Dataset``."""
+    """True for a ``tf.data.Dataset`` (False, and TensorFlow not imported, before it is:
+    no dataset can exist then)."""
+    import sys
+
+    if "tensorflow" not in sys.modules:
+        return False
     import tensorflow as tf
 
     return isinstance(data, tf.data.Dataset)

@@ -141,9 +141,9 @@ def measure_peaks(
 
 
 def _one_array(value: Any) -> bool:
-    """True for one tensor of a ``tf.data`` batch (whatever Keras's backend), not a dict,
-    tuple or list of inputs."""
-    return hasattr(value, "numpy") and not isinstance(value, dict | tuple | list)
+    """True for one tensor of a batch (a ``tf.data`` tensor or a NumPy array, whatever
+    Keras's backend), not a dict, tuple or list of inputs."""
+    return hasattr(value, "shape") and not isinstance(value, dict | tuple | list)
 
 
 def _save_batches(data: Any, batch_size: int, path: str) -> str | None:
@@ -157,8 +157,8 @@ def _save_batches(data: Any, batch_size: int, path: str) -> str | None:
     for x, y in dataset.take(MEMORY_STEPS):
         if not (_one_array(x) and _one_array(y)):
             return "the data's x or y is not one array (a dict or tuple of inputs)"
-        xs.append(x.numpy())
-        ys.append(y.numpy())
+        xs.append(np.asarray(x))
+        ys.append(np.asarray(y))
     if len({x.shape for x in xs}) != 1:
         return "the data's first batches differ in size"
     np.savez(path, x=np.stack(xs), y=np.stack(ys))

@@ -155,6 +155,9 @@ def make_dataset(
 ) -> tuple[Any, int | None]:
     """The comparison's input: a repeated, batched ``tf.data.Dataset`` of ``(x, y)``.
 
+    From arrays, where Keras's backend is not TensorFlow, the same batches as an
+    :class:`kmix.compare.batches.ArrayBatches` (no TensorFlow imported for them).
+
     Args:
         data: ``(x, y)`` arrays (batched here, the remainder dropped so every step
             has ``batch_size`` examples) or a batched ``tf.data.Dataset``.
@@ -203,6 +206,10 @@ def make_dataset(
 
         order = np.random.default_rng(order_seed).permutation(count)
         x, y = keras.tree.map_structure(lambda a: np.take(np.asarray(a), order, axis=0), (x, y))
+    if not backend.USES_TENSORFLOW:
+        from kmix.compare.batches import ArrayBatches
+
+        return ArrayBatches(x, y, batch_size), batch_size
     return backend.dataset_from_arrays(x, y, batch_size).cache().repeat(), batch_size
 
 
@@ -228,9 +235,10 @@ def build_entry(
     import keras
 
     import kmix
+    from kmix import backend
 
     keras.utils.clear_session()  # resets the global policy: set it after
-    keras.utils.set_random_seed(seed)
+    backend.set_random_seed(seed)  # Keras's, without importing TensorFlow where it is not used
     with warnings.catch_warnings():  # kmix.use's note on float16's speed: measured here
         warnings.filterwarnings("ignore", category=SpeedWarning)
         with kmix.policy_scope(policy):

@@ -1,9 +1,8 @@
 """``kmix compare`` on Keras's torch backend: the same comparison, as on JAX.
 
-Its input pipeline is ``tf.data`` on every backend (``kmix.backend.dataset_from_arrays``),
-so a comparison imports TensorFlow on torch as it does on JAX: Keras's trainer reads the
-dataset as batches, and the models train on torch. The slow test runs ``kmix compare`` in
-a fresh process with ``KERAS_BACKEND=torch``, the memory processes included, and says so.
+From arrays its input is :class:`kmix.compare.batches.ArrayBatches` where the backend is
+not TensorFlow, so a comparison on torch imports no TensorFlow. The slow test runs ``kmix
+compare`` in a fresh process with ``KERAS_BACKEND=torch``, the memory processes included.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ RUN = (
 
 
 @pytest.mark.slow  # three small models side by side, then two memory processes, on torch
-def test_compare_on_torch_measures_each_policy_with_tf_data_as_on_jax(user_module):
+def test_compare_on_torch_measures_each_policy_without_tensorflow(user_module):
     pytest.importorskip("torch")
     argv = ["compare", "cmpmodels:tiny", "--data", "cmpmodels:data", "--steps", "13"]
     argv += ["--rounds", "2", "--policies", "float32,mixed_float16", "--logdir", "cmp", "--json"]
@@ -49,9 +48,7 @@ def test_compare_on_torch_measures_each_policy_with_tf_data_as_on_jax(user_modul
     facts = json.loads(done.stderr.strip().splitlines()[-1])
     assert facts["status"] == 0, done.stderr[-3000:]
     assert facts["backend"] == "torch"
-    # tf.data is the comparison's input on every backend (kmix.backend.dataset_from_arrays):
-    # on torch, as on JAX, kmix compare imports TensorFlow for it, and only for it.
-    assert facts["tensorflow"] is True
+    assert facts["tensorflow"] is False  # the arrays are batched without tf.data
     got = comparison_from_dict(json.loads(done.stdout))
     float32, float16 = got.row("float32"), got.row("mixed_float16")
     for r in got.rows:
