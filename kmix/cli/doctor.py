@@ -47,9 +47,9 @@ ON_JAX = (
 ON_TORCH = (
     "kmix.LossScaleOptimizer in model.fit (the bounded scale, skipped steps, events, "
     "gradient health, exponent histograms, activation statistics, the forward origin), "
-    "MixedPrecisionMonitor, LossScaleGuard and kmix report, without TensorFlow; kmix "
-    "compare (its input pipeline is tf.data, which imports TensorFlow, as on JAX); not "
-    "LoopDriver (it drives tf.distribute: TensorFlow only)"
+    "MixedPrecisionMonitor, LossScaleGuard, PrecisionAutopilot, kmix report and kmix "
+    "compare (from arrays), without TensorFlow; not LoopDriver (it drives "
+    "tf.distribute: TensorFlow only)"
 )
 """What kmix runs on Keras's torch backend, as ``kmix doctor`` says it."""
 

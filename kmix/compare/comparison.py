@@ -4,9 +4,9 @@ Measures float32, mixed_float16 and mixed_bfloat16 (or the policies given) side 
 side on the user's model and data, and recommends one, with reasons that follow from
 the table (:func:`kmix.compare.rules.recommend`).
 
-How it measures (in one process; TensorFlow is imported once, on every Keras backend: the
-input is a ``tf.data.Dataset``, ``kmix.backend.dataset_from_arrays``; on JAX and torch
-Keras's trainer reads it as NumPy batches, and the models train on their own backend):
+How it measures (in one process; the input from arrays is a ``tf.data.Dataset`` on
+TensorFlow, ``kmix.backend.dataset_from_arrays``, and the same batches without TensorFlow
+on JAX and torch, :class:`kmix.compare.batches.ArrayBatches`):
 
 * every policy's model is built under its policy, compiled with the user's loss and
   :class:`kmix.LossScaleOptimizer`, and logged by
@@ -370,7 +370,7 @@ def _table(
     spread = rules.loss_spread(f32_loss, repeat_loss)
     from kmix import backend
 
-    # oneDNN's float16 path is TensorFlow's kernels' (on JAX and torch tf.data only reads)
+    # oneDNN's float16 path is TensorFlow's kernels' (not those of JAX or torch)
     onednn = backend.USES_TENSORFLOW and os.environ.get(
         "TF_ENABLE_ONEDNN_OPTS", "1"
     ).lower() not in ("0", "false")

@@ -695,7 +695,7 @@ def test_doctor_backend_section():
         "  torch: not installed (pip install torch, for KERAS_BACKEND=torch)"
     )
     assert "not LoopDriver (it drives tf.distribute: TensorFlow only)" in _cli_doctor.ON_TORCH
-    assert "as on JAX" in _cli_doctor.ON_TORCH  # kmix compare's tf.data, said where it is
+    assert "kmix compare (from arrays), without TensorFlow" in _cli_doctor.ON_TORCH
     # What kmix runs on JAX, and what not: LoopDriver is tf.distribute's.
     assert "not LoopDriver (it drives tf.distribute: TensorFlow only)" in _cli_doctor.ON_JAX
     assert "LossScaleGuard, PrecisionAutopilot and kmix report" in _cli_doctor.ON_JAX
