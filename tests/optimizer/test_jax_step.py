@@ -91,7 +91,7 @@ def run_script(scenario: str, tmp_path: os.PathLike, devices: int = 1, **environ
     )
     lines = [line for line in done.stdout.splitlines() if line.startswith("JSON ")]
     assert done.returncode == 0 and lines, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    return json.loads(lines[-1][len("JSON ") :])
+    return json.loads(lines[-1][len("JSON ") :]) | {"directory": str(tmp_path)}
 
 
 def as_rows(events: list[dict]) -> list[list]:
@@ -502,10 +502,52 @@ def test_int32_counters_are_quiet_up_to_their_own_end():
     assert quiet(top - 2) and not quiet(top - 1)  # one more step would reach the end
 
 
+LOAD = (
+    "import dataclasses, json, sys, keras, kmix\n"
+    "opt = keras.models.load_model(sys.argv[1]).optimizer\n"
+    "events = [dataclasses.asdict(e) for e in opt.scale_events()]\n"
+    "print('JSON', json.dumps({'state': dataclasses.asdict(opt.read_state()),\n"
+    "    'kinds': [e['kind'] for e in events], 'steps': [e['step'] for e in events]}))\n"
+)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["tensorflow", pytest.param("jax", marks=needs_jax)])
+@pytest.mark.parametrize(
+    ("saved_on", "loaded_on"),
+    [
+        pytest.param("torch", "tensorflow", marks=needs_torch),
+        pytest.param("torch", "jax", marks=[needs_torch, needs_jax]),
+        pytest.param("jax", "torch", marks=[needs_torch, needs_jax]),
+    ],
+)
+def test_a_model_saved_on_one_backend_loads_on_another_with_its_state(saved_on, loaded_on, request):
+    """The fit scenario's ``.keras`` file (saved after 19 steps) read on another backend:
+    the scale, the counters and the events come back (int32 counters load as int64)."""
+    run = request.getfixturevalue("fit_run" if saved_on == "jax" else "torch_run")
+    env = {**os.environ, "KERAS_BACKEND": loaded_on, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD, os.path.join(run["directory"], "model.keras")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("JSON ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    loaded, saved = json.loads(lines[0][len("JSON ") :]), run["saved"]
+    assert loaded["state"] == saved["state"]
+    assert loaded["kinds"] == [e["kind"] for e in saved["events"]]
+    assert loaded["steps"] == [e["step"] for e in saved["events"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "backend",
+    ["tensorflow", pytest.param("jax", marks=needs_jax), pytest.param("torch", marks=needs_torch)],
+)
 def test_a_saved_kmix_model_loads_after_a_plain_import_kmix_on_either_backend(backend):
-    """The fixture was saved on TensorFlow (int64 counters); JAX without x64 holds int32."""
+    """The fixture was saved on TensorFlow (int64 counters); JAX without x64, and torch,
+    hold int32."""
     data = os.path.join(TESTS, "data", "optimizer_643f46e.keras")
     code = (
         "import keras, kmix\n"
