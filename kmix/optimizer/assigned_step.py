@@ -13,14 +13,23 @@ module says where the decision is agreed (TensorFlow's replicas) and calls these
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from keras import ops
 
+from kmix import record
 from kmix.optimizer.model_hooks import restore
 from kmix.optimizer.recorder import Before
 
-__all__ = ["aligned_gradients", "apply_inner", "measured_step", "step"]
+__all__ = [
+    "Decisions",
+    "aligned_gradients",
+    "applies_of",
+    "apply_inner",
+    "measured_step",
+    "read_decisions",
+    "step",
+]
 
 
 def aligned_gradients(parts: Any, grads: list, variables: list) -> list:
@@ -58,13 +67,17 @@ def apply_inner(optimizer: Any, grads: list, variables: list) -> None:
     )
 
 
-def measured_step(optimizer: Any, aligned: list, flags: Any) -> tuple[Before, Any, list]:
+def measured_step(
+    optimizer: Any, aligned: list, flags: Any, decided: Decisions | None = None
+) -> tuple[Before, Any, list]:
     """What the step reads before deciding: the counters, the forward pass, its state.
 
     Args:
         optimizer: a built ``kmix.LossScaleOptimizer``.
         aligned: :func:`aligned_gradients`' result.
         flags: the step's agreed non-finite flags.
+        decided: the step's decisions read on the host already (:func:`read_decisions`,
+            with its ``before``), or None: they are made in the step.
 
     Returns:
         ``(before, forward, forward_state)``: the recorder's :class:`Before`, the forward
@@ -72,10 +85,50 @@ def measured_step(optimizer: Any, aligned: list, flags: Any) -> tuple[Before, An
     """
     hooks, recorder = optimizer.hooks, optimizer.recorder
     forward_state = hooks.take_forward_state()
-    before = recorder.before_step()
-    forward = hooks.forward_statistics(flags[len(aligned)] > 0, before.due[0])
+    before = recorder.before_step() if decided is None else decided.before
+    measure = None if decided is None else decided.measure
+    forward = hooks.forward_statistics(flags[len(aligned)] > 0, before.due[0], measure)
     recorder.layers, recorder.not_float16 = hooks.layers, hooks.not_float16
     return before, forward, forward_state
+
+
+def applies_of(flags: Any, n: int) -> Any:
+    """True when no gradient of the ``n`` and not the loss is flagged non-finite."""
+    return ops.logical_not(ops.any(flags[: n + 1] > 0))
+
+
+class Decisions(NamedTuple):
+    """An eager step's decisions, read on the host at once (Python bools).
+
+    Attributes:
+        before: the counters before the step and what is due.
+        applies: the inner optimizer applies (no non-finite flag).
+        quiet: the record only counts (:func:`kmix.record.step_record.is_quiet`).
+        measure: the forward pass is measured (the loss is non-finite, or statistics due).
+    """
+
+    before: Before
+    applies: bool
+    quiet: bool
+    measure: bool
+
+
+def read_decisions(optimizer: Any, flags: Any, n: int) -> Decisions:
+    """The step's three decisions in one host read (where each read is a sync: torch).
+
+    Args:
+        optimizer: a built ``kmix.LossScaleOptimizer``.
+        flags: the step's non-finite flags (``n`` gradients, then the loss's two).
+        n: the number of tracked variables.
+
+    Returns:
+        The :class:`Decisions`.
+    """
+    before = optimizer.recorder.before_step()
+    quiet = record.is_quiet(before.packed, flags, before.due, optimizer.config.rule)
+    measure = ops.logical_or(flags[n] > 0, before.due[0])
+    read = ops.convert_to_numpy(ops.stack([applies_of(flags, n), quiet, measure]))
+    return Decisions(before, *(bool(v) for v in read))
 
 
 def step(
@@ -86,6 +139,7 @@ def step(
     forward_state: list,
     apply: Callable[[], None],
     forward: tuple[Any, Any] | None,
+    decided: Decisions | None = None,
 ) -> None:
     """Applies when every gradient and the loss are finite; records the step either way.
 
@@ -97,14 +151,16 @@ def step(
         forward_state: what a skipped step gives back (:func:`measured_step`).
         apply: applies the inner optimizer (:func:`apply_inner` bound).
         forward: the forward measurement, or None.
+        decided: the decisions read on the host already, or None (made in the step).
     """
-    applies = ops.logical_not(ops.any(flags[: len(aligned) + 1] > 0))
+    applies = applies_of(flags, len(aligned)) if decided is None else decided.applies
     float8, recorder = optimizer.float8, optimizer.recorder
     if float8.active:  # the scales this step used, read before the inner optimizer assigns
         check, old_scale = float8.before_apply(aligned, applies), ops.copy(recorder.scale)
     ops.cond(applies, apply, _noop)
     on_skip = (lambda: restore(forward_state)) if forward_state else None
-    recorder.record(aligned, flags, before, forward, on_skip)
+    quiet = None if decided is None else decided.quiet
+    recorder.record(aligned, flags, before, forward, on_skip, quiet)
     if float8.active:  # saturations counted; the output gradients follow the scale
         float8.after_record(check, before.packed, old_scale, ops.copy(recorder.scale))
 

@@ -213,12 +213,15 @@ class ModelHooks:
             raise RuntimeError("kmix: ModelHooks.recording() needs a tap: call tap(model).")
         return self._tap.recording()
 
-    def forward_statistics(self, loss_nonfinite: Any, health_due: Any) -> tuple[Any, Any] | None:
+    def forward_statistics(
+        self, loss_nonfinite: Any, health_due: Any, measure: Any = None
+    ) -> tuple[Any, Any] | None:
         """This replica's forward pass, measured (see :func:`kmix.record.measure_forward`).
 
         Args:
             loss_nonfinite: boolean scalar: the step's unscaled loss was inf/NaN.
             health_due: boolean scalar: statistics are due at this step.
+            measure: either of them, where the step has read it already; or None.
 
         Returns:
             ``(origin, stats)`` tensors, or None when no tapped layer was traced.
@@ -226,4 +229,4 @@ class ModelHooks:
         records = self.take_records()
         if not records:
             return None
-        return measure_forward(records, loss_nonfinite, health_due)
+        return measure_forward(records, loss_nonfinite, health_due, measure)

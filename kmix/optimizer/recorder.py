@@ -145,6 +145,7 @@ class StepRecorder:
         before: Before,
         forward: tuple[Any, Any] | None,
         on_skip: Callable[[], None] | None,
+        quiet: Any = None,
     ) -> None:
         """Records one attempted step; everything but a quiet step's count in one branch.
 
@@ -161,6 +162,8 @@ class StepRecorder:
                 or None without a tapped forward pass.
             on_skip: called in-graph on a skipped step (undoes what the forward pass
                 assigned), or None.
+            quiet: whether the step is quiet, where the step has read it already (a
+                Python bool on torch); None computes it in the step.
         """
 
         fields = [getattr(self, field) for field in record.RECORD_FIELDS]
@@ -190,6 +193,7 @@ class StepRecorder:
             advance=advance,
             write=write,
             cond=rare_cond,
+            quiet=quiet,
         )
 
     def statistics(self) -> record.Statistics:

@@ -9,10 +9,11 @@ skipped step gives back the float state the forward pass assigned, which the wra
 train step saved (:mod:`kmix.optimizer.model_hooks`); the wrapped step also opens the
 step's scope (:func:`kmix.backend.step_scope`), so the tap records its forward pass.
 
-Host reads: an eager step decides on the host. A quiet step reads the decision to apply
-and the record's quiet check (two reads, as stock Keras's step reads whether the
-gradients are finite and whether the scale grows); statistics are computed only where
-they are due.
+Host reads: an eager step decides on the host, and each read of a device value is a sync.
+kmix's step reads its three decisions at once (:func:`kmix.optimizer.assigned_step.
+read_decisions`: apply or skip, quiet or not, measure the forward pass or not): one read a
+step, where stock Keras's reads two (whether the gradients are finite, whether the scale
+grows). Statistics are computed only where they are due.
 """
 
 from __future__ import annotations
@@ -44,9 +45,12 @@ def apply(optimizer: Any, grads: list, trainable_variables: list | None) -> None
     variables = parts.tracked if trainable_variables is None else list(trainable_variables)
     aligned = assigned_step.aligned_gradients(parts, grads, variables)
     flags = ops.concatenate([record.nonfinite_flags(aligned), parts.loss_flags()])
-    before, forward, forward_state = assigned_step.measured_step(optimizer, aligned, flags)
+    decided = assigned_step.read_decisions(optimizer, flags, len(aligned))  # the one read
+    before, forward, forward_state = assigned_step.measured_step(optimizer, aligned, flags, decided)
     apply_inner = functools.partial(assigned_step.apply_inner, optimizer, grads, variables)
-    assigned_step.step(optimizer, aligned, flags, before, forward_state, apply_inner, forward)
+    assigned_step.step(
+        optimizer, aligned, flags, before, forward_state, apply_inner, forward, decided
+    )
 
 
 def stateless_apply(

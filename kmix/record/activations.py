@@ -405,7 +405,7 @@ def measure_origin(records: list[TappedCall]) -> Any:
 
 
 def measure_forward(
-    records: list[TappedCall], loss_nonfinite: Any, health_due: Any
+    records: list[TappedCall], loss_nonfinite: Any, health_due: Any, measure: Any = None
 ) -> tuple[Any, Any]:
     """What the optimizer keeps of one step's forward pass, computed only when needed.
 
@@ -413,6 +413,8 @@ def measure_forward(
         records: the tap's records of this step (in this graph).
         loss_nonfinite: boolean scalar: the step's unscaled loss was inf/NaN.
         health_due: boolean scalar: statistics are due at this step.
+        measure: ``loss_nonfinite or health_due``, where the step has read it already
+            (a Python bool on torch); None computes it here.
 
     Returns:
         ``(origin, stats)``: ``origin`` is ``[layer index, inputs finite, max |input|]``
@@ -424,7 +426,7 @@ def measure_forward(
 
     unmeasured = ops.full((len(records), len(ACTIVATION_FIELDS)), np.nan, "float32")
 
-    def measure() -> tuple[Any, Any]:
+    def measured() -> tuple[Any, Any]:
         rows = _inputs_and_outputs([r.inputs for r in records], [r.outputs for r in records])
         measured = _stats_of(rows[2])
         stats = ops.stack([getattr(measured, f) for f in ACTIVATION_FIELDS], axis=1)
@@ -433,6 +435,6 @@ def measure_forward(
             ops.where(health_due, stats, unmeasured),
         )
 
-    return rare_cond(
-        ops.logical_or(loss_nonfinite, health_due), measure, lambda: (no_origin(), unmeasured)
-    )
+    if measure is None:
+        measure = ops.logical_or(loss_nonfinite, health_due)
+    return rare_cond(measure, measured, lambda: (no_origin(), unmeasured))

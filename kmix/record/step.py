@@ -199,6 +199,7 @@ def record_step(
     advance: Callable[[], tuple[RecordValues, record.StepOutcome]],
     write: Callable[[RecordValues, record.StepOutcome], T],
     cond: Callable[[Any, Callable[[], T], Callable[[], T]], T],
+    quiet: Any = None,
 ) -> T:
     """One attempted step recorded: the choice every backend's step makes, made here once.
 
@@ -218,13 +219,16 @@ def record_step(
         write: the full step: takes its values and outcome.
         cond: the backend's conditional for a branch that seldom runs
             (:func:`kmix.backend.rare_cond`, or ``keras.ops.cond``).
+        quiet: :func:`kmix.record.step_record.is_quiet` of these values, where the step
+            has read it already (an eager step reads its decisions at once); None
+            computes it here.
 
     Returns:
         What the branch taken returns.
     """
     delta = np.asarray(record.QUIET_DELTA, keras.backend.standardize_dtype(counters.dtype))
     return cond(
-        record.is_quiet(counters, flags, due, rule),
+        record.is_quiet(counters, flags, due, rule) if quiet is None else quiet,
         lambda: count(delta),
         lambda: write(*advance()),
     )

@@ -81,3 +81,41 @@ def test_an_overflow_in_a_nested_layer_is_named_skipped_and_leaves_every_state_a
     assert origin.max_abs_input == 2.0
     snapshot = optimizer.read_state()
     assert (snapshot.attempted_steps, snapshot.skipped_steps, snapshot.loss_scale) == (2, 1, 1024.0)
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="counts torch's host reads")
+def test_a_quiet_eager_step_reads_one_value_on_the_host(monkeypatch):
+    """On torch each read of a device value is a sync: a quiet step of kmix's optimizer
+    (monitor's tap installed) reads its decisions at once, one read; stock Keras's reads two
+    (its finite check and its growth check), counted the same way."""
+    import torch
+
+    keras.config.set_dtype_policy("mixed_float16")
+    model = Net()
+    optimizer = kmix.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = np.full((8, 4), 0.5, "float32"), np.zeros((8, 1), "float32")
+    model.fit(x, y, batch_size=8, verbose=0)  # built, one step done
+    optimizer.watch(model)  # the tap, as the monitor installs it
+    stock = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+
+    reads = []
+    for name in ("__bool__", "item", "tolist", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def reads_of(opt):
+        model.compile(optimizer=opt, loss="mse")
+        model.fit(x, y, batch_size=8, verbose=0)  # builds stock's state outside the count
+        reads.clear()
+        model.train_step((keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y)))
+        return list(reads)
+
+    assert len(reads_of(stock)) == 2
+    assert len(reads_of(optimizer)) == 1
