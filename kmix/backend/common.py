@@ -40,6 +40,26 @@ def numpy_value(variable: Any) -> np.ndarray:
     return np.asarray(ops.convert_to_numpy(variable))
 
 
+def not_counted() -> tuple[int, int] | None:
+    """None: the processes and devices that run the step are not counted here."""
+    return None
+
+
+def one_process() -> bool:
+    """True: this process is the first (and, here, the only one kmix tells apart)."""
+    return True
+
+
+def always_reachable(value: Any) -> bool:
+    """True: eager values are always usable."""
+    return True
+
+
+def keras_cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
+    """``keras.ops.cond`` (eagerly, a Python ``if`` on the predicate: a host read)."""
+    return ops.cond(pred, true_fn, false_fn)
+
+
 def no_step_scope() -> contextlib.AbstractContextManager:
     """The block of one train step, where the step is traced (nothing to open)."""
     return contextlib.nullcontext()

@@ -10,16 +10,19 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-from keras import ops
 
-from kmix.backend.common import constant_initializer as constant
 from kmix.backend.common import (
+    always_reachable,
+    keras_cond,
     no_step_scope,
+    not_counted,
     numpy_value,
+    one_process,
     reduce_each,
     retrace,
     unchanged,
 )
+from kmix.backend.common import constant_initializer as constant
 
 USES_TENSORFLOW = False
 """Keras utilities that import TensorFlow would load it only for them."""
@@ -27,28 +30,14 @@ USES_TENSORFLOW = False
 constant_initializer = constant
 """An initializer of ``value`` everywhere: ``keras.initializers.Constant``."""
 
+processes_and_devices, is_first_process = not_counted, one_process
+"""Not counted; the first: one process."""
+
+reachable, rare_cond = always_reachable, keras_cond
+"""Eager values are always usable; ``keras.ops.cond``."""
+
 NOTES_CASTS = False
 """No tap runs here (the optimizer is refused)."""
-
-
-def processes_and_devices() -> tuple[int, int] | None:
-    """None: not known here."""
-    return None
-
-
-def is_first_process() -> bool:
-    """True: one process."""
-    return True
-
-
-def reachable(value: Any) -> bool:
-    """True: eager values are always usable."""
-    return True
-
-
-def rare_cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
-    """``keras.ops.cond``."""
-    return ops.cond(pred, true_fn, false_fn)
 
 
 def int64_dtype() -> str:

@@ -17,14 +17,18 @@ from typing import Any
 import torch
 from keras import ops
 
-from kmix.backend.common import constant_initializer as constant
 from kmix.backend.common import (
+    always_reachable,
+    keras_cond,
+    not_counted,
     numpy_value,
+    one_process,
     reduce_each,
     retrace,
     seed_without_tensorflow,
     unchanged,
 )
+from kmix.backend.common import constant_initializer as constant
 
 USES_TENSORFLOW = False
 """Keras utilities that import TensorFlow (its TensorBoard callback, its seeding) would
@@ -32,6 +36,12 @@ load it only for them: kmix avoids them here."""
 
 constant_initializer = constant
 """An initializer of ``value`` everywhere: ``keras.initializers.Constant``."""
+
+processes_and_devices, is_first_process = not_counted, one_process
+"""Not counted; the first: kmix on torch runs in one process."""
+
+reachable, rare_cond = always_reachable, keras_cond
+"""Eager values are always usable; a conditional is a Python ``if`` (a host read)."""
 
 NOTES_CASTS = True
 """Eager torch keeps no graph to read a cast's input back from: the tap notes each cast
@@ -68,26 +78,6 @@ def step_scope() -> Iterator[None]:
         yield
     finally:
         _STEP.reset(token)
-
-
-def processes_and_devices() -> tuple[int, int] | None:
-    """None: kmix on torch runs in one process (its step is not counted across several)."""
-    return None
-
-
-def is_first_process() -> bool:
-    """True: kmix on torch runs in one process."""
-    return True
-
-
-def reachable(value: Any) -> bool:
-    """True: eager values are always usable."""
-    return True
-
-
-def rare_cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
-    """``keras.ops.cond``: a Python ``if`` on the predicate (a host read)."""
-    return ops.cond(pred, true_fn, false_fn)
 
 
 def int64_dtype() -> str:
