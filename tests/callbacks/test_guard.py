@@ -267,8 +267,8 @@ def test_a_ring_smaller_than_patience_is_read_before_it_overflows():
     assert reads == [0, 1, 4, 4, 7, 10, 10, 13, 13, 16]
 
 
+# Not on torch: Keras refuses steps_per_execution > 1 there.
 @pytest.mark.jax
-@pytest.mark.torch
 @pytest.mark.slow
 def test_the_ring_is_read_in_time_when_keras_calls_back_once_per_execution():
     """steps_per_execution=2, a ring of 3: a read asked for 3 steps on would come after
