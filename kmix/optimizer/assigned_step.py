@@ -17,6 +17,7 @@ from typing import Any
 
 from keras import ops
 
+from kmix import record
 from kmix.optimizer.model_hooks import restore
 from kmix.optimizer.recorder import Before
 
@@ -86,6 +87,7 @@ def step(
     forward_state: list,
     apply: Callable[[], None],
     forward: tuple[Any, Any] | None,
+    source: record.NonfiniteSource = record.NO_SOURCE,
 ) -> None:
     """Applies when every gradient and the loss are finite; records the step either way.
 
@@ -97,6 +99,7 @@ def step(
         forward_state: what a skipped step gives back (:func:`measured_step`).
         apply: applies the inner optimizer (:func:`apply_inner` bound).
         forward: the forward measurement, or None.
+        source: which replica held the first non-finite values, where known.
     """
     applies = ops.logical_not(ops.any(flags[: len(aligned) + 1] > 0))
     float8, recorder = optimizer.float8, optimizer.recorder
@@ -104,7 +107,7 @@ def step(
         check, old_scale = float8.before_apply(aligned, applies), ops.copy(recorder.scale)
     ops.cond(applies, apply, _noop)
     on_skip = (lambda: restore(forward_state)) if forward_state else None
-    recorder.record(aligned, flags, before, forward, on_skip)
+    recorder.record(aligned, flags, before, forward, on_skip, source)
     if float8.active:  # saturations counted; the output gradients follow the scale
         float8.after_record(check, before.packed, old_scale, ops.copy(recorder.scale))
 
