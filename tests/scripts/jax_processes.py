@@ -125,6 +125,7 @@ def main(index: int, port: str, scenario: str, directory: str) -> None:
                 "variable": e.variable,
                 "loss_finite": e.loss_finite,
                 "origin": None if e.origin is None else dataclasses.asdict(e.origin),
+                "source": None if e.source is None else dataclasses.asdict(e.source),
             }
             for e in optimizer.scale_events()
         ],
@@ -151,6 +152,7 @@ def main(index: int, port: str, scenario: str, directory: str) -> None:
         text = report.format_summary(summary).splitlines()
         result["report"] = {
             "processes": [line for line in text if line.startswith("processes")],
+            "event_lines": [line.strip() for line in text if "first non-finite in" in line],
             "event_steps": [e.step for e in summary.events],
             "skipped_steps": summary.skipped_steps,
             "steps_seen": summary.steps_seen,
