@@ -12,20 +12,24 @@ from typing import Any
 import keras
 from keras import ops
 
-from kmix.backend.common import constant_initializer as constant
 from kmix.backend.common import (
+    alone_agrees,
     no_step_scope,
     numpy_value,
     reduce_each,
     retrace,
     unchanged,
 )
+from kmix.backend.common import constant_initializer as constant
 
 USES_TENSORFLOW = False
 """Keras utilities that import TensorFlow would load it only for them."""
 
 constant_initializer = constant
 """An initializer of ``value`` everywhere: ``keras.initializers.Constant``."""
+
+all_processes_agree = alone_agrees
+"""``ok`` as given: kmix counts no processes here (:func:`processes_and_devices`)."""
 
 NOTES_CASTS = False
 """No tap runs here (the optimizer is refused)."""

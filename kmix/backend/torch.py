@@ -17,14 +17,15 @@ from typing import Any
 import torch
 from keras import ops
 
-from kmix.backend.common import constant_initializer as constant
 from kmix.backend.common import (
+    alone_agrees,
     numpy_value,
     reduce_each,
     retrace,
     seed_without_tensorflow,
     unchanged,
 )
+from kmix.backend.common import constant_initializer as constant
 
 USES_TENSORFLOW = False
 """Keras utilities that import TensorFlow (its TensorBoard callback, its seeding) would
@@ -32,6 +33,9 @@ load it only for them: kmix avoids them here."""
 
 constant_initializer = constant
 """An initializer of ``value`` everywhere: ``keras.initializers.Constant``."""
+
+all_processes_agree = alone_agrees
+"""``ok`` as given: kmix counts no processes here (:func:`processes_and_devices`)."""
 
 NOTES_CASTS = True
 """Eager torch keeps no graph to read a cast's input back from: the tap notes each cast

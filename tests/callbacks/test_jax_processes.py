@@ -263,6 +263,21 @@ def test_guard_stops_both_processes_at_the_same_step(tmp_path):
     assert [e["source"] for e in first["events"]] == [PROCESS_1_SHARD] * PATIENCE
     assert first["scales"] == [1024.0] * stop_step
     only_process_zero_wrote(results, str(tmp_path / "logs"), "stopped_by_guard")
+    # verbose=1: the diagnosis is printed once for the run, by process 0
+    assert "kmix.LossScaleGuard stopped training at step 5" in first["printed"]
+    assert results[1]["printed"] == ""
+
+
+def test_a_log_dir_process_0_cannot_create_fails_both_processes_at_train_begin(tmp_path):
+    results = run_scenario("logdir", str(tmp_path))  # a hang would fail here (Hung)
+    first, other = (r["error"] for r in results)
+    assert first[0] == other[0] == "ValueError"
+    assert "cannot create its log directory" in first[1]
+    assert other[1] == (
+        "kmix.callbacks.MixedPrecisionMonitor: process 0 could not create its log directory "
+        f"under log_dir={str(tmp_path / 'logs')!r} (its error says why), so "
+        "this process stops too rather than wait for it in the first step."
+    )
 
 
 def test_autopilot_moves_the_same_layer_at_the_same_step_in_both(tmp_path):
