@@ -136,8 +136,10 @@ BACKEND_OWNERS = {
     "kmix.optimizer.tensorflow_step",
     "kmix.optimizer.jax_step",
     "kmix.optimizer.torch_step",
+    "kmix.optimizer.jax_shards",
 }
-"""The backend package and the step modules: where kmix asks which backend it runs on."""
+"""The backend package and the step modules (the JAX step's shard check among them): where
+kmix asks which backend it runs on."""
 LIBRARY_USERS = {
     "kmix.tags.event_file": "tf.io.gfile for remote log dirs: the tags folder imports no Keras",
     "kmix.policy.machine": "lists a library's devices, before Keras is imported",

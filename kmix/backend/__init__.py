@@ -50,6 +50,7 @@ _active = importlib.import_module(_MODULES.get(NAME, "kmix.backend.generic"))
 USES_TENSORFLOW: bool = _active.USES_TENSORFLOW
 NOTES_CASTS: bool = _active.NOTES_CASTS
 is_first_process = _active.is_first_process
+all_processes_agree = _active.all_processes_agree
 processes_and_devices = _active.processes_and_devices
 constant_initializer = _active.constant_initializer
 reachable = _active.reachable
@@ -72,6 +73,7 @@ __all__ = [
     "STACK_LIMIT",
     "SUPPORTED",
     "USES_TENSORFLOW",
+    "all_processes_agree",
     "any_replica",
     "as_arrived",
     "check_single_process",

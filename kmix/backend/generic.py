@@ -12,6 +12,7 @@ from typing import Any
 import keras
 
 from kmix.backend.common import (
+    alone_agrees,
     always_reachable,
     keras_cond,
     no_step_scope,
@@ -35,6 +36,9 @@ processes_and_devices, is_first_process = not_counted, one_process
 
 reachable, rare_cond = always_reachable, keras_cond
 """Eager values are always usable; ``keras.ops.cond``."""
+
+all_processes_agree = alone_agrees
+"""``ok`` as given: kmix counts no processes here (:func:`processes_and_devices`)."""
 
 NOTES_CASTS = False
 """No tap runs here (the optimizer is refused)."""

@@ -86,6 +86,20 @@ def constant_initializer(value: float) -> Any:
     return _Filled(value)
 
 
+def all_processes_agree(ok: bool) -> bool:
+    """True when ``ok`` is True in every process of the run (one process: ``ok``).
+
+    A collective over the processes: every process calls it at the same point (a
+    callback's ``on_train_begin``), so a failure in one is known to all, which then
+    fail together instead of one waiting for the other in the first step.
+    """
+    if jax.process_count() == 1:
+        return bool(ok)
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(bool(ok), "int32"))))
+
+
 def processes_and_devices() -> tuple[int, int] | None:
     """How many processes run the step, and on how many devices in all.
 

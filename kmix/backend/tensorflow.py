@@ -14,13 +14,14 @@ from typing import Any
 import keras
 import numpy as np
 
-from kmix.backend.common import constant_initializer as constant
 from kmix.backend.common import (
+    alone_agrees,
     no_step_scope,
     numpy_value,
     reduce_each,
     retrace,
 )
+from kmix.backend.common import constant_initializer as constant
 
 USES_TENSORFLOW = True
 """Keras utilities that import TensorFlow (its TensorBoard callback, its seeding) cost
@@ -35,6 +36,9 @@ reduce_rows = reduce_each
 
 constant_initializer = constant
 """An initializer of ``value`` everywhere: ``keras.initializers.Constant``."""
+
+all_processes_agree = alone_agrees
+"""``ok`` as given: kmix counts no processes here (:func:`processes_and_devices`)."""
 
 NOTES_CASTS = False
 """A float16 layer's input as it arrived is read back from the graph (:func:`as_arrived`),

@@ -18,6 +18,7 @@ import torch
 from keras import ops
 
 from kmix.backend.common import (
+    alone_agrees,
     always_reachable,
     keras_cond,
     not_counted,
@@ -42,6 +43,9 @@ processes_and_devices, is_first_process = not_counted, one_process
 
 reachable, rare_cond = always_reachable, keras_cond
 """Eager values are always usable; a conditional is a Python ``if`` (a host read)."""
+
+all_processes_agree = alone_agrees
+"""``ok`` as given: kmix counts no processes here (:func:`processes_and_devices`)."""
 
 NOTES_CASTS = True
 """Eager torch keeps no graph to read a cast's input back from: the tap notes each cast

@@ -6,6 +6,7 @@ import collections
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from kmix import backend as _backend
 from kmix import tags
 from kmix._checks import KmixDeprecationWarning, KmixWarning, check_choice, check_int, check_real
 from kmix._runs import OPEN
@@ -334,7 +335,7 @@ class LossScaleGuard(StepCallback):
         if self.mode == "raise":
             raise LossScaleGuardError(message, trip.reason, trip.step)
         self.model.stop_training = True
-        if self.verbose:
+        if self.verbose and _backend.is_first_process():  # one diagnosis for the run
             print(f"\n{message}")
 
     def _recent_events(self) -> list[ScaleEvent]:

@@ -156,7 +156,16 @@ class MixedPrecisionMonitor(StepCallback):
         """
         self.finish(tags.INTERRUPTED, "a new fit began before the previous one ended")
         super().on_train_begin(logs)
-        if not _backend.is_first_process():  # JAX, several processes: one program, one writer
+        # JAX, several processes: one program, one writer. Every process agrees whether
+        # process 0 could create its directory before anything else that is collective
+        # (a variable's assignment checks its value across processes), in the same order.
+        if not _backend.is_first_process():
+            if not _backend.all_processes_agree(True):  # process 0 failed: fail with it
+                raise ValueError(
+                    f"{_OWNER}: process 0 could not create its log directory under "
+                    f"log_dir={self.log_dir!r} (its error says why), so this process stops "
+                    "too rather than wait for it in the first step."
+                )
             self._source.request_statistics(self, self.update_freq, self.histogram_freq)
             return
         train_dir = os.path.join(self.log_dir, tags.TRAIN_DIR)
@@ -164,10 +173,12 @@ class MixedPrecisionMonitor(StepCallback):
             tags.makedirs(train_dir)
         except OSError as error:
             self.finish(tags.EXCEPTION, str(error))
+            _backend.all_processes_agree(False)  # the other processes stop too
             raise ValueError(
                 f"{_OWNER} cannot create its log directory {train_dir!r} "
                 f"(log_dir={self.log_dir!r}): {error}. Pass a directory you can write to."
             ) from error
+        _backend.all_processes_agree(True)
         source = self._source
         # First: a source that cannot measure refuses here, before this fit's file exists.
         source.request_statistics(self, self.update_freq, self.histogram_freq)

@@ -140,6 +140,7 @@ def step(
     apply: Callable[[], None],
     forward: tuple[Any, Any] | None,
     decided: Decisions | None = None,
+    source: record.NonfiniteSource = record.NO_SOURCE,
 ) -> None:
     """Applies when every gradient and the loss are finite; records the step either way.
 
@@ -152,6 +153,7 @@ def step(
         apply: applies the inner optimizer (:func:`apply_inner` bound).
         forward: the forward measurement, or None.
         decided: the decisions read on the host already, or None (made in the step).
+        source: which replica held the first non-finite values, where known.
     """
     applies = applies_of(flags, len(aligned)) if decided is None else decided.applies
     float8, recorder = optimizer.float8, optimizer.recorder
@@ -160,7 +162,7 @@ def step(
     ops.cond(applies, apply, _noop)
     on_skip = (lambda: restore(forward_state)) if forward_state else None
     quiet = None if decided is None else decided.quiet
-    recorder.record(aligned, flags, before, forward, on_skip, quiet)
+    recorder.record(aligned, flags, before, forward, on_skip, quiet, source)
     if float8.active:  # saturations counted; the output gradients follow the scale
         float8.after_record(check, before.packed, old_scale, ops.copy(recorder.scale))
 

@@ -37,6 +37,7 @@ from kmix import backend as _backend
 from kmix import record
 from kmix._checks import StateNotRestoredWarning, WarnOnce
 from kmix._layers import forward_state_variables
+from kmix.optimizer import jax_shards
 from kmix.optimizer import jax_train_function as _jax_train_function
 from kmix.optimizer.model_hooks import warn_unrestored
 
@@ -57,14 +58,18 @@ class JaxStep(NamedTuple):
     Attributes:
         applies: boolean scalar: the inner optimizer applied (False: a skipped step).
         loss_nonfinite: boolean scalar: the step's unscaled loss was inf or NaN.
-        finish: the forward measurement (or None) -> the optimizer's values after the
-            step. The forward pass is measured inside ``jax.value_and_grad`` and comes
-            out with its auxiliary values, which ``stateless_apply`` does not see.
+        finish: the forward measurement (or None) and the source of the first
+            non-finite values (:mod:`kmix.optimizer.jax_shards`) -> the optimizer's
+            values after the step. The forward pass is measured inside
+            ``jax.value_and_grad`` and comes out with its auxiliary values, which
+            ``stateless_apply`` does not see.
+        scale: the loss scale the step used.
     """
 
     applies: Any
     loss_nonfinite: Any
-    finish: Callable[[tuple[Any, Any] | None], list]
+    finish: Callable[..., list]
+    scale: Any
 
 
 def stateless_apply(
@@ -142,14 +147,18 @@ def stateless_apply(
         else {}
     )
 
-    def finish(forward: tuple[Any, Any] | None) -> list:
+    def finish(
+        forward: tuple[Any, Any] | None, source: record.NonfiniteSource = record.NO_SOURCE
+    ) -> list:
         new = record.record_step(
             old.counters,
             due,
             flags,
             rule,
             count=lambda delta: old._replace(counters=old.counters + delta),
-            advance=lambda: record.advance_record(old, grads, flags, statistics, forward, rule),
+            advance=lambda: record.advance_record(
+                old, grads, flags, statistics, forward, rule, source
+            ),
             write=lambda values, outcome: values,
             cond=ops.cond,
         )
@@ -160,7 +169,9 @@ def stateless_apply(
             out[slot] = value
         return out + list(new_inner)
 
-    optimizer.parts.trace.get().jax_step = JaxStep(applies, flags[len(grads)] > 0, finish)
+    optimizer.parts.trace.get().jax_step = JaxStep(
+        applies, flags[len(grads)] > 0, finish, old.scale
+    )
     new_values = finish(None)
     if float8.active:  # the output gradients' float8 state follows the scale's change
         new_trainable = float8.rescaled(list(new_trainable), new_values[slots[0]] / old.scale)
@@ -403,12 +414,20 @@ def wrap_train_step(optimizer: Any, model: Any) -> None:
             return logs, (new_state[0], non_trainable, *new_state[2:])
         if forward is None and held.hooks.tapping and not measuring(held):
             forward = origin_again(held, model, step, new_state[0], calls)
+        source = jax_shards.shard_source(
+            model, state, data, step.scale, ops.logical_not(step.applies)
+        )
+        if source is not None and held.hooks.tapping:
+            held.hooks.take_records()  # the shards' passes are not the step's
         given = {id(v) for v in forward_state_variables(model)}
         pairs = zip(model.non_trainable_variables, state[1], non_trainable, strict=True)
         kept = [
             ops.where(step.applies, new, old) if id(v) in given else new for v, old, new in pairs
         ]
-        optimizer_values = new_state[2] if forward is None else step.finish(forward)
+        if forward is None and source is None:
+            optimizer_values = new_state[2]
+        else:
+            optimizer_values = step.finish(forward, source or record.NO_SOURCE)
         return logs, (new_state[0], kept, optimizer_values, *new_state[3:])
 
     model.train_step = train_step

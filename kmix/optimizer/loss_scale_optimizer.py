@@ -199,6 +199,11 @@ class LossScaleOptimizer(RecordReads, Float8Reads, keras.mixed_precision.LossSca
         keras.optimizers.Optimizer.build(self, var_list)
 
     # ------------------------------------------------------------ train step
+    def load_own_variables(self, store: Any) -> None:
+        """Loads the saved state; an event ring saved before its newest columns is widened
+        (:meth:`StepRecorder.widened`), so older ``.keras`` files load unchanged."""
+        super().load_own_variables(self.recorder.widened(store, self.variables))
+
     def scale_loss(self, loss: Any) -> Any:
         """Multiplies ``loss`` by the current scale and notes whether it was finite.
 

@@ -132,6 +132,25 @@ class StepRecorder:
         self._variables = list(var_list)
         self.built = True
 
+    def widened(self, store: Any, variables: list) -> Any:
+        """``store`` (a saved optimizer's values by position) with an event ring saved
+        before its newest columns (:data:`kmix.record.EVENT_INT_FIELDS` grows at the end)
+        padded with -1, "unknown"; ``store`` itself when nothing needs widening.
+
+        Args:
+            store: what Keras hands ``load_own_variables`` (keys ``"0"``, ``"1"``...).
+            variables: the optimizer's variables, in the saved order.
+        """
+        where = [i for i, v in enumerate(variables) if v is getattr(self, "event_ints", None)]
+        key = str(where[0]) if where else None
+        if key is None or key not in store.keys():
+            return store
+        saved, width = np.asarray(store[key]), len(record.EVENT_INT_FIELDS)
+        if saved.ndim != 2 or saved.shape[1] >= width:
+            return store
+        pad = np.full((saved.shape[0], width - saved.shape[1]), -1, saved.dtype)
+        return {k: store[k] for k in store.keys()} | {key: np.concatenate([saved, pad], 1)}
+
     # ------------------------------------------------------------- in graph
     def before_step(self) -> Before:
         """The counters before this step and what is due at it, read once per step."""
@@ -146,6 +165,7 @@ class StepRecorder:
         forward: tuple[Any, Any] | None,
         on_skip: Callable[[], None] | None,
         quiet: Any = None,
+        source: record.NonfiniteSource = record.NO_SOURCE,
     ) -> None:
         """Records one attempted step; everything but a quiet step's count in one branch.
 
@@ -164,6 +184,7 @@ class StepRecorder:
                 assigned), or None.
             quiet: whether the step is quiet, where the step has read it already (a
                 Python bool on torch); None computes it in the step.
+            source: which replica held the first non-finite values, where known.
         """
 
         fields = [getattr(self, field) for field in record.RECORD_FIELDS]
@@ -173,7 +194,9 @@ class StepRecorder:
                 *(before.packed if v is self.counters else ops.copy(v) for v in fields)
             )
             rule = self.config.rule
-            return record.advance_record(old, aligned, flags, self.statistics(), forward, rule)
+            return record.advance_record(
+                old, aligned, flags, self.statistics(), forward, rule, source
+            )
 
         def count(delta: np.ndarray) -> None:  # the common step: nothing else moves
             self.counters.assign_add(ops.convert_to_tensor(delta))  # torch.compile: a tensor

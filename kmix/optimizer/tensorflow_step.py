@@ -54,19 +54,46 @@ def apply(optimizer: Any, grads: list, trainable_variables: list | None) -> None
     variables = parts.tracked if trainable_variables is None else list(trainable_variables)
     aligned = assigned_step.aligned_gradients(parts, grads, variables)
     flags = ops.concatenate([record.nonfinite_flags(aligned), parts.loss_flags()])
-    # Replicas agree: every replica sees the same flags before any update.
     context = tf.distribute.get_replica_context()
-    if context.num_replicas_in_sync > 1:
-        flags = context.all_reduce(tf.distribute.ReduceOp.SUM, flags)
+    flags, source = agreed(context, flags, len(aligned))
     before, forward, forward_state = assigned_step.measured_step(optimizer, aligned, flags)
     if tf.__internal__.distribute.strategy_supports_no_merge_call():
         apply_inner = functools.partial(assigned_step.apply_inner, optimizer, grads, variables)
-        assigned_step.step(optimizer, aligned, flags, before, forward_state, apply_inner, forward)
+        assigned_step.step(
+            optimizer, aligned, flags, before, forward_state, apply_inner, forward, source=source
+        )
     else:  # the cross-replica step reads the first replica's forward statistics
         context.merge_call(
             _merged_step,
             args=(optimizer, aligned, flags, before, forward_state, forward, grads, variables),
+            kwargs={"source": source},
         )
+
+
+def agreed(context: Any, flags: Any, n: int) -> tuple[Any, record.NonfiniteSource]:
+    """The flags every replica sees, and the first replica whose own were non-finite.
+
+    One all-reduce: each replica adds, after its flags, a one-hot row of the replicas
+    set where its gradients or loss were non-finite; the sum says which were.
+
+    Args:
+        context: the replica context.
+        flags: this replica's flags (``n`` gradients, then the loss's two).
+        n: how many gradient flags there are.
+
+    Returns:
+        ``(flags, source)``: the summed flags, and the first non-finite replica
+        (``replica_id_in_sync_group``; -1 when none, or with one replica).
+    """
+    replicas = context.num_replicas_in_sync
+    if replicas == 1:
+        return flags, record.NO_SOURCE
+    mine = tf.one_hot(context.replica_id_in_sync_group, replicas, dtype=flags.dtype)
+    bad = tf.cast(tf.reduce_any(flags[: n + 1] > 0), flags.dtype)
+    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat([flags, mine * bad], 0))
+    return summed[:-replicas], record.NonfiniteSource(
+        tf.constant(-1), record.first_flagged(summed[-replicas:])
+    )
 
 
 def stateless_apply(
@@ -121,6 +148,7 @@ def _merged_step(
     forward: tuple[Any, Any] | None,
     grads: list,
     variables: list,
+    source: record.NonfiniteSource = record.NO_SOURCE,
 ) -> None:
     """Cross-replica part: one decision for all (the flags are already all-reduced)."""
 
@@ -137,4 +165,5 @@ def _merged_step(
             assigned_step.apply_inner, args=(optimizer, grads, variables)
         ),
         None if forward is None else tuple(first(t) for t in forward),
+        source=record.NonfiniteSource(*(v if isinstance(v, int) else first(v) for v in source)),
     )

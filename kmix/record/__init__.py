@@ -29,14 +29,16 @@ from kmix.record.health import NUM_EXPONENT_BINS, nonfinite_flags
 from kmix.record.host_read import Snapshot, snapshot
 from kmix.record.scaling import ScaleConfig
 from kmix.record.step import FIELDS as RECORD_FIELDS
-from kmix.record.step import RecordValues, Statistics, advance_record, record_step
+from kmix.record.step import RecordValues, Statistics, advance_record, first_flagged, record_step
 from kmix.record.step_record import (
     EVENT_FLOAT_FIELDS,
     EVENT_INT_FIELDS,
     HEALTH_FIELDS,
     INT64_MAX,
+    NO_SOURCE,
     QUIET_DELTA,
     Counters,
+    NonfiniteSource,
     RecordedEvent,
     decode_events,
     initial_counters,
@@ -50,11 +52,13 @@ __all__ = [
     "EVENT_INT_FIELDS",
     "HEALTH_FIELDS",
     "INT64_MAX",
+    "NO_SOURCE",
     "NUM_EXPONENT_BINS",
     "QUIET_DELTA",
     "RECORD_FIELDS",
     "Counters",
     "LayerCall",
+    "NonfiniteSource",
     "RecordValues",
     "RecordedEvent",
     "ScaleConfig",
@@ -63,6 +67,7 @@ __all__ = [
     "TappedCall",
     "advance_record",
     "decode_events",
+    "first_flagged",
     "initial_counters",
     "is_quiet",
     "measure_forward",

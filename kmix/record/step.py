@@ -36,6 +36,7 @@ __all__ = [
     "RecordValues",
     "Statistics",
     "advance_record",
+    "first_flagged",
     "loss_state_of",
     "record_step",
 ]
@@ -95,6 +96,13 @@ def loss_state_of(flags: Any, n: int) -> Any:
     )
 
 
+def first_flagged(flags: Any) -> Any:
+    """The index of the first positive entry of ``flags`` (a replica's or shard's flag),
+    -1 when none is."""
+    flagged = ops.cast(flags > 0, "int32")
+    return ops.where(ops.any(flags > 0), ops.cast(ops.argmax(flagged), "int32"), -1)
+
+
 def _health(grads: list, scale: Any, mask: Any) -> tuple[Any, Any, Any]:
     stats = health.gradient_health(grads, scale, mask)
     vector = ops.stack([ops.cast(getattr(stats, f), "float32") for f in HEALTH_FIELDS])
@@ -108,6 +116,7 @@ def advance_record(
     statistics: Statistics,
     forward: tuple[Any, Any] | None,
     rule: scaling.ScaleConfig,
+    source: record.NonfiniteSource = record.NO_SOURCE,
 ) -> tuple[RecordValues, record.StepOutcome]:
     """The record after one attempted step (pure; statistics only where due).
 
@@ -121,6 +130,8 @@ def advance_record(
         forward: ``(origin, stats)`` of :func:`kmix.record.activations.measure_forward`, or
             None without a tapped forward pass.
         rule: the scale rule's constants.
+        source: which process and replica held the first non-finite values, where the
+            backend's step knows it (written with the step's event).
 
     Returns:
         ``(values, outcome)``: the record's values after the step (those not due as
@@ -168,6 +179,7 @@ def advance_record(
         measured,
         origin,
         int_dtype=record.int_dtype_of(old.event_ints),
+        source=source,
     )
     ring = record.EventRing(old.event_ints, old.event_floats)
     written = record.write_event(ring, new.counters.event_count, ints, floats)

@@ -34,33 +34,21 @@ import numpy as np
 from keras import backend, ops
 
 from kmix.record import scaling
-from kmix.tags import ForwardOrigin, ScaleEvent
+from kmix.tags import EventSource, ForwardOrigin, ScaleEvent
 
 INT64_MAX = 2**63 - 1
 
 
 def int_dtype_of(value: Any) -> str:
-    """The integer dtype a counter computes in: its own, or int64 for a Python int.
-
-    Args:
-        value: a tensor, a NumPy value or a Python int.
-
-    Returns:
-        The dtype's name, e.g. ``"int64"`` (``"int32"`` for an int64 variable's value on
-        JAX without ``jax_enable_x64``).
-    """
+    """The integer dtype a counter (tensor, NumPy value, Python int) computes in: its own
+    (``"int32"`` for an int64 variable's value on JAX without x64), int64 for an int."""
     dtype = getattr(value, "dtype", None)
     return "int64" if dtype is None else backend.standardize_dtype(dtype)
 
 
 def int_max(dtype: str) -> int:
-    """The largest value of the integer ``dtype``: where a saturating counter stops.
-
-    Args:
-        dtype: an integer dtype name, e.g. ``"int64"`` or ``"int32"``.
-
-    Returns:
-        ``2**63 - 1`` for int64, ``2**31 - 1`` for int32.
+    """The largest value of the integer ``dtype`` (e.g. ``"int64"``: ``2**63 - 1``), where a
+    saturating counter stops.
 
     Raises:
         ValueError: ``dtype`` is not an integer dtype.
@@ -310,9 +298,12 @@ EVENT_INT_FIELDS = (
     "loss_state",
     "origin_layer",  # index into the forward tap's layers, -1 if none
     "origin_inputs_finite",
+    "source_process",  # the process whose shard was first non-finite, -1 if unknown
+    "source_replica",  # the replica (or shard of the batch) first non-finite, -1 if unknown
 )
 EVENT_FLOAT_FIELDS = ("old_scale", "new_scale", "origin_max_abs_input", *HEALTH_FIELDS)
-"""Columns of the ring's int and float rows; health is the step's, when measured."""
+"""Columns of the ring's int and float rows; health is the step's, when measured. A saved
+format: new int columns go at the end (rings saved before them load padded with -1)."""
 
 
 class EventRing(NamedTuple):
@@ -333,6 +324,16 @@ class EventOrigin(NamedTuple):
 NO_ORIGIN = EventOrigin(-1, 0, 0.0)
 
 
+class NonfiniteSource(NamedTuple):
+    """Which process and replica held a step's first non-finite values (-1: unknown)."""
+
+    process: Any
+    replica: Any
+
+
+NO_SOURCE = NonfiniteSource(-1, -1)
+
+
 def encode_event(
     step: Any,
     event: Any,
@@ -342,6 +343,7 @@ def encode_event(
     health: Any,
     origin: EventOrigin = NO_ORIGIN,
     int_dtype: str = "int64",
+    source: NonfiniteSource = NO_SOURCE,
 ) -> tuple[Any, Any]:
     """Encodes one event as the ring's ``(int_row, float_row)``.
 
@@ -354,6 +356,7 @@ def encode_event(
         health: float32 vector laid out as :data:`HEALTH_FIELDS` (NaN where unmeasured).
         origin: the forward origin, if known.
         int_dtype: the int row's dtype: the ring variable's (int32 on JAX without x64).
+        source: where the first non-finite values were, if known.
 
     Returns:
         The int row and the float32 row.
@@ -363,15 +366,7 @@ def encode_event(
     ints = ops.stack(
         [
             ops.cast(value, int_dtype)
-            for value in (
-                step,
-                event,
-                first,
-                ops.sum(bad),
-                loss_state,
-                origin.layer,
-                origin.inputs_finite,
-            )
+            for value in (step, event, first, ops.sum(bad), loss_state, *origin[:2], *source)
         ]
     )
     floats = ops.concatenate(
@@ -428,7 +423,8 @@ def decode_events(
     events = []
     for index in range(max(since, event_count - capacity) + 1, event_count + 1):
         slot = (index - 1) % capacity
-        row = dict(zip(EVENT_INT_FIELDS, (int(x) for x in ints[slot]), strict=True))
+        row = dict.fromkeys(EVENT_INT_FIELDS, -1)  # a narrower ring: older columns only
+        row |= dict(zip(EVENT_INT_FIELDS, (int(x) for x in ints[slot]), strict=False))
         values = dict(zip(EVENT_FLOAT_FIELDS, (float(x) for x in floats[slot]), strict=True))
         origin = None
         if 0 <= row["origin_layer"] < len(layers):
@@ -451,9 +447,17 @@ def decode_events(
             nonfinite_variables=row["nonfinite_variables"],
             loss_finite=loss_finite_from_state(row["loss_state"]),
             origin=origin,
+            source=event_source(row["source_process"], row["source_replica"]),
         )
         events.append(RecordedEvent(event, event_health(floats[slot])))
     return events
+
+
+def event_source(process: int, replica: int) -> EventSource | None:
+    """The ring's source columns as an :class:`kmix.tags.EventSource`; None if unknown."""
+    if process < 0 and replica < 0:
+        return None
+    return EventSource(process if process >= 0 else None, replica if replica >= 0 else None)
 
 
 def loss_finite_from_state(loss_state: int) -> bool | None:

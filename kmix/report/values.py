@@ -286,7 +286,8 @@ class Summary:
         """The summary as JSON-ready data: lists for tuples, None for non-finite numbers.
 
         Events leave out ``index``, which logs without event records do not hold,
-        so every log gives the same keys.
+        so every log gives the same keys, and hold ``source`` only where it is known
+        (several processes or replicas).
 
         Returns:
             A dict with one key per field.
@@ -294,6 +295,8 @@ class Summary:
         data = json_ready(dataclasses.asdict(self))
         for event in data["events"]:
             del event["index"]
+            if event.get("source", 0) is None:
+                del event["source"]
         data["precision_plan"] = dict(self.precision_plan.policies)  # {} without moves
         return data
 

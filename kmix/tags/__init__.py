@@ -43,6 +43,7 @@ from kmix.tags.events import (
     SCALE_EVENT_RECORD,
     SKIP_KINDS,
     EventsLost,
+    EventSource,
     ForwardOrigin,
     ScaleEvent,
     format_event,
@@ -53,6 +54,7 @@ from kmix.tags.events import (
     parse_event_record,
     parse_events_lost,
     plain_text,
+    source_words,
 )
 from kmix.tags.float8 import (
     FLOAT8_SATURATION_RECORD,
@@ -181,6 +183,7 @@ __all__ = [
     "UNDERFLOW_FRACTION",
     "ZERO_FRACTION",
     "AuditFinding",
+    "EventSource",
     "EventsLost",
     "ForwardOrigin",
     "MoveRecord",
@@ -195,6 +198,7 @@ __all__ = [
     "format_event_record",
     "format_events_lost",
     "inputs_words",
+    "source_words",
     "format_policy_record",
     "format_precision_move",
     "format_precision_move_record",

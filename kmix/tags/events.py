@@ -50,6 +50,23 @@ class ForwardOrigin:
 
 
 @dataclasses.dataclass(frozen=True)
+class EventSource:
+    """Where a skipped step's first non-finite values were, across processes or replicas.
+
+    Attributes:
+        process: the ``keras.distribution`` process whose shard of the batch held them
+            (JAX, several processes); None when not known.
+        replica: under ``tf.distribute``, the replica (``replica_id_in_sync_group``)
+            whose gradients or loss were non-finite; under ``keras.distribution``, the
+            shard of the batch (the data-parallel replica: device ``replica`` of the
+            mesh's batch axis). The first one when several were; None when not known.
+    """
+
+    process: int | None = None
+    replica: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class ScaleEvent:
     """One loss-scale event, as recorded in-graph at the step it happened.
 
@@ -71,6 +88,8 @@ class ScaleEvent:
             forward pass made the NaN/Inf, which no loss scale can fix); None when
             unknown.
         origin: where the forward pass first went non-finite, if it was measured.
+        source: which process and replica held the first non-finite values, where it
+            is known (several processes or replicas); None otherwise.
     """
 
     index: int
@@ -82,6 +101,7 @@ class ScaleEvent:
     nonfinite_variables: int
     loss_finite: bool | None
     origin: ForwardOrigin | None = None
+    source: EventSource | None = None
 
 
 _EVENT_RE = re.compile(
@@ -91,7 +111,9 @@ _EVENT_RE = re.compile(
     r"(?:(?P<loss_nonfinite>; the loss itself was non-finite)"
     r"|(?P<loss_unknown>; whether the loss was finite is unknown))?"
     r"(?:; forward overflow starts in `(?P<layer>[^`]+)` \((?P<layer_class>[^)]*)\): "
-    r"inputs (?P<inputs>finite|non-finite)(?:, max \|input\| (?P<max_input>[^ ;,]+))?)?"
+    r"inputs (?P<inputs>finite|non-finite)(?:, max \|input\| (?P<max_input>[^ ;,]+))?"
+    r"(?:, past float16's max [^;]*)?)?"
+    r"(?:; first non-finite in (?:process (?P<process>\d+))?(?:, )?(?:replica (?P<replica>\d+))?)?"
 )
 
 
@@ -133,6 +155,7 @@ def format_event(event: ScaleEvent) -> str:
         ; first non-finite gradient `dense/kernel` (2 variables)
         ; the loss itself was non-finite      (or: ; whether the loss was finite is unknown)
         ; forward overflow starts in `block_3/ffn_out` (Dense): inputs finite, max |input| 812
+        ; first non-finite in process 1, replica 3   (only where known: see EventSource)
 
     Scales and ``max |input|`` are written with 9 significant digits (exact for
     float32 values). The ``index`` is not written.
@@ -162,7 +185,20 @@ def format_event(event: ScaleEvent) -> str:
             f"; forward overflow starts in `{origin.layer}` ({origin.layer_class}): "
             + inputs_words(origin)
         )
+    source = getattr(event, "source", None)
+    if source is not None:
+        text += "; " + source_words(source)
     return text
+
+
+def source_words(source: EventSource) -> str:
+    """``first non-finite in process 1, replica 3``: the known parts of ``source``."""
+    parts = [
+        f"{name} {value}"
+        for name, value in (("process", source.process), ("replica", source.replica))
+        if value is not None
+    ]
+    return "first non-finite in " + ", ".join(parts)
 
 
 def plain_text(line: str) -> str:
@@ -200,6 +236,10 @@ def parse_event(line: str) -> ScaleEvent | None:
             max_abs_input=None if match["max_input"] is None else float(match["max_input"]),
         )
     loss_finite = None if match["loss_unknown"] else match["loss_nonfinite"] is None
+    source = None
+    if match["process"] is not None or match["replica"] is not None:
+        found = match.group("process", "replica")
+        source = EventSource(*(None if v is None else int(v) for v in found))
     return ScaleEvent(
         index=0,
         step=int(match["step"]),
@@ -210,6 +250,7 @@ def parse_event(line: str) -> ScaleEvent | None:
         nonfinite_variables=int(match["count"] or 0),
         loss_finite=loss_finite,
         origin=origin,
+        source=source,
     )
 
 
@@ -306,8 +347,8 @@ def format_event_record(item: ScaleEvent | EventsLost, run_id: str | None = None
         TypeError: ``item`` is neither.
     """
     run = {} if run_id is None else {"run_id": run_id}
-    if isinstance(item, ScaleEvent):
-        return record_json(item, type=SCALE_EVENT_RECORD, **run)
+    if isinstance(item, ScaleEvent):  # ``source`` only where known (older records lack it)
+        return record_json(item, drop_none=("source",), type=SCALE_EVENT_RECORD, **run)
     if isinstance(item, EventsLost):
         return record_json(item, type=EVENTS_LOST_RECORD, **run)
     raise TypeError(
@@ -355,6 +396,15 @@ def _scale_event(data: dict[str, Any]) -> ScaleEvent | None:
             inputs_finite=_flag(known["inputs_finite"]),
             max_abs_input=_optional(known["max_abs_input"], _number),
         )
+    source = fields.get("source")
+    if source is not None:
+        known = record_fields(source if isinstance(source, dict) else None, EventSource)
+        if known is None:
+            return None
+        source = EventSource(
+            process=_optional(known.get("process"), _integer),
+            replica=_optional(known.get("replica"), _integer),
+        )
     return ScaleEvent(
         index=_integer(fields["index"]),
         step=_integer(fields["step"]),
@@ -365,6 +415,7 @@ def _scale_event(data: dict[str, Any]) -> ScaleEvent | None:
         nonfinite_variables=_integer(fields["nonfinite_variables"]),
         loss_finite=_optional(fields["loss_finite"], _flag),
         origin=origin,
+        source=source,
     )
 
 

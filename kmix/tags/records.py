@@ -18,18 +18,24 @@ LOSS_SCALINGS = ("kmix", "keras", "none")
 """What scales the loss: kmix's optimizer, Keras's stock one, or nothing."""
 
 
-def record_json(record: Any, **extra: Any) -> str:
+def record_json(record: Any, drop_none: tuple[str, ...] = (), **extra: Any) -> str:
     """Writes a dataclass record as one line of JSON, keys sorted.
 
     Args:
         record: a dataclass instance (nested dataclasses become objects).
+        drop_none: fields left out when they are None (fields added later, which
+            records that do not know them never held).
         **extra: keys written beside the record's fields (e.g. a record type).
 
     Returns:
         The JSON text (non-finite floats as ``Infinity``/``NaN``, as Python's
         ``json`` writes and reads them).
     """
-    return json.dumps(dataclasses.asdict(record) | extra, sort_keys=True)
+    fields = dataclasses.asdict(record)
+    for name in drop_none:
+        if fields.get(name, 0) is None:
+            del fields[name]
+    return json.dumps(fields | extra, sort_keys=True)
 
 
 def json_object(text: str) -> dict[str, Any] | None:

@@ -29,6 +29,8 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
 SCRIPT = os.path.join(TESTS, "scripts", "jax_processes.py")
 PROCESS_TIMEOUT = 240
 BAD_STEP, PATIENCE, STEPS = 3, 3, 8  # as in the script
+PROCESS_1_SHARD = {"process": 1, "replica": 2}
+"""Where the bad row is: process 1's first device, the third shard of the global batch."""
 
 pytestmark = [
     pytest.mark.slow,  # two processes per test
@@ -175,6 +177,7 @@ def test_gradient_overflow_in_one_process_skips_the_same_step_in_both(tmp_path):
             "variable": "wide/kernel",
             "loss_finite": True,
             "origin": None,
+            "source": PROCESS_1_SHARD,
         }
     ]
     state = first["state"]
@@ -195,6 +198,11 @@ def test_gradient_overflow_in_one_process_skips_the_same_step_in_both(tmp_path):
     # the kernel moved by the 7 applied steps only
     np.testing.assert_allclose(first["kernel"], expected_kernel(STEPS - 1), rtol=1e-5)
     only_process_zero_wrote(results, str(tmp_path / "logs"))
+    # kmix report reads the source back from what process 0 wrote
+    assert first["report"]["event_lines"] == [
+        "backoff at step 3: loss scale 1024 → 512; first non-finite gradient wide/kernel "
+        "(2 variables); first non-finite in process 1, replica 2"
+    ]
 
 
 def expected_kernel(applied: int) -> np.ndarray:
@@ -235,6 +243,7 @@ def test_forward_overflow_in_one_process_names_the_same_origin_in_both(tmp_path)
                 "inputs_finite": True,
                 "max_abs_input": 90000.0,
             },
+            "source": PROCESS_1_SHARD,
         }
     ]
     np.testing.assert_allclose(first["kernel"], expected_kernel(STEPS - 1), rtol=1e-5)
@@ -251,8 +260,24 @@ def test_guard_stops_both_processes_at_the_same_step(tmp_path):
     assert first["state"]["skipped_steps"] == PATIENCE
     assert [e["step"] for e in first["events"]] == [3, 4, 5]
     assert [e["loss_finite"] for e in first["events"]] == [False] * PATIENCE
+    assert [e["source"] for e in first["events"]] == [PROCESS_1_SHARD] * PATIENCE
     assert first["scales"] == [1024.0] * stop_step
     only_process_zero_wrote(results, str(tmp_path / "logs"), "stopped_by_guard")
+    # verbose=1: the diagnosis is printed once for the run, by process 0
+    assert "kmix.LossScaleGuard stopped training at step 5" in first["printed"]
+    assert results[1]["printed"] == ""
+
+
+def test_a_log_dir_process_0_cannot_create_fails_both_processes_at_train_begin(tmp_path):
+    results = run_scenario("logdir", str(tmp_path))  # a hang would fail here (Hung)
+    first, other = (r["error"] for r in results)
+    assert first[0] == other[0] == "ValueError"
+    assert "cannot create its log directory" in first[1]
+    assert other[1] == (
+        "kmix.callbacks.MixedPrecisionMonitor: process 0 could not create its log directory "
+        f"under log_dir={str(tmp_path / 'logs')!r} (its error says why), so "
+        "this process stops too rather than wait for it in the first step."
+    )
 
 
 def test_autopilot_moves_the_same_layer_at_the_same_step_in_both(tmp_path):

@@ -334,6 +334,8 @@ def test_data_parallel_over_two_devices_skips_a_step_one_shard_spoils(tmp_path):
     origin = {"layer": "hidden", "layer_class": "Dense", "inputs_finite": False}
     assert {k: run["events"][0]["origin"][k] for k in origin} == origin
     assert run["events"][1]["origin"] is None
+    # one process: the shard (the second device's) is named, no process
+    assert [e["source"] for e in run["events"]] == [{"process": None, "replica": 1}] * 2
     assert run["layers"] == ["hidden"] and run["state"]["health_step"] == 4
     assert run["report_events"] == [2, 3]
 

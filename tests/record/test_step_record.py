@@ -15,6 +15,7 @@ import kmix.backend
 from kmix.record import scaling
 from kmix.record import step_record as record
 from kmix.record.scaling import ScaleConfig
+from kmix.tags import EventSource
 
 CONFIG = ScaleConfig(growth_steps=3, hysteresis=2, min_scale=1.0, max_scale=2.0**4)
 LOSS = {"finite": record.LOSS_FINITE, "nonfinite": record.LOSS_NONFINITE, "unknown": -1}
@@ -163,6 +164,7 @@ def test_event_ring_round_trip_and_overwrite():
         "max_abs_input": 812.0,
     }
     assert (growth.kind, growth.loss_finite, growth.origin) == ("growth", None, None)
+    assert forward.source is growth.source is None  # one replica: no source column known
     assert (
         decoded[0].health["max_abs_scaled"] == 4096.0 and "headroom_bits" not in decoded[0].health
     )
@@ -264,3 +266,27 @@ def test_due_now_is_what_advance_finds_due():
         step = min(attempted + 1, TOP)
         expected = [step % 3 == 0, step % 4 == 0]
         assert ops.convert_to_numpy(record.due_now(record.pack(c, INT), every)).tolist() == expected
+
+
+@pytest.mark.jax
+@pytest.mark.torch
+@pytest.mark.parametrize(
+    ("source", "want"),
+    [
+        (record.NonfiniteSource(-1, 1), EventSource(None, 1)),
+        (record.NonfiniteSource(1, 3), EventSource(1, 3)),
+        (record.NO_SOURCE, None),
+    ],
+)
+def test_the_source_columns_decode_where_known_and_older_rings_read_as_unknown(source, want):
+    health = np.full(len(record.HEALTH_FIELDS), np.nan, "float32")
+    ints, floats = record.encode_event(
+        4, scaling.BACKOFF, (8.0, 4.0), ops.convert_to_tensor([True]), 1, health, source=source
+    )
+    ints, floats = ops.convert_to_numpy(ints)[None], ops.convert_to_numpy(floats)[None]
+    (got,) = record.decode_events(ints, floats, 1, 0, ["w"])
+    assert got.event.source == want
+    # a ring saved before the source columns (7 of them) decodes with none
+    (old,) = record.decode_events(ints[:, :7], floats, 1, 0, ["w"])
+    assert old.event.source is None and old.event.variable == "w"
+    assert record.EVENT_INT_FIELDS[7:] == ("source_process", "source_replica")

@@ -123,6 +123,7 @@ def events(optimizer: kmix.LossScaleOptimizer) -> list[dict]:
             "variable": e.variable,
             "loss_finite": e.loss_finite,
             "origin": None if e.origin is None else dataclasses.asdict(e.origin),
+            "source": None if e.source is None else dataclasses.asdict(e.source),
         }
         for e in optimizer.scale_events()
     ]
@@ -498,6 +499,7 @@ def data_parallel_scenario(directory: str) -> dict:
             model.fit(
                 *batch(kind, rows=4, bad_row=3),
                 batch_size=4,
+                shuffle=False,  # the bad row stays on the second device
                 epochs=1,
                 verbose=0,
                 callbacks=[monitor],

@@ -8,7 +8,10 @@ Scenarios:
 * ``gradient``: process 1's targets at step BAD_STEP make its float16 gradients overflow;
 * ``forward``: process 1's inputs at step BAD_STEP overflow float16 in layer ``wide``;
 * ``guard``: process 1's inputs are NaN from step BAD_STEP on; LossScaleGuard(patience=
-  PATIENCE) must stop both processes at the same step;
+  PATIENCE, verbose=1) must stop both processes at the same step (what each printed is
+  kept);
+* ``logdir``: process 0's monitor cannot create its log directory (under /proc); both
+  processes must fail at train begin (the error each raised is kept);
 * ``autopilot``: as ``forward``; PrecisionAutopilot must move ``wide`` in both at the
   same step;
 * ``hang``: process 1 never joins; process 0 waits for it in ``initialize`` (the
@@ -20,7 +23,9 @@ their process groups if they hang. Nothing here decides what is right.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import sys
@@ -93,8 +98,10 @@ def main(index: int, port: str, scenario: str, directory: str) -> None:
             self.scales.append(optimizer.read_state().loss_scale)
 
     log_dir = os.path.join(directory, "logs")
+    if scenario == "logdir" and index == 0:  # nobody, root included, makes a folder there
+        log_dir = "/proc/kmix_cannot_write_here/logs"
     observe = Observe()
-    guard = kmix.callbacks.LossScaleGuard(patience=PATIENCE, verbose=0)
+    guard = kmix.callbacks.LossScaleGuard(patience=PATIENCE, verbose=int(scenario == "guard"))
     autopilot = kmix.callbacks.PrecisionAutopilot(proactive=False)
     callbacks = [
         kmix.callbacks.MixedPrecisionMonitor(log_dir, update_freq=2, verbose=0),
@@ -105,9 +112,20 @@ def main(index: int, port: str, scenario: str, directory: str) -> None:
     if scenario == "autopilot":
         callbacks.append(autopilot)
     x, y = data(index, scenario)
-    with warnings.catch_warnings():
+    printed, error = io.StringIO(), None
+    with warnings.catch_warnings(), contextlib.redirect_stdout(printed):
         warnings.simplefilter("ignore")
-        model.fit(x, y, batch_size=ROWS, shuffle=False, epochs=1, verbose=0, callbacks=callbacks)
+        try:
+            model.fit(
+                x, y, batch_size=ROWS, shuffle=False, epochs=1, verbose=0, callbacks=callbacks
+            )
+        except ValueError as raised:
+            if scenario != "logdir":
+                raise
+            error = [type(raised).__name__, str(raised)]
+    if error is not None:
+        print(json.dumps({"index": index, "error": error}), flush=True)
+        return
     state = optimizer.read_state()
     result = {
         "index": index,
@@ -125,6 +143,7 @@ def main(index: int, port: str, scenario: str, directory: str) -> None:
                 "variable": e.variable,
                 "loss_finite": e.loss_finite,
                 "origin": None if e.origin is None else dataclasses.asdict(e.origin),
+                "source": None if e.source is None else dataclasses.asdict(e.source),
             }
             for e in optimizer.scale_events()
         ],
@@ -132,6 +151,7 @@ def main(index: int, port: str, scenario: str, directory: str) -> None:
         "guard": [guard.reason, guard.step],
         "moves": [[m.step, m.layer, m.from_policy, m.to_policy] for m in autopilot.moves],
         "wide_policy": model.get_layer("wide").dtype_policy.name,
+        "printed": printed.getvalue(),
     }
     if scenario == "gradient":  # the single-process tools refuse, in every process
         result["refused"] = {}
@@ -151,6 +171,7 @@ def main(index: int, port: str, scenario: str, directory: str) -> None:
         text = report.format_summary(summary).splitlines()
         result["report"] = {
             "processes": [line for line in text if line.startswith("processes")],
+            "event_lines": [line.strip() for line in text if "first non-finite in" in line],
             "event_steps": [e.step for e in summary.events],
             "skipped_steps": summary.skipped_steps,
             "steps_seen": summary.steps_seen,

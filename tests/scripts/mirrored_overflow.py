@@ -66,6 +66,9 @@ def main(which: str) -> None:
                 if which == "kmix"
                 else None,
                 "iterations": int(opt.iterations.numpy()),
+                "lines": [kmix.tags.format_event(e) for e in opt.scale_events()]
+                if which == "kmix"
+                else None,
             }
         )
     )

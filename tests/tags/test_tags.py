@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kmix import tags
-from kmix.tags import EventsLost, ForwardOrigin, PolicyRecord, RunEnd, ScaleEvent
+from kmix.tags import EventsLost, EventSource, ForwardOrigin, PolicyRecord, RunEnd, ScaleEvent
 
 ORIGIN = ForwardOrigin("block_3/ffn_out", "Dense", True, 812.0)
 
@@ -37,6 +37,20 @@ EVENTS = [
         0, 8, "overflow_at_floor", 1.0, 1.0, "w", 1, True, ForwardOrigin("l", "L", True, 1.5e-3)
     ),
     ScaleEvent(0, 9, "backoff", math.inf, 2.0**24, "w", 1, True),
+    ScaleEvent(0, 10, "backoff", 4.0, 2.0, "w", 1, True, None, EventSource(None, 1)),
+    ScaleEvent(0, 11, "forward_overflow", 8.0, 8.0, None, 0, False, ORIGIN, EventSource(1, 3)),
+    ScaleEvent(
+        0,
+        12,
+        "forward_overflow",
+        8.0,
+        8.0,
+        None,
+        0,
+        False,
+        ForwardOrigin("l", "L", True, 90000.0),
+        EventSource(1, None),
+    ),
 ]
 
 
@@ -99,7 +113,10 @@ def test_event_records_round_trip_every_field(event):
     event = dataclasses.replace(event, index=event.step + 40)  # the record holds the index
     text = tags.format_event_record(event)
     assert "\n" not in text
-    assert json.loads(text) == dataclasses.asdict(event) | {"type": tags.SCALE_EVENT_RECORD}
+    fields = dataclasses.asdict(event)
+    if event.source is None:  # written only where known: records stay as they were
+        del fields["source"]
+    assert json.loads(text) == fields | {"type": tags.SCALE_EVENT_RECORD}
     assert tags.parse_event_record(text) == event
     assert tags.parse_event(text) is None and tags.parse_events_lost(text) is None
 
@@ -134,6 +151,21 @@ def test_event_record_json():
     }
     with pytest.raises(TypeError, match="expected a kmix.tags.ScaleEvent or kmix.tags.EventsLost"):
         tags.format_event_record(RunEnd(1, "completed", ""))
+
+
+def test_the_source_of_an_event_is_worded_only_where_known():
+    event = ScaleEvent(3, 5, "backoff", 8.0, 4.0, "w", 1, True)
+    plain = "**backoff** at step 5: loss scale 8 → 4; first non-finite gradient `w` (1 variable)"
+    assert tags.format_event(event) == plain
+    for source, words in (
+        (EventSource(None, 1), "; first non-finite in replica 1"),
+        (EventSource(1, 3), "; first non-finite in process 1, replica 3"),
+        (EventSource(1, None), "; first non-finite in process 1"),
+    ):
+        sourced = dataclasses.replace(event, source=source)
+        assert tags.format_event(sourced) == plain + words
+        assert json.loads(tags.format_event_record(sourced))["source"] == dataclasses.asdict(source)
+    assert "source" not in json.loads(tags.format_event_record(event))
 
 
 def test_event_records_tolerate_fields_added_later():
