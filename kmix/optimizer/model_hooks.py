@@ -35,7 +35,7 @@ from kmix._layers import (
     variable_compute_dtypes,
 )
 from kmix.backend import reachable
-from kmix.optimizer.tap import ActivationTap
+from kmix.optimizer.tap import ActivationTap, tensors_in
 from kmix.optimizer.trace import PerThread, StepTrace
 from kmix.record import ACTIVATION_CAPACITY, measure_forward
 
@@ -53,11 +53,7 @@ _said = WarnOnce()
 
 def _float16_output(outputs: Any) -> bool:
     """True when every floating-point tensor of a call's output is float16."""
-    dtypes = [
-        keras.backend.standardize_dtype(t.dtype)
-        for t in keras.tree.flatten(outputs)
-        if hasattr(t, "dtype")
-    ]
+    dtypes = [keras.backend.standardize_dtype(t.dtype) for t in tensors_in(outputs)]
     floats = [d for d in dtypes if "float" in d]
     return bool(floats) and all(d == "float16" for d in floats)
 
