@@ -30,14 +30,18 @@ class ArrayBatches:
         start: the index of the first batch (what :meth:`skip` moves).
 
     Raises:
-        ValueError: fewer examples than one batch.
+        ValueError: the arrays differ in length, or hold fewer examples than one batch
+            (:func:`kmix.compare.rounds.make_dataset` says both to the user first).
     """
 
     def __init__(self, x: Any, y: Any, batch_size: int, start: int = 0) -> None:
         import keras
 
         self._x, self._y = keras.tree.map_structure(np.asarray, (x, y))
-        examples = len(keras.tree.flatten(self._x)[0])
+        lengths = {len(a) for a in keras.tree.flatten((self._x, self._y))}
+        if len(lengths) > 1:
+            raise ValueError(f"x and y differ in length: {sorted(lengths)} rows")
+        examples = lengths.pop()
         self.count = examples // batch_size
         if self.count < 1:
             raise ValueError(f"{examples} examples make no batch of batch_size={batch_size}")

@@ -195,6 +195,12 @@ def make_dataset(
             + (f" of length {len(data)}" if isinstance(data, tuple | list) else "")
         )
     x, y = data
+    lengths = {len(a) for a in keras.tree.flatten((x, y))}
+    if len(lengths) > 1:
+        raise CompareError(
+            f"data's arrays differ in length ({', '.join(map(str, sorted(lengths)))} rows): "
+            "give x and y with one example per row each, the same number of rows"
+        )
     count = len(keras.tree.flatten(x)[0])
     if count < batch_size:
         raise CompareError(

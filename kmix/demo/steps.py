@@ -72,5 +72,7 @@ def compile_model(model: Any, optimizer: Any, steps_per_execution: int) -> None:
     if steps_per_execution > 1:
         try:
             model.make_train_function()
-        except ValueError:  # steps_per_execution must be 1 on this backend's trainer
+        except ValueError as error:  # steps_per_execution must be 1 on this backend's trainer
+            if "steps_per_execution" not in str(error):
+                raise
             compile_with(1)

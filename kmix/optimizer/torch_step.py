@@ -13,7 +13,7 @@ Host reads: an eager step decides on the host, and each read of a device value i
 kmix's step reads its three decisions at once (:func:`kmix.optimizer.assigned_step.
 read_decisions`: apply or skip, quiet or not, measure the forward pass or not): one read a
 step, where stock Keras's reads two (whether the gradients are finite, whether the scale
-grows). Statistics are computed only where they are due.
+grows); float8 layers' checks read theirs. Statistics are computed only where they are due.
 """
 
 from __future__ import annotations

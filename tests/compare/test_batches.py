@@ -39,3 +39,13 @@ def test_nested_inputs_are_cut_alike_and_too_few_examples_are_refused():
     assert first["a"].shape == (3, 2) and y.tolist() == [0, 1, 2]
     with pytest.raises(ValueError, match="5 examples make no batch of batch_size=8"):
         ArrayBatches(np.zeros((5, 1)), np.zeros(5), 8)
+    with pytest.raises(ValueError, match=r"x and y differ in length: \[5, 6\] rows"):
+        ArrayBatches(np.zeros((6, 1)), np.zeros(5), 2)
+
+
+def test_make_dataset_refuses_arrays_of_different_lengths_in_one_line():
+    from kmix.compare.rounds import make_dataset
+    from kmix.compare.values import CompareError
+
+    with pytest.raises(CompareError, match=r"differ in length \(5, 6 rows\): give x and y"):
+        make_dataset((np.zeros((6, 2)), np.zeros(5)), 2)
