@@ -39,13 +39,13 @@ import kmix  # noqa: E402
 BATCH = 64
 
 
-def model() -> keras.Model:
+def model(width: int = 128) -> keras.Model:
     keras.utils.set_random_seed(0)
     m = keras.Sequential(
         [
             keras.Input((32,)),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(width, activation="relu"),
+            keras.layers.Dense(width, activation="relu"),
             keras.layers.Dense(10),
         ]
     )

@@ -17,6 +17,7 @@ counted, train begin and end are not. Growth is every 2000 steps: every step is 
 
 Usage:
     python bench/bench_float8_cost.py [--steps 300] [--rounds 6] [--update-freq 100]
+        [--width 128]
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ KINDS = ("float8 on", "float8 off", "step only")
 the cost sits)."""
 
 
-def contender(kind: str, update_freq: int):
-    m = model()
+def contender(kind: str, update_freq: int, width: int):
+    m = model(width)
     opt = kmix.LossScaleOptimizer(keras.optimizers.Adam(1e-3), dynamic_growth_steps=2000)
     if kind == "float8 off":
         opt.float8.build = lambda *args, **kwargs: None  # no check, no record, no rescale
@@ -79,12 +80,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--update-freq", type=int, default=100)
     parser.add_argument("--skip", type=int, default=10)
+    parser.add_argument("--width", type=int, default=128, help="the hidden layers' width")
     args = parser.parse_args()
     keras.mixed_precision.set_global_policy("mixed_float16")
     x, y = data(args.steps)
     runs = {}
     for kind in KINDS:
-        m, monitor = contender(kind, args.update_freq)
+        m, monitor = contender(kind, args.update_freq, args.width)
         m.fit(x[: 4 * BATCH], y[: 4 * BATCH], batch_size=BATCH, verbose=0, callbacks=[monitor])
         runs[kind] = (m, monitor, Clock(args.skip))
     assert not runs["float8 off"][0].optimizer.float8.active
@@ -94,7 +96,10 @@ def main() -> None:
             m, monitor, clock = runs[kind]
             m.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[monitor, clock])
     median = {kind: statistics.median(runs[kind][2].per_step) for kind in KINDS}
-    print(f"backend {keras.backend.backend()}, {args.steps} steps a fit, {args.rounds} rounds")
+    print(
+        f"backend {keras.backend.backend()}, width {args.width}, {args.steps} steps a fit, "
+        f"{args.rounds} rounds"
+    )
     for kind in KINDS:
         times = " ".join(f"{t * 1e3:.2f}" for t in runs[kind][2].per_step)
         print(f"  {kind:<10}: {times} ms; median {median[kind] * 1e3:.3f}")
