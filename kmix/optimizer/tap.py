@@ -220,6 +220,7 @@ class ActivationTap:
         self._calls = PerThread(TraceCalls)
         self._installed: dict[int, tuple[Any, bool, Any, str, Any]] = {}
         self._casts: dict[int, tuple[Any, Any]] = {}  # JAX: policies whose casts are noted
+        self._final_names: dict[int, str] | None = None  # once every wrapped layer is built
 
     # -- installing
     @property
@@ -235,8 +236,19 @@ class ActivationTap:
         return [names.get(id(e[0]), e[3]) for e in self._installed.values()]
 
     def _names(self) -> dict[int, str]:
-        """Each nested layer's unique path, by ``id``, as the model is now."""
-        return {id(layer): path for path, layer in _layers.walk_layers(self.model)}
+        """Each nested layer's unique path, by ``id``, as the model is now.
+
+        Kept once the model and every wrapped layer are built (Keras's paths are final
+        then; an eager step asks at every step): :meth:`install` and :meth:`remove` forget
+        them.
+        """
+        if self._final_names is not None:
+            return self._final_names
+        names = {id(layer): path for path, layer in _layers.walk_layers(self.model)}
+        built = getattr(self.model, "built", False)
+        if built and all(entry[0].built for entry in self._installed.values()):
+            self._final_names = names
+        return names
 
     def install(self) -> ActivationTap:
         """Wraps ``call`` of every layer of :func:`tapped_layers` (idempotent).
@@ -250,6 +262,7 @@ class ActivationTap:
         Returns:
             ``self``, so ``tap = ActivationTap(model).install()`` reads naturally.
         """
+        self._final_names = None
         for path, layer in tapped_layers(self.model):
             if id(layer) in self._installed:
                 continue
@@ -288,6 +301,7 @@ class ActivationTap:
 
     def remove(self) -> None:
         """Restores every wrapped layer's original ``call`` exactly (idempotent)."""
+        self._final_names = None
         for layer, had_own, original, _path, wrapper in self._installed.values():
             if vars(layer).get("call") is not wrapper:
                 continue  # wrapped again by someone else: our wrapper stays, inert
