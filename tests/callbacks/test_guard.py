@@ -154,7 +154,7 @@ def first_trip_by_rule(
 @pytest.mark.parametrize(
     ("seed", "patience", "steps_per_execution"),
     [
-        (0, 6, 1),
+        pytest.param(0, 6, 1, marks=pytest.mark.torch),
         (1, 6, 1),
         (1, 4, 1),
         (3, 4, 1),
@@ -365,7 +365,9 @@ def test_uncompiled_model_fails_at_train_begin():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("guard_first", [False, pytest.param(True, marks=pytest.mark.jax)])
+@pytest.mark.parametrize(
+    "guard_first", [False, pytest.param(True, marks=[pytest.mark.jax, pytest.mark.torch])]
+)
 def test_a_run_the_guard_ends_keeps_every_event_and_says_why(tmp_path, guard_first):
     """NaN loss from step 5, patience 3: the guard raises at step 7 with 5, 6, 7 on disk."""
     from test_monitor import events, read_back, texts
@@ -401,7 +403,11 @@ def test_a_run_the_guard_ends_keeps_every_event_and_says_why(tmp_path, guard_fir
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("jit_compile", "steps_per_execution"),
-    [(False, 1), pytest.param(True, 1, marks=pytest.mark.jax), (False, 2)],
+    [
+        pytest.param(False, 1, marks=pytest.mark.torch),
+        pytest.param(True, 1, marks=pytest.mark.jax),
+        (False, 2),
+    ],
 )
 def test_a_forward_overflow_is_named_at_its_layer_and_the_scale_is_kept(
     jit_compile, steps_per_execution

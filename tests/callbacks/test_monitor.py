@@ -301,7 +301,9 @@ class RaiseAt(keras.callbacks.Callback):
 @pytest.mark.parametrize(
     ("error", "reason"),
     [
-        pytest.param(KeyboardInterrupt(), "interrupted", marks=pytest.mark.jax),
+        pytest.param(
+            KeyboardInterrupt(), "interrupted", marks=[pytest.mark.jax, pytest.mark.torch]
+        ),
         (RuntimeError("disk"), "exception"),
     ],
 )
