@@ -218,3 +218,36 @@ def test_monitor_reads_float8_health_without_a_loss_scale(tmp_path):
             assert not scalars(logged, tags.float8_tag(tags.FP8_SATURATED_STEPS, path, tensor))
         flushed = tags.float8_tag(tags.FP8_UNDERFLOW_FRACTION, path, "kernel")
         assert 0.0 <= scalars(logged, flushed)[16] <= 1.0
+
+
+def test_gradient_health_counts_real_gradients_only():
+    """Keras hands a float8 layer's scales and amax histories their new value as the
+    "gradient": health, per-variable underflow and histograms leave them out (SGD with
+    lr 1 and one step: the real gradients are the weights' change)."""
+    keras.utils.set_random_seed(0)
+    model = mlp()
+    scale = 256.0
+    opt = kmix.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0), initial_scale=scale, health_every=1, histogram_every=1
+    )
+    model.compile(optimizer=opt, loss="mse")
+    x, y = data(spike_batch=-1)
+    model(x[:16])  # built before the weights are read
+    real = [v for v in model.trainable_variables if not v.overwrite_with_gradient]
+    float8 = [v for v in model.trainable_variables if v.overwrite_with_gradient]
+    assert float8
+    before = [np.asarray(v.value, "float64") for v in real]
+    model.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0, shuffle=False)
+    grads = [b - np.asarray(v.value, "float64") for b, v in zip(before, real, strict=True)]
+    values = np.concatenate([g.ravel() for g in grads])
+    scaled = np.abs(values * scale)
+    health = opt.read_state().health
+    assert health["float16_elements"] == values.size
+    assert health["grad_norm"] == pytest.approx(np.sqrt(np.sum(values**2)), rel=1e-3)
+    assert health["max_abs_scaled"] == pytest.approx(scaled.max(), rel=1e-3)
+    tiny = np.mean(scaled < 2.0**-14)
+    assert health["underflow_fraction"] == pytest.approx(tiny, abs=2 / values.size)
+    paths = {str(v.path) for v in float8}
+    assert not paths & set(opt.underflow_by_variable())
+    assert not paths & set(opt.exponent_histograms_by_variable())
+    assert {str(v.path) for v in real} == set(opt.underflow_by_variable())
