@@ -26,16 +26,31 @@ _FIELDS = {
 
 
 class Float8Monitor:
-    """What one monitor has written of float8 so far."""
+    """What one monitor has written of float8 so far (kept across the fits it watches).
+
+    Attributes:
+        written: ``(first step, layer, tensor)`` -> the length written (an episode open
+            when a fit ended is written again once the next fit has made it longer).
+    """
 
     def __init__(self) -> None:
-        self.written: set[tuple[int, str, str]] = set()
-        self.final = False
+        self.written: dict[tuple[int, str, str], int] = {}
 
     def write(
-        self, optimizer: Any, model: Any, writer: Any, batch: Any, step: int, run_id: str
+        self,
+        optimizer: Any,
+        model: Any,
+        writer: Any,
+        batch: Any,
+        step: int,
+        run_id: str,
+        final: bool = False,
     ) -> None:
-        """Writes the read's float8 scalars into ``batch`` and ended episodes to ``writer``."""
+        """Writes the read's float8 scalars into ``batch`` and ended episodes to ``writer``.
+
+        Args:
+            final: the fit is ending: episodes still open are written as they are now.
+        """
         state = getattr(optimizer, "float8", None)
         if state is not None and state.active:
             health: list[Float8Health] = optimizer.float8_health()
@@ -55,9 +70,9 @@ class Float8Monitor:
         for episode in episodes:
             key = (episode.step, episode.layer, episode.tensor)
             ended = episode.step + episode.steps - 1 < step
-            if key in self.written or not (ended or self.final):
+            if self.written.get(key, 0) >= episode.steps or not (ended or final):
                 continue
-            self.written.add(key)
+            self.written[key] = episode.steps
             writer.text(tags.FP8_EVENTS, tags.format_saturation(episode), step=episode.step)
             record = tags.format_saturation_record(episode, run_id)
             writer.text(tags.FP8_RECORD, record, step=episode.step)

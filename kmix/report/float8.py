@@ -59,13 +59,18 @@ def _finite(value: float | None) -> float | None:
 
 
 def _episodes(log: KmixLog) -> tuple[tags.Float8Saturation, ...]:
-    """Every episode once (a resumed run writes some again), in step then write order."""
+    """Every episode once, in step then write order: its longest record (a resumed run
+    writes some again; an episode open when a fit ended is written again once the next
+    fit has made it longer)."""
     once: dict[tuple[int, str, str], tags.Float8Saturation] = {}
     for _, text in log.texts.get(tags.FP8_RECORD, []):
         for line in text.splitlines():
             record = tags.parse_saturation_record(line.strip())
-            if record is not None:
-                once.setdefault((record.step, record.layer, record.tensor), record)
+            if record is None:
+                continue
+            key = (record.step, record.layer, record.tensor)
+            if key not in once or record.steps > once[key].steps:
+                once[key] = record
     return tuple(sorted(once.values(), key=lambda e: e.step))
 
 

@@ -251,3 +251,42 @@ def test_gradient_health_counts_real_gradients_only():
     assert not paths & set(opt.underflow_by_variable())
     assert not paths & set(opt.exponent_histograms_by_variable())
     assert {str(v.path) for v in real} == set(opt.underflow_by_variable())
+
+
+def written_episodes(log_dir) -> list:
+    from test_monitor import read_back, texts
+
+    from kmix import tags
+
+    logged = read_back(log_dir)
+    return [tags.parse_saturation_record(text) for _, text in texts(logged, tags.FP8_RECORD)]
+
+
+def test_one_monitor_over_two_fits_writes_each_episode_at_its_full_length(tmp_path):
+    """The inputs grow at every step, across both fits: their episode, open when the first
+    fit ends, is written again when the second has made it longer; episodes of the second
+    fit are written once they end, not truncated at its first read."""
+    from kmix.callbacks import MixedPrecisionMonitor
+
+    keras.utils.set_random_seed(0)
+    model = mlp()
+    opt = kmix.LossScaleOptimizer(
+        "sgd", dynamic_growth_steps=4, initial_scale=256.0, float8_follows_loss_scale=False
+    )
+    model.compile(optimizer=opt, loss="mse")
+    x, y = data(spike_batch=-1, batches=32)
+    x *= np.repeat(1.25 ** np.arange(32), 16)[:, None].astype("float32")
+    y *= 0
+    monitor = MixedPrecisionMonitor(str(tmp_path), update_freq=1, verbose=0)
+    for part in (slice(0, 7 * 16), slice(7 * 16, 512)):  # 7 steps, then 25
+        model.fit(x[part], y[part], batch_size=16, verbose=0, shuffle=False, callbacks=[monitor])
+    episodes = {(e.step, e.layer, e.tensor): e.steps for e in opt.float8_episodes()}
+    assert any(step <= 7 < step + steps - 1 for (step, _, _), steps in episodes.items())
+    assert any(step > 7 and steps > 1 for (step, _, _), steps in episodes.items())
+    longest: dict = {}
+    for r in written_episodes(tmp_path):
+        key = (r.step, r.layer, r.tensor)
+        longest[key] = max(longest.get(key, 0), r.steps)
+        if r.step > 7:  # the second fit's: written once, ended
+            assert r.steps == episodes[key], r
+    assert longest == episodes

@@ -199,3 +199,17 @@ def test_a_real_fit_without_following_reports_its_growth_saturations(tmp_path):
     assert any(f.rule == "float8_growth" for f in summary.findings)
     text = report.format_summary(summary)
     assert f"float8          2 layers, 6 tensors; {len(f8.episodes)} saturation episode" in text
+
+
+def test_an_episode_written_again_longer_keeps_its_longest_record():
+    """An episode open when a fit ended is written then, and again once the next fit has
+    made it longer: the report keeps the longest."""
+    short = Float8Saturation(5, LAYERS[0], "inputs", 2.0, 1.0, 2)
+    summary = report.summarize(
+        float8_log(episodes=[short, short.__class__(**{**vars(short), "steps": 6})])
+    )
+    assert [(e.step, e.steps) for e in summary.float8.episodes] == [(5, 6)]
+    again = report.summarize(
+        float8_log(episodes=[Float8Saturation(5, LAYERS[0], "inputs", 2.0, 1.0, 6), short])
+    )
+    assert [(e.step, e.steps) for e in again.float8.episodes] == [(5, 6)]
