@@ -4,7 +4,9 @@ With kmix's optimizer the counts and episodes come from its record
 (:meth:`kmix.LossScaleOptimizer.float8_health`, ``float8_episodes``); with another
 optimizer the variables alone are read (:func:`kmix.float8.read_health`: scale, headroom,
 staleness, kernel underflow; no counts, since nothing watched every step). An episode is
-written once it has ended (or at the run's end), at its first step.
+written once it has ended (or at the fit's end, and again when the next fit made it
+longer), at its first step; episodes the optimizer's ring overwrote between two reads are
+counted (:class:`kmix.tags.Float8Lost`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from kmix import tags
-from kmix.float8 import Float8Health, read_health
+from kmix.float8 import Float8Health, lost_episodes, read_health
 
 __all__ = ["Float8Monitor"]
 
@@ -31,10 +33,22 @@ class Float8Monitor:
     Attributes:
         written: ``(first step, layer, tensor)`` -> the length written (an episode open
             when a fit ended is written again once the next fit has made it longer).
+        seen: the optimizer's episode count at the previous read or train begin:
+            episodes after it that the ring no longer holds were lost.
+        pending: the episodes open at the previous read (not written yet): lost too
+            when the ring no longer holds them.
     """
 
     def __init__(self) -> None:
         self.written: dict[tuple[int, str, str], int] = {}
+        self.seen = 0
+        self.pending: list[int] = []
+
+    def begin(self, optimizer: Any) -> None:
+        """At train begin: episodes counted before this fit are not this fit's to lose."""
+        state = getattr(optimizer, "float8", None)
+        self.seen = state.episode_count() if state is not None and state.active else 0
+        self.pending = []
 
     def write(
         self,
@@ -55,6 +69,15 @@ class Float8Monitor:
         if state is not None and state.active:
             health: list[Float8Health] = optimizer.float8_health()
             episodes = optimizer.float8_episodes()
+            count = state.episode_count()
+            held_from = count - state.capacity + 1
+            lost = lost_episodes(count, state.capacity, self.seen)
+            lost += sum(1 for e in self.pending if e < held_from)
+            self.seen, self.pending = count, [] if final else state.open_episodes(step)
+            if lost:
+                item = tags.Float8Lost(step, lost)
+                writer.text(tags.FP8_EVENTS, tags.format_lost(item), step=step)
+                writer.text(tags.FP8_RECORD, tags.format_lost_record(item, run_id), step=step)
         elif any(
             getattr(v, "overwrite_with_gradient", False)
             for v in getattr(model, "trainable_variables", ())

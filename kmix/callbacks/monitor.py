@@ -189,6 +189,7 @@ class MixedPrecisionMonitor(StepCallback):
         self.run_id = tags.new_run_id() if resumed is None else resumed.run_id
         self._last_state = state
         self._event_index = state.event_count
+        self._float8.begin(source.optimizer)
         self._health_step = state.health_step
         self._histogram_step = state.histogram_step
         self._scale_step = state.attempted_steps

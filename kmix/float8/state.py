@@ -186,6 +186,22 @@ class Float8State:
             return []
         return [int(c) for c in host_value(self.record.tensors)[:, 0]]
 
+    @property
+    def capacity(self) -> int:
+        """Episodes the ring keeps (0 without float8 tensors)."""
+        return 0 if self.record is None else int(self.record.episode_ints.shape[0])
+
+    def episode_count(self) -> int:
+        """Episodes started so far (the ring keeps the last :attr:`capacity`)."""
+        return 0 if self.record is None else int(host_value(self.record.episode_count))
+
+    def open_episodes(self, step: int) -> list[int]:
+        """The numbers of the episodes still open at ``step`` (their tensor saturated then)."""
+        if self.record is None:
+            return []
+        rows = host_value(self.record.tensors)
+        return [int(e) for last, e in rows[:, 1:3] if int(last) >= step and int(e) > 0]
+
     def saturations(self, per_step: bool = True, since_step: int = 0) -> list[Float8Saturation]:
         """The saturations the ring holds (see :func:`kmix.float8.reads.decode_saturations`)."""
         if self.record is None:

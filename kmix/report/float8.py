@@ -58,6 +58,17 @@ def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
+def _lost(log: KmixLog) -> int:
+    """Episodes counted lost, each read's count once (a resumed run writes some again)."""
+    once: dict[int, int] = {}
+    for _, text in log.texts.get(tags.FP8_RECORD, []):
+        for line in text.splitlines():
+            record = tags.parse_lost_record(line.strip())
+            if record is not None:
+                once[record.step] = max(once.get(record.step, 0), record.episodes)
+    return sum(once.values())
+
+
 def _episodes(log: KmixLog) -> tuple[tags.Float8Saturation, ...]:
     """Every episode once, in step then write order: its longest record (a resumed run
     writes some again; an episode open when a fit ended is written again once the next
@@ -139,7 +150,7 @@ def summarize_float8(log: KmixLog, events: tuple[tags.ScaleEvent, ...]) -> Float
         )
         if hit:
             growths.append(GrowthSaturation(event.step, hit))
-    return Float8Summary(layers, tuple(tensors), episodes, total, tuple(growths))
+    return Float8Summary(layers, tuple(tensors), episodes, total, tuple(growths), _lost(log))
 
 
 def spike_of(section: Float8Summary, health: Float8TensorHealth) -> tags.Float8Saturation | None:
@@ -259,6 +270,13 @@ def float8_findings(summary: Summary) -> list[Finding]:
 
 
 # ---------------------------------------------------------------------- text
+def _lost_words(lost: int) -> str:
+    return (
+        f"{plural(lost, 'more episode')} lost: overwritten in the optimizer's ring before "
+        "a read (a lower update_freq reads them all)"
+    )
+
+
 def _bits(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
@@ -283,6 +301,8 @@ def float8_lines(section: Float8Summary | None) -> list[str]:
         f"{plural(len(section.episodes), 'saturation episode')}, "
         f"{plural(section.saturated_tensor_steps, 'saturated tensor-step')}"
     ]
+    if section.lost_episodes:
+        lines.append(f"  {_lost_words(section.lost_episodes)}")
     if section.episodes:
         lines.append("  saturation episodes (first step, length, layer and tensor, amax vs limit)")
         lines += [_episode_line(e) for e in section.episodes[:EPISODES_LISTED]]

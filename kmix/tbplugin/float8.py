@@ -38,7 +38,8 @@ def float8_payload(log: report.KmixLog, summary: report.Summary, limit: int) -> 
         report's order, headroom bits at each read, None where not read), ``"tensors"``
         (each tensor as last read, :class:`kmix.report.Float8TensorHealth` as a dict),
         ``"episodes"`` (the first :data:`MAX_EPISODES`, each with its plain ``line``),
-        ``"episode_count"``, ``"saturated_tensor_steps"``, ``"layers"``.
+        ``"episode_count"``, ``"lost_episodes"`` (overwritten before a read: counted,
+        not listed), ``"saturated_tensor_steps"``, ``"layers"``.
     """
     section = summary.float8
     if section is None:
@@ -76,6 +77,7 @@ def float8_payload(log: report.KmixLog, summary: report.Summary, limit: int) -> 
             "tensors": [dict(vars(t)) for t in section.tensors],
             "episodes": episodes,
             "episode_count": len(section.episodes),
+            "lost_episodes": section.lost_episodes,
             "saturated_tensor_steps": section.saturated_tensor_steps,
             "layers": list(section.layers),
         }

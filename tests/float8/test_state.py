@@ -290,3 +290,33 @@ def test_one_monitor_over_two_fits_writes_each_episode_at_its_full_length(tmp_pa
         if r.step > 7:  # the second fit's: written once, ended
             assert r.steps == episodes[key], r
     assert longest == episodes
+
+
+def test_episodes_the_ring_overwrote_between_reads_are_counted_lost(tmp_path, monkeypatch):
+    """A ring of 6 rows and a read every 8 steps: every episode is written or counted lost."""
+    from test_monitor import read_back, texts
+
+    from kmix import report, tags
+    from kmix.callbacks import MixedPrecisionMonitor
+
+    monkeypatch.setattr("kmix.float8.state.MIN_CAPACITY", 6)
+    keras.utils.set_random_seed(0)
+    model = mlp()
+    opt = kmix.LossScaleOptimizer(
+        "sgd", dynamic_growth_steps=4, initial_scale=256.0, float8_follows_loss_scale=False
+    )
+    model.compile(optimizer=opt, loss="mse")
+    x, y = data(spike_batch=-1, batches=32)
+    x *= np.repeat(1.25 ** np.arange(32), 16)[:, None].astype("float32")
+    monitor = MixedPrecisionMonitor(str(tmp_path), update_freq=8, verbose=0)
+    model.fit(x, y * 0, batch_size=16, verbose=0, shuffle=False, callbacks=[monitor])
+    assert opt.float8.capacity == 6
+    logged = read_back(tmp_path)
+    records = [text for _, text in texts(logged, tags.FP8_RECORD)]
+    lost = [r for r in map(tags.parse_lost_record, records) if r is not None]
+    written = {(r.step, r.layer, r.tensor) for r in map(tags.parse_saturation_record, records) if r}
+    assert lost and sum(r.episodes for r in lost) + len(written) == opt.float8.episode_count()
+    assert all(r.step % 8 == 0 for r in lost)
+    assert any("episodes lost" in text for _, text in texts(logged, tags.FP8_EVENTS))
+    section = report.summarize(report.read_log(str(tmp_path))).float8
+    assert section.lost_episodes == sum(r.episodes for r in lost)

@@ -213,3 +213,20 @@ def test_an_episode_written_again_longer_keeps_its_longest_record():
         float8_log(episodes=[Float8Saturation(5, LAYERS[0], "inputs", 2.0, 1.0, 6), short])
     )
     assert [(e.step, e.steps) for e in again.float8.episodes] == [(5, 6)]
+
+
+def test_lost_episodes_are_counted_in_the_section_and_the_tab():
+    from kmix.tbplugin.float8 import float8_payload
+
+    log = float8_log(episodes=[Float8Saturation(4, LAYERS[0], "kernel", 0.75, 0.5)])
+    lost = [tags.format_lost_record(tags.Float8Lost(s, n), "run") for s, n in ((10, 3), (20, 2))]
+    log.texts[tags.FP8_RECORD] += [(10, lost[0]), (20, lost[1]), (20, lost[1])]  # one twice
+    summary = report.summarize(log)
+    assert summary.float8.lost_episodes == 5
+    assert section(summary)[1] == (
+        "  5 more episodes lost: overwritten in the optimizer's ring before a read (a lower "
+        "update_freq reads them all)"
+    )
+    assert float8_payload(log, summary, limit=200)["lost_episodes"] == 5
+    assert tags.parse_lost_record(lost[0]) == tags.Float8Lost(10, 3)
+    assert tags.parse_saturation_record(lost[0]) is None  # older readers skip it

@@ -68,6 +68,10 @@ export function fillFloat8(slot, float8, helpers) {
   slot.append(el('p', {class: 'float8-counts', text:
     `${float8.layers.length} float8 layers, ${tensors} tensors; ${float8.episode_count} saturation episodes, `
     + `${float8.saturated_tensor_steps} saturated tensor-steps.`}));
+  if (float8.lost_episodes) {
+    slot.append(el('p', {class: 'hint float8-lost', text:
+      `${float8.lost_episodes} more episodes lost: overwritten in the optimizer's ring before a read (a lower update_freq reads them all).`}));
+  }
   if (float8.headroom.steps.length) {
     const grid = headroomGrid(float8.headroom, 'float8 headroom per layer and tensor (bits: log2 of scale x format max / amax) over reads');
     slot.append(grid);
