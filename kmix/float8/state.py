@@ -102,6 +102,24 @@ class Float8State:
             )
         )
 
+    def completed(self, store: Any, variables: Sequence[Any]) -> Any:
+        """``store`` with the record's values inserted where a ``.keras`` file saved before
+        the record existed lacks them (the record left at zero, so the rest loads);
+        ``store`` itself otherwise.
+
+        Args:
+            store: what Keras hands ``load_own_variables`` (keys ``"0"``, ``"1"``...).
+            variables: the optimizer's variables, in the saved order.
+        """
+        if self.record is None or len(store.keys()) != len(variables) - len(FIELDS):
+            return store
+        mine = {id(v) for v in self.record}
+        saved = iter(store[str(i)] for i in range(len(store.keys())))
+        return {
+            str(i): np.zeros(v.shape, v.dtype) if id(v) in mine else next(saved)
+            for i, v in enumerate(variables)
+        }
+
     # ------------------------------------------------------------- in the step
     def check(self, grads: Sequence[Any], values: Sequence[Any], applies: Any) -> StepCheck:
         """The step's fused check (:func:`kmix.float8.saturation.check_step`); values before it."""

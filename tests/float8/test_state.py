@@ -320,3 +320,33 @@ def test_episodes_the_ring_overwrote_between_reads_are_counted_lost(tmp_path, mo
     assert any("episodes lost" in text for _, text in texts(logged, tags.FP8_EVENTS))
     section = report.summarize(report.read_log(str(tmp_path))).float8
     assert section.lost_episodes == sum(r.episodes for r in lost)
+
+
+def test_state_saved_before_the_float8_record_existed_loads_with_the_record_at_zero():
+    """A ``.keras`` file of a float8 model saved before kmix kept float8 state lacks the
+    record's four variables: the rest loads (Keras would skip everything on the count)."""
+    import warnings
+
+    from kmix.float8 import FIELDS
+
+    keras.utils.set_random_seed(0)
+    model = mlp()
+    opt, _ = train(model)
+    old_store = {}
+    for v in opt.variables:
+        if v.name not in FIELDS:
+            old_store[str(len(old_store))] = np.asarray(v.value)
+    assert len(old_store) == len(opt.variables) - 4
+    fresh = mlp()
+    again = kmix.LossScaleOptimizer("sgd", dynamic_growth_steps=4, initial_scale=256.0)
+    fresh.compile(optimizer=again, loss="mse")
+    again.build(fresh.trainable_variables)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Keras warns when it skips the optimizer's state
+        again.load_own_variables(old_store)
+    assert again.loss_scale == opt.loss_scale and again.attempted_steps == opt.attempted_steps
+    assert again.scale_events() == opt.scale_events()
+    assert again.float8.episode_count() == 0 and again.float8_saturations() == []
+    for old, new in zip(opt.variables, again.variables, strict=True):
+        if old.name not in FIELDS:
+            np.testing.assert_array_equal(np.asarray(old.value), np.asarray(new.value))
