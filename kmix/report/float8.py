@@ -164,7 +164,9 @@ def spike_of(section: Float8Summary, health: Float8TensorHealth) -> tags.Float8S
 
 
 # ------------------------------------------------------------------ findings
-def _growth_findings(section: Float8Summary, loss_scaling: str | None) -> list[Finding]:
+def _growth_findings(
+    section: Float8Summary, loss_scaling: str | None, follows: bool | None
+) -> list[Finding]:
     growths = section.growth_saturations
     if not growths:
         return []
@@ -187,11 +189,17 @@ def _growth_findings(section: Float8Summary, loss_scaling: str | None) -> list[F
         "with float8_follows_loss_scale=True (its default) multiplies them by each change "
         "of the scale in the same step"
     )
-    if loss_scaling == "kmix":
+    if loss_scaling == "kmix" and follows is False:  # the run's record says so
         fix = (
             "their float8 scales did not follow the loss scale "
-            "(float8_follows_loss_scale=False?): with True, kmix.LossScaleOptimizer's "
-            "default, they are multiplied by each change of the scale in the same step"
+            "(float8_follows_loss_scale=False in this run): with True, "
+            "kmix.LossScaleOptimizer's default, they are multiplied by each change of the "
+            "scale in the same step"
+        )
+    elif loss_scaling == "kmix":  # following, or not recorded: the flag is not to blame
+        fix = (
+            "the growth doubled them past their delayed float8 scales, which catch up "
+            "only from the next steps' amax"
         )
     return [Finding("warning", "float8_growth", f"{head}; {fix}")]
 
@@ -262,8 +270,9 @@ def float8_findings(summary: Summary) -> list[Finding]:
         return []
     record = summary.policy_record
     loss_scaling = None if record is None else record.loss_scaling
+    follows = None if record is None else record.float8_follows_loss_scale
     return (
-        _growth_findings(section, loss_scaling)
+        _growth_findings(section, loss_scaling, follows)
         + _stale_findings(section)
         + _saturated_findings(section, summary.steps_seen)
     )

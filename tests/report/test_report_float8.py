@@ -230,3 +230,34 @@ def test_lost_episodes_are_counted_in_the_section_and_the_tab():
     assert float8_payload(log, summary, limit=200)["lost_episodes"] == 5
     assert tags.parse_lost_record(lost[0]) == tags.Float8Lost(10, 3)
     assert tags.parse_saturation_record(lost[0]) is None  # older readers skip it
+
+
+def test_the_growth_finding_names_the_flag_only_where_the_run_recorded_it_false():
+    import dataclasses
+
+    from test_finding_rules import RECORD
+
+    episodes = [Float8Saturation(16, layer, "outputs_grad", 2.0, 1.0) for layer in LAYERS]
+    growth = event_line(15, "growth", 256.0, 512.0)
+
+    def message(**fields) -> str:
+        log = float8_log(episodes=episodes, events=[growth])
+        record = dataclasses.replace(RECORD, loss_scaling="kmix", **fields)
+        log.texts[tags.POLICY_RECORD] = [(0, tags.format_policy_record(record))]
+        (finding,) = [f for f in report.summarize(log).findings if f.rule == "float8_growth"]
+        return finding.message
+
+    off = message(float8_follows_loss_scale=False)
+    assert "(float8_follows_loss_scale=False in this run)" in off
+    for follows in (True, None):  # following, or a log from before the field: not the flag
+        said = message(float8_follows_loss_scale=follows)
+        assert "float8_follows_loss_scale" not in said
+        assert said.endswith(
+            "(at step 16); the growth doubled them past their delayed float8 scales, which "
+            "catch up only from the next steps' amax"
+        )
+    text = tags.format_policy_record(dataclasses.replace(RECORD, float8_follows_loss_scale=False))
+    assert tags.parse_policy_record(text).float8_follows_loss_scale is False
+    old = json.loads(text)
+    del old["float8_follows_loss_scale"]
+    assert tags.parse_policy_record(json.dumps(old)).float8_follows_loss_scale is None
