@@ -38,13 +38,12 @@ EPISODES_LISTED = 12
 _TENSOR_ORDER = {"inputs": 0, "kernel": 1, "outputs_grad": 2}
 _TENSOR_WORDS = {"inputs": "inputs", "kernel": "kernel", "outputs_grad": "output gradients"}
 FLUSH_FRESH_BITS = {
-    "inputs": math.log2(2.0**-9 / 2 / 448.0),
-    "kernel": math.log2(2.0**-9 / 2 / 448.0),
-    "outputs_grad": math.log2(2.0**-16 / 2 / 57344.0),
+    tensor: math.log2(tags.FLOAT8_FORMAT_TINY[fmt] / 2 / tags.FLOAT8_FORMAT_MAX[fmt])
+    for tensor, fmt in tags.FLOAT8_FORMATS.items()
 }
 """log2 of the share of a fresh scale's amax below which a value flushes to zero: half the
 format's smallest subnormal over its max (E4M3: 2^-9 / 448; E5M2 for the output gradients:
-2^-16 / 57344), as :mod:`kmix.float8.tensors` states them."""
+2^-16 / 57344), from :data:`kmix.tags.FLOAT8_FORMAT_TINY` and ``FLOAT8_FORMAT_MAX``."""
 
 
 def _latest(log: KmixLog, prefix: str, layer: str, tensor: str) -> tuple[int, float] | None:

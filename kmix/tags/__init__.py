@@ -57,6 +57,9 @@ from kmix.tags.events import (
     source_words,
 )
 from kmix.tags.float8 import (
+    FLOAT8_FORMAT_MAX,
+    FLOAT8_FORMAT_TINY,
+    FLOAT8_FORMATS,
     FLOAT8_LOST_RECORD,
     FLOAT8_SATURATION_RECORD,
     FP8_EVENTS,
@@ -116,6 +119,9 @@ __all__ = [
     "FP8_STALENESS_BITS",
     "FP8_TAG_PREFIXES",
     "FP8_UNDERFLOW_FRACTION",
+    "FLOAT8_FORMATS",
+    "FLOAT8_FORMAT_MAX",
+    "FLOAT8_FORMAT_TINY",
     "FLOAT8_LOST_RECORD",
     "FLOAT8_SATURATION_RECORD",
     "Float8Lost",

@@ -24,6 +24,9 @@ __all__ = [
     "FP8_STALENESS_BITS",
     "FP8_TAG_PREFIXES",
     "FP8_UNDERFLOW_FRACTION",
+    "FLOAT8_FORMATS",
+    "FLOAT8_FORMAT_MAX",
+    "FLOAT8_FORMAT_TINY",
     "FLOAT8_LOST_RECORD",
     "FLOAT8_SATURATION_RECORD",
     "Float8Lost",
@@ -37,6 +40,17 @@ __all__ = [
     "parse_lost_record",
     "parse_saturation_record",
 ]
+
+FLOAT8_FORMATS = {
+    "inputs": "float8_e4m3fn",
+    "kernel": "float8_e4m3fn",
+    "outputs_grad": "float8_e5m2",
+}
+"""Each float8 tensor's format (Keras: E4M3 forward, E5M2 for the output gradient)."""
+FLOAT8_FORMAT_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+"""The largest finite value of each format (``ml_dtypes.finfo(...).max``)."""
+FLOAT8_FORMAT_TINY = {"float8_e4m3fn": 2.0**-9, "float8_e5m2": 2.0**-16}
+"""The smallest positive (subnormal) value of each format: half of it rounds to zero."""
 
 FP8_SCALE = "kmix/fp8_scale/"
 """+ ``<layer>/<tensor>``: the delayed scale the next step uses (Keras's ``<tensor>_scale``)."""

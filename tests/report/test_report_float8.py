@@ -261,3 +261,16 @@ def test_the_growth_finding_names_the_flag_only_where_the_run_recorded_it_false(
     old = json.loads(text)
     del old["float8_follows_loss_scale"]
     assert tags.parse_policy_record(json.dumps(old)).float8_follows_loss_scale is None
+
+
+def test_the_float8_formats_are_stated_once_in_the_contract():
+    import math
+
+    from kmix.report.float8 import FLUSH_FRESH_BITS
+
+    assert tags.FLOAT8_FORMAT_MAX == {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+    assert FLUSH_FRESH_BITS == {
+        "inputs": math.log2(2.0**-9 / 2 / 448.0),
+        "kernel": math.log2(2.0**-9 / 2 / 448.0),
+        "outputs_grad": math.log2(2.0**-16 / 2 / 57344.0),
+    }
