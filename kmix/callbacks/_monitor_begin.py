@@ -124,6 +124,9 @@ def policy_record(
         run_id=run_id,
         processes=processes,
         devices=devices,
+        float8_follows_loss_scale=getattr(
+            getattr(source.optimizer, "float8", None), "follows_loss_scale", None
+        ),
     )
 
 

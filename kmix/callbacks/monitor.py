@@ -142,6 +142,7 @@ class MixedPrecisionMonitor(StepCallback):
         self._forecast = HeadroomForecast()
         self._batch = SummaryBatch(tags.description)  # one write per step per read
         self._float8 = Float8Monitor()  # float8 layers' health and saturation episodes
+        self._ending = False  # finish() is reading: the fit ends
         self._told_origins: set[str] = set()  # layers a forward overflow was printed for
         self._share_written = False  # kmix/float16_share, once the model has weights
         self.run_id: str | None = None  # set at train begin
@@ -188,6 +189,7 @@ class MixedPrecisionMonitor(StepCallback):
         self.run_id = tags.new_run_id() if resumed is None else resumed.run_id
         self._last_state = state
         self._event_index = state.event_count
+        self._float8.begin(source.optimizer)
         self._health_step = state.health_step
         self._histogram_step = state.histogram_step
         self._scale_step = state.attempted_steps
@@ -220,8 +222,11 @@ class MixedPrecisionMonitor(StepCallback):
         """
         try:
             if self._writer is not None:
-                self._float8.final = True  # episodes still open are written now
-                self._read(logs)
+                self._ending = True  # float8 episodes still open are written now
+                try:
+                    self._read(logs)
+                finally:
+                    self._ending = False
                 step = self._last_state.attempted_steps
                 self._writer.text(
                     tags.RUN_END,
@@ -295,7 +300,7 @@ class MixedPrecisionMonitor(StepCallback):
             step = self._read_state().attempted_steps
             self._float8.write(
                 source.optimizer, self.model, self._writer, self._batch, step, self.run_id
-            )
+            )  # no episodes without kmix's optimizer: nothing is open
             self._batch.write(self._writer)
             self._writer.flush()
             return
@@ -328,7 +333,9 @@ class MixedPrecisionMonitor(StepCallback):
             if scale_points[point_step] > 0:
                 self._scalar(tags.LOSS_SCALE_LOG2, math.log2(scale_points[point_step]), point_step)
         model = self.model
-        self._float8.write(source.optimizer, model, self._writer, self._batch, step, self.run_id)
+        self._float8.write(
+            source.optimizer, model, self._writer, self._batch, step, self.run_id, self._ending
+        )
         self._batch.write(self._writer)
         self._scale_step = max(self._scale_step, step)
         self._last_state = state

@@ -10,7 +10,7 @@ read, from any model's variables.
 
 from __future__ import annotations
 
-from kmix.float8.reads import Float8Health, decode_saturations, tensor_health
+from kmix.float8.reads import Float8Health, decode_saturations, lost_episodes, tensor_health
 from kmix.float8.saturation import (
     EPISODE_FLOAT_FIELDS,
     EPISODE_INT_FIELDS,
@@ -52,6 +52,7 @@ __all__ = [
     "check_step",
     "decode_saturations",
     "float8_tensors",
+    "lost_episodes",
     "read_health",
     "rescaled",
     "tensor_health",

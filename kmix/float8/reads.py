@@ -18,7 +18,7 @@ from kmix.float8.saturation import EPISODE_FLOAT_FIELDS, EPISODE_INT_FIELDS
 from kmix.float8.tensors import FORMAT_TINY, Float8Tensor
 from kmix.tags import Float8Saturation
 
-__all__ = ["Float8Health", "decode_saturations", "tensor_health"]
+__all__ = ["Float8Health", "decode_saturations", "lost_episodes", "tensor_health"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,3 +153,17 @@ def decode_saturations(
             )
     found.sort(key=lambda item: (item[0], item[1]))
     return [entry for _, _, entry in found]
+
+
+def lost_episodes(episode_count: int, capacity: int, seen: int) -> int:
+    """Episodes started after ``seen`` that the ring no longer holds (overwritten).
+
+    The ring keeps episodes ``episode_count - capacity + 1 .. episode_count``; those
+    numbered ``seen + 1`` up to ``episode_count - capacity`` were never read.
+
+    Args:
+        episode_count: episodes started so far.
+        capacity: the ring's rows.
+        seen: the episode count at the previous read.
+    """
+    return max(0, episode_count - capacity - seen)

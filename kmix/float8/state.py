@@ -2,13 +2,17 @@
 
 Created by :class:`kmix.LossScaleOptimizer` beside its step record, and only when the
 variables it trains include Keras float8 state (so the saved layout of other models does
-not change). In the step, every backend::
+not change). In the step, every backend runs :meth:`Float8State.check` (two vectors and
+one ``any``); then::
 
-    check = state.check(grads, values, applies)     # two vectors and one any: always
-    TensorFlow: state.record(check, step)            # rare branch: counts and episodes
-                state.rescale(tracked, factor)       # rare branch: scale changed
-    JAX:        state.advanced(old, check, step)     # the same, as values
-                state.rescaled(values, factor)
+    TensorFlow and torch (kmix.optimizer.assigned_step, assigning variables):
+        check = state.before_apply(aligned, applies)             # the scales used
+        state.after_record(check, packed, old_scale, new_scale)
+            record_step(check, step)      # rare branch: counts and episodes
+            rescale(factor)               # rare branch: the loss scale changed
+    JAX (kmix.optimizer.jax_step, values in, values out):
+        state.step_values(...)            # advanced(old, check, step): the same, as values
+        state.rescaled(values, factor)
 """
 
 from __future__ import annotations
@@ -102,13 +106,32 @@ class Float8State:
             )
         )
 
+    def completed(self, store: Any, variables: Sequence[Any]) -> Any:
+        """``store`` with the record's values inserted where a ``.keras`` file saved before
+        the record existed lacks them (the record left at zero, so the rest loads);
+        ``store`` itself otherwise.
+
+        Args:
+            store: what Keras hands ``load_own_variables`` (keys ``"0"``, ``"1"``...).
+            variables: the optimizer's variables, in the saved order.
+        """
+        if self.record is None or len(store.keys()) != len(variables) - len(FIELDS):
+            return store
+        mine = {id(v) for v in self.record}
+        saved = iter(store[str(i)] for i in range(len(store.keys())))
+        return {
+            str(i): np.zeros(v.shape, v.dtype) if id(v) in mine else next(saved)
+            for i, v in enumerate(variables)
+        }
+
     # ------------------------------------------------------------- in the step
     def check(self, grads: Sequence[Any], values: Sequence[Any], applies: Any) -> StepCheck:
         """The step's fused check (:func:`kmix.float8.saturation.check_step`); values before it."""
         return check_step(self.tensors, grads, values, applies)
 
     def record_step(self, check: StepCheck, step: Any) -> None:
-        """TensorFlow: assigns the record after the step, in a branch only saturation takes."""
+        """TensorFlow and torch: assigns the record after the step (a branch only saturation
+        takes)."""
         variables = self.record
 
         def write() -> None:
@@ -125,7 +148,8 @@ class Float8State:
         )
 
     def rescale(self, factor: Any) -> None:
-        """TensorFlow: multiplies the output gradients' float8 state by ``factor`` (when not 1)."""
+        """TensorFlow and torch: multiplies the output gradients' float8 state by ``factor``
+        (when not 1)."""
         if not self.follows_loss_scale:
             return
         tracked = self._tracked
@@ -146,14 +170,16 @@ class Float8State:
 
     # -------------------------------------------- what each backend's step calls
     def before_apply(self, aligned: Sequence[Any], applies: Any) -> StepCheck:
-        """TensorFlow, before the inner optimizer assigns: the check over the scales used."""
+        """TensorFlow and torch, before the inner optimizer assigns: the check over the scales
+        used."""
         values = {
             t.scale_index: ops.convert_to_tensor(self._tracked[t.scale_index]) for t in self.tensors
         }
         return self.check(aligned, values, applies)
 
     def after_record(self, check: StepCheck, packed: Any, old_scale: Any, new_scale: Any) -> None:
-        """TensorFlow, after the record: counts saturations, follows the scale's change."""
+        """TensorFlow and torch, after the record: counts saturations, follows the scale's
+        change."""
         self.record_step(check, attempted_step(packed))
         self.rescale(ops.divide(new_scale, old_scale))
 
@@ -185,6 +211,22 @@ class Float8State:
         if self.record is None:
             return []
         return [int(c) for c in host_value(self.record.tensors)[:, 0]]
+
+    @property
+    def capacity(self) -> int:
+        """Episodes the ring keeps (0 without float8 tensors)."""
+        return 0 if self.record is None else int(self.record.episode_ints.shape[0])
+
+    def episode_count(self) -> int:
+        """Episodes started so far (the ring keeps the last :attr:`capacity`)."""
+        return 0 if self.record is None else int(host_value(self.record.episode_count))
+
+    def open_episodes(self, step: int) -> list[int]:
+        """The numbers of the episodes still open at ``step`` (their tensor saturated then)."""
+        if self.record is None:
+            return []
+        rows = host_value(self.record.tensors)
+        return [int(e) for last, e in rows[:, 1:3] if int(last) >= step and int(e) > 0]
 
     def saturations(self, per_step: bool = True, since_step: int = 0) -> list[Float8Saturation]:
         """The saturations the ring holds (see :func:`kmix.float8.reads.decode_saturations`)."""

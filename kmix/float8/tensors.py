@@ -14,19 +14,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from kmix.tags import FLOAT8_FORMAT_MAX, FLOAT8_FORMAT_TINY, FLOAT8_FORMATS
+
 __all__ = ["FORMATS", "FORMAT_MAX", "FORMAT_TINY", "TENSORS", "Float8Tensor", "float8_tensors"]
 
 TENSORS = ("inputs", "kernel", "outputs_grad")
 """The tensors a Keras float8 layer quantizes, in the order kmix keeps them."""
 
-FORMATS = {"inputs": "float8_e4m3fn", "kernel": "float8_e4m3fn", "outputs_grad": "float8_e5m2"}
-"""Each tensor's float8 format (Keras: E4M3 forward, E5M2 for the output gradient)."""
-
-FORMAT_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
-"""The largest finite value of each format (``ml_dtypes.finfo(...).max``)."""
-
-FORMAT_TINY = {"float8_e4m3fn": 2.0**-9, "float8_e5m2": 2.0**-16}
-"""The smallest positive (subnormal) value of each format: half of it rounds to zero."""
+FORMATS = FLOAT8_FORMATS
+"""Each tensor's float8 format (:data:`kmix.tags.FLOAT8_FORMATS`)."""
+FORMAT_MAX = FLOAT8_FORMAT_MAX
+"""The largest finite value of each format (:data:`kmix.tags.FLOAT8_FORMAT_MAX`)."""
+FORMAT_TINY = FLOAT8_FORMAT_TINY
+"""Each format's smallest subnormal (:data:`kmix.tags.FLOAT8_FORMAT_TINY`)."""
 
 
 class Float8Tensor(NamedTuple):

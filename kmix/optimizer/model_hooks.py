@@ -139,6 +139,9 @@ class ModelHooks:
     def float16_mask(self, variables: list[Any]) -> np.ndarray:
         """1.0 for each variable whose layer computes in float16 (all, without a model).
 
+        A float8 layer's scales and amax histories (``overwrite_with_gradient``: Keras
+        hands them their new value as gradient) are 0.0: they hold no gradient.
+
         Args:
             variables: the optimizer's tracked trainable variables.
 
@@ -146,10 +149,15 @@ class ModelHooks:
             A float32 vector, one entry per variable.
         """
         model = self.model
-        if model is None:
-            return np.ones(len(variables), "float32")
-        dtypes = variable_compute_dtypes(model)
-        return np.asarray([dtypes.get(id(v)) == "float16" for v in variables], "float32")
+        dtypes = None if model is None else variable_compute_dtypes(model)
+        return np.asarray(
+            [
+                not getattr(v, "overwrite_with_gradient", False)
+                and (dtypes is None or dtypes.get(id(v)) == "float16")
+                for v in variables
+            ],
+            "float32",
+        )
 
     def _wrap_train_step(self, model: keras.Model) -> None:
         wrapped_for = getattr(model, "_kmix_train_step_of", None)

@@ -40,7 +40,7 @@ from kmix.record import (
 )
 from kmix.tags import ScaleEvent
 
-__all__ = ["Before", "RecordReads", "StepRecorder"]
+__all__ = ["Before", "RecordReads", "StepRecorder", "is_gradient"]
 
 
 class Before(NamedTuple):
@@ -52,6 +52,12 @@ class Before(NamedTuple):
 
 def _noop() -> None:
     return None
+
+
+def is_gradient(variable: Any) -> bool:
+    """Whether a tracked variable's gradient is one: Keras hands a float8 layer's scales and
+    amax histories (``overwrite_with_gradient``) their new value instead."""
+    return not getattr(variable, "overwrite_with_gradient", False)
 
 
 class StepRecorder:
@@ -227,7 +233,8 @@ class StepRecorder:
         """
         settings = self.settings.variables
         return record.Statistics(
-            *(settings[name].value for name in ("health_every", "histogram_every", "float16_mask"))
+            *(settings[name].value for name in ("health_every", "histogram_every", "float16_mask")),
+            not_gradients=tuple(i for i, v in enumerate(self._variables) if not is_gradient(v)),
         )
 
     # ------------------------------------------------------------- on the host
@@ -271,7 +278,11 @@ class StepRecorder:
         values = host_value(getattr(self, name))
         if values.ndim == 1:
             values = [float(v) for v in values]
-        return dict(zip(self.variable_paths(), values, strict=True))
+        return {  # a float8 scale or amax history has no gradient to describe
+            v.path: value
+            for v, value in zip(self._variables, values, strict=True)
+            if is_gradient(v)
+        }
 
     def activations_by_layer(self) -> dict[str, dict[str, float]]:
         """Layer path -> :data:`ACTIVATION_FIELDS` -> value at the latest health step.

@@ -28,7 +28,18 @@ def is_float8(layer: Any) -> bool:
 
 
 def _can_be_float8(layer: Any) -> bool:
-    return any(cls.__name__ in FLOAT8_CLASSES for cls in type(layer).__mro__)
+    """Keras's own ``Dense`` or ``EinsumDense``: their ``quantize`` refuses a subclass
+    (``type(self) is not Dense``)."""
+    import keras
+
+    return type(layer) in (keras.layers.Dense, keras.layers.EinsumDense)
+
+
+def _subclass(layer: Any) -> bool:
+    return not _can_be_float8(layer) and any(
+        cls.__name__ in FLOAT8_CLASSES and cls.__module__.startswith("keras.")
+        for cls in type(layer).__mro__
+    )
 
 
 def _names(paths: list[str]) -> str:
@@ -63,7 +74,22 @@ def float8_layers(model: Any, layers: list[tuple[str, Any]]) -> list[AuditFindin
         and getattr(layer, "_trainable_variables", None)
         and not getattr(layer, "_layers", None)  # a block: its own layers are listed
     ]
-    cannot = [path for path, layer in weighted if not _can_be_float8(layer)]
+    subclasses = [path for path, layer in weighted if _subclass(layer)]
+    cannot = [
+        path for path, layer in weighted if not _can_be_float8(layer) and not _subclass(layer)
+    ]
+    if subclasses:
+        found.append(
+            AuditFinding(
+                "info",
+                "",
+                f"cannot be float8 (subclasses of {' or '.join(FLOAT8_CLASSES)}: Keras's "
+                f"quantize accepts only those classes themselves): {_names(subclasses)}; "
+                "they compute in their own dtype policy.",
+                "to run them in float8, build them as Dense or EinsumDense layers "
+                "(or implement quantize in the subclass)",
+            )
+        )
     if cannot:
         found.append(
             AuditFinding(

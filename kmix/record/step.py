@@ -76,11 +76,22 @@ class Statistics(NamedTuple):
         health_every: steps between gradient health measurements (>= 1).
         histogram_every: steps between exponent histograms (0: never).
         float16_mask: 1.0 per variable whose layer computes in float16.
+        not_gradients: positions of the tracked variables whose "gradient" is their new
+            value (Keras's float8 scales and amax histories: ``overwrite_with_gradient``):
+            left out of health and histograms, kept in the non-finite flags (static).
     """
 
     health_every: Any
     histogram_every: Any
     float16_mask: Any
+    not_gradients: tuple[int, ...] = ()
+
+    def measured(self, grads: list) -> list:
+        """``grads`` with ``None`` for :attr:`not_gradients` (what statistics measure)."""
+        if not self.not_gradients:
+            return grads
+        left_out = frozenset(self.not_gradients)
+        return [None if i in left_out else g for i, g in enumerate(grads)]
 
     def due(self, counters: Any) -> Any:
         """``[health_due, histogram_due]`` at the step after ``counters`` (packed)."""
@@ -149,17 +160,18 @@ def advance_record(
         statistics.health_every,
         statistics.histogram_every,
     )
+    measured_grads = statistics.measured(grads)
     unmeasured = ops.full((len(HEALTH_FIELDS),), np.nan, "float32")
     # Called conditionals (TensorFlow: kept out of the steps that do not take them).
     measured, underflow, subnormal = rare_cond(
         outcome.statistics_due,
-        lambda: _health(grads, old.scale, statistics.float16_mask),
+        lambda: _health(measured_grads, old.scale, statistics.float16_mask),
         lambda: (unmeasured, old.underflow_per_variable, old.subnormal_per_variable),
     )
     due = outcome.health_due
     histograms = rare_cond(
         outcome.histogram_due,
-        lambda: ops.cast(health.exponent_histograms(grads), old.exponent_histograms.dtype),
+        lambda: ops.cast(health.exponent_histograms(measured_grads), old.exponent_histograms.dtype),
         lambda: old.exponent_histograms,
     )
     activations, origin = old.activation_stats, record.NO_ORIGIN

@@ -38,13 +38,12 @@ EPISODES_LISTED = 12
 _TENSOR_ORDER = {"inputs": 0, "kernel": 1, "outputs_grad": 2}
 _TENSOR_WORDS = {"inputs": "inputs", "kernel": "kernel", "outputs_grad": "output gradients"}
 FLUSH_FRESH_BITS = {
-    "inputs": math.log2(2.0**-9 / 2 / 448.0),
-    "kernel": math.log2(2.0**-9 / 2 / 448.0),
-    "outputs_grad": math.log2(2.0**-16 / 2 / 57344.0),
+    tensor: math.log2(tags.FLOAT8_FORMAT_TINY[fmt] / 2 / tags.FLOAT8_FORMAT_MAX[fmt])
+    for tensor, fmt in tags.FLOAT8_FORMATS.items()
 }
 """log2 of the share of a fresh scale's amax below which a value flushes to zero: half the
 format's smallest subnormal over its max (E4M3: 2^-9 / 448; E5M2 for the output gradients:
-2^-16 / 57344), as :mod:`kmix.float8.tensors` states them."""
+2^-16 / 57344), from :data:`kmix.tags.FLOAT8_FORMAT_TINY` and ``FLOAT8_FORMAT_MAX``."""
 
 
 def _latest(log: KmixLog, prefix: str, layer: str, tensor: str) -> tuple[int, float] | None:
@@ -58,14 +57,30 @@ def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
+def _lost(log: KmixLog) -> int:
+    """Episodes counted lost, each read's count once (a resumed run writes some again)."""
+    once: dict[int, int] = {}
+    for _, text in log.texts.get(tags.FP8_RECORD, []):
+        for line in text.splitlines():
+            record = tags.parse_lost_record(line.strip())
+            if record is not None:
+                once[record.step] = max(once.get(record.step, 0), record.episodes)
+    return sum(once.values())
+
+
 def _episodes(log: KmixLog) -> tuple[tags.Float8Saturation, ...]:
-    """Every episode once (a resumed run writes some again), in step then write order."""
+    """Every episode once, in step then write order: its longest record (a resumed run
+    writes some again; an episode open when a fit ended is written again once the next
+    fit has made it longer)."""
     once: dict[tuple[int, str, str], tags.Float8Saturation] = {}
     for _, text in log.texts.get(tags.FP8_RECORD, []):
         for line in text.splitlines():
             record = tags.parse_saturation_record(line.strip())
-            if record is not None:
-                once.setdefault((record.step, record.layer, record.tensor), record)
+            if record is None:
+                continue
+            key = (record.step, record.layer, record.tensor)
+            if key not in once or record.steps > once[key].steps:
+                once[key] = record
     return tuple(sorted(once.values(), key=lambda e: e.step))
 
 
@@ -134,7 +149,7 @@ def summarize_float8(log: KmixLog, events: tuple[tags.ScaleEvent, ...]) -> Float
         )
         if hit:
             growths.append(GrowthSaturation(event.step, hit))
-    return Float8Summary(layers, tuple(tensors), episodes, total, tuple(growths))
+    return Float8Summary(layers, tuple(tensors), episodes, total, tuple(growths), _lost(log))
 
 
 def spike_of(section: Float8Summary, health: Float8TensorHealth) -> tags.Float8Saturation | None:
@@ -148,7 +163,9 @@ def spike_of(section: Float8Summary, health: Float8TensorHealth) -> tags.Float8S
 
 
 # ------------------------------------------------------------------ findings
-def _growth_findings(section: Float8Summary, loss_scaling: str | None) -> list[Finding]:
+def _growth_findings(
+    section: Float8Summary, loss_scaling: str | None, follows: bool | None
+) -> list[Finding]:
     growths = section.growth_saturations
     if not growths:
         return []
@@ -171,11 +188,17 @@ def _growth_findings(section: Float8Summary, loss_scaling: str | None) -> list[F
         "with float8_follows_loss_scale=True (its default) multiplies them by each change "
         "of the scale in the same step"
     )
-    if loss_scaling == "kmix":
+    if loss_scaling == "kmix" and follows is False:  # the run's record says so
         fix = (
             "their float8 scales did not follow the loss scale "
-            "(float8_follows_loss_scale=False?): with True, kmix.LossScaleOptimizer's "
-            "default, they are multiplied by each change of the scale in the same step"
+            "(float8_follows_loss_scale=False in this run): with True, "
+            "kmix.LossScaleOptimizer's default, they are multiplied by each change of the "
+            "scale in the same step"
+        )
+    elif loss_scaling == "kmix":  # following, or not recorded: the flag is not to blame
+        fix = (
+            "the growth doubled them past their delayed float8 scales, which catch up "
+            "only from the next steps' amax"
         )
     return [Finding("warning", "float8_growth", f"{head}; {fix}")]
 
@@ -246,14 +269,22 @@ def float8_findings(summary: Summary) -> list[Finding]:
         return []
     record = summary.policy_record
     loss_scaling = None if record is None else record.loss_scaling
+    follows = None if record is None else record.float8_follows_loss_scale
     return (
-        _growth_findings(section, loss_scaling)
+        _growth_findings(section, loss_scaling, follows)
         + _stale_findings(section)
         + _saturated_findings(section, summary.steps_seen)
     )
 
 
 # ---------------------------------------------------------------------- text
+def _lost_words(lost: int) -> str:
+    return (
+        f"{plural(lost, 'more episode')} lost: overwritten in the optimizer's ring before "
+        "a read (a lower update_freq reads them all)"
+    )
+
+
 def _bits(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
@@ -278,6 +309,8 @@ def float8_lines(section: Float8Summary | None) -> list[str]:
         f"{plural(len(section.episodes), 'saturation episode')}, "
         f"{plural(section.saturated_tensor_steps, 'saturated tensor-step')}"
     ]
+    if section.lost_episodes:
+        lines.append(f"  {_lost_words(section.lost_episodes)}")
     if section.episodes:
         lines.append("  saturation episodes (first step, length, layer and tensor, amax vs limit)")
         lines += [_episode_line(e) for e in section.episodes[:EPISODES_LISTED]]

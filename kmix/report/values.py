@@ -188,6 +188,8 @@ class Float8Summary:
         saturated_tensor_steps: saturated tensor-steps: the optimizer's counts where
             logged, else the episodes' lengths.
         growth_saturations: loss-scale growths followed by output-gradient saturations.
+        lost_episodes: episodes the optimizer's ring overwrote before the monitor read
+            them (counted, not listed: ``kmix/fp8_record``'s ``float8_lost`` records).
     """
 
     layers: tuple[str, ...]
@@ -195,6 +197,7 @@ class Float8Summary:
     episodes: tuple[Float8Saturation, ...]
     saturated_tensor_steps: int
     growth_saturations: tuple[GrowthSaturation, ...] = ()
+    lost_episodes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

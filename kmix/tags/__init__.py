@@ -57,6 +57,10 @@ from kmix.tags.events import (
     source_words,
 )
 from kmix.tags.float8 import (
+    FLOAT8_FORMAT_MAX,
+    FLOAT8_FORMAT_TINY,
+    FLOAT8_FORMATS,
+    FLOAT8_LOST_RECORD,
     FLOAT8_SATURATION_RECORD,
     FP8_EVENTS,
     FP8_HEADROOM_BITS,
@@ -66,11 +70,15 @@ from kmix.tags.float8 import (
     FP8_STALENESS_BITS,
     FP8_TAG_PREFIXES,
     FP8_UNDERFLOW_FRACTION,
+    Float8Lost,
     Float8Saturation,
     float8_tag,
+    format_lost,
+    format_lost_record,
     format_saturation,
     format_saturation_record,
     parse_float8_tag,
+    parse_lost_record,
     parse_saturation_record,
 )
 from kmix.tags.moves import (
@@ -111,12 +119,20 @@ __all__ = [
     "FP8_STALENESS_BITS",
     "FP8_TAG_PREFIXES",
     "FP8_UNDERFLOW_FRACTION",
+    "FLOAT8_FORMATS",
+    "FLOAT8_FORMAT_MAX",
+    "FLOAT8_FORMAT_TINY",
+    "FLOAT8_LOST_RECORD",
     "FLOAT8_SATURATION_RECORD",
+    "Float8Lost",
     "Float8Saturation",
     "float8_tag",
+    "format_lost",
+    "format_lost_record",
     "format_saturation",
     "format_saturation_record",
     "parse_float8_tag",
+    "parse_lost_record",
     "parse_saturation_record",
     "EventWriter",
     "glob",
@@ -326,7 +342,8 @@ DESCRIPTIONS = {
     "the tensor is divided by it, then clipped to the format's range (448 for E4M3, 57344 "
     "for E5M2).",
     FP8_HEADROOM_BITS: "log2(scale x format max / the newest amax) of a float8 tensor: "
-    "doublings left before Keras clips it at the scale in force; below 0: clipped.",
+    "doublings left before Keras clips it at the scale in force; below 0: the next step "
+    "clips at this amax.",
     FP8_SATURATED_STEPS: "Cumulative steps at which a float8 tensor's amax exceeded what its "
     "scale could represent (Keras clipped it, silently).",
     FP8_UNDERFLOW_FRACTION: "Share of a float8 layer's non-zero kernel values that flush to "
@@ -334,7 +351,8 @@ DESCRIPTIONS = {
     FP8_STALENESS_BITS: "log2(largest amax in the history / the newest amax): how many bits "
     "coarser than needed the delayed scale is (a stale spike keeps it coarse for up to the "
     "history's length).",
-    FP8_EVENTS: "Float8 saturation episodes, one line each at its first step.",
+    FP8_EVENTS: "Float8 saturation episodes, one line each at its first step; and the "
+    "episodes lost (overwritten in the optimizer's ring before a read), counted.",
     LOSS_SCALE: "Loss scale (a power of two) multiplying the loss before backprop; written "
     "at every read and at the steps before and after each change. Read it on a log axis: "
     "kmix/loss_scale_log2, or the Mixed Precision tab.",

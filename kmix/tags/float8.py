@@ -24,19 +24,39 @@ __all__ = [
     "FP8_STALENESS_BITS",
     "FP8_TAG_PREFIXES",
     "FP8_UNDERFLOW_FRACTION",
+    "FLOAT8_FORMATS",
+    "FLOAT8_FORMAT_MAX",
+    "FLOAT8_FORMAT_TINY",
+    "FLOAT8_LOST_RECORD",
     "FLOAT8_SATURATION_RECORD",
+    "Float8Lost",
     "Float8Saturation",
     "float8_tag",
+    "format_lost",
+    "format_lost_record",
     "format_saturation",
     "format_saturation_record",
     "parse_float8_tag",
+    "parse_lost_record",
     "parse_saturation_record",
 ]
+
+FLOAT8_FORMATS = {
+    "inputs": "float8_e4m3fn",
+    "kernel": "float8_e4m3fn",
+    "outputs_grad": "float8_e5m2",
+}
+"""Each float8 tensor's format (Keras: E4M3 forward, E5M2 for the output gradient)."""
+FLOAT8_FORMAT_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+"""The largest finite value of each format (``ml_dtypes.finfo(...).max``)."""
+FLOAT8_FORMAT_TINY = {"float8_e4m3fn": 2.0**-9, "float8_e5m2": 2.0**-16}
+"""The smallest positive (subnormal) value of each format: half of it rounds to zero."""
 
 FP8_SCALE = "kmix/fp8_scale/"
 """+ ``<layer>/<tensor>``: the delayed scale the next step uses (Keras's ``<tensor>_scale``)."""
 FP8_HEADROOM_BITS = "kmix/fp8_headroom_bits/"
-"""+ ``<layer>/<tensor>``: log2(limit / the newest amax); below 0 means clipped."""
+"""+ ``<layer>/<tensor>``: log2(limit / the newest amax); below 0: the next step clips at
+this amax (the limit is the scale in force, the one the next step uses)."""
 FP8_SATURATED_STEPS = "kmix/fp8_saturated_steps/"
 """+ ``<layer>/<tensor>``: cumulative steps at which the tensor was clipped."""
 FP8_UNDERFLOW_FRACTION = "kmix/fp8_underflow_fraction/"
@@ -51,10 +71,13 @@ FP8_TAG_PREFIXES = (
     FP8_STALENESS_BITS,
 )
 FP8_EVENTS = "kmix/fp8_events"
-"""Markdown lines, one per saturation episode, at its first step."""
+"""Markdown lines, one per saturation episode, at its first step (and one per read that
+found episodes lost)."""
 FP8_RECORD = "kmix/fp8_record"
-"""JSON records (:func:`format_saturation_record`), one per saturation episode."""
+"""JSON records (:func:`format_saturation_record`), one per saturation episode; and
+:func:`format_lost_record` where episodes were lost."""
 FLOAT8_SATURATION_RECORD = "float8_saturation"
+FLOAT8_LOST_RECORD = "float8_lost"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +149,48 @@ def parse_saturation_record(text: str) -> Float8Saturation | None:
             limit=float(fields["limit"]),
             steps=int(fields.get("steps", 1)),
         )
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Lost:
+    """Saturation episodes the optimizer's ring overwrote before a read: counted, not known.
+
+    Attributes:
+        step: the read that found them lost (the attempted step).
+        episodes: how many episodes were lost since the previous read.
+    """
+
+    step: int
+    episodes: int
+
+
+def format_lost(item: Float8Lost) -> str:
+    """The markdown line of lost episodes (``kmix/fp8_events``)."""
+    return (
+        f"**float8 episodes lost** by step {item.step}: "
+        f"{plural(item.episodes, 'saturation episode')} overwritten in the optimizer's ring "
+        "before a read (read more often: a lower update_freq)"
+    )
+
+
+def format_lost_record(item: Float8Lost, run_id: str | None = None) -> str:
+    """One JSON record of lost episodes (``kmix/fp8_record``)."""
+    run = {} if run_id is None else {"run_id": run_id}
+    return record_json(item, type=FLOAT8_LOST_RECORD, **run)
+
+
+def parse_lost_record(text: str) -> Float8Lost | None:
+    """Reads :func:`format_lost_record`'s text; None if it is not such a record."""
+    data = json_object(text)
+    if data is None or data.get("type") != FLOAT8_LOST_RECORD:
+        return None
+    fields = record_fields(data, Float8Lost)
+    if fields is None:
+        return None
+    try:
+        return Float8Lost(step=int(fields["step"]), episodes=int(fields["episodes"]))
     except (TypeError, ValueError):
         return None
 

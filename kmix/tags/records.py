@@ -132,6 +132,8 @@ class PolicyRecord:
             written before this field.
         devices: how many devices the step ran on, all processes together; None as
             ``processes``.
+        float8_follows_loss_scale: kmix's optimizer's ``float8_follows_loss_scale``; None
+            without kmix's optimizer and in logs written before this field.
     """
 
     global_policy: str
@@ -150,6 +152,7 @@ class PolicyRecord:
     run_id: str | None = None
     processes: int | None = None
     devices: int | None = None
+    float8_follows_loss_scale: bool | None = None
 
 
 def format_policy_record(record: PolicyRecord) -> str:
@@ -175,7 +178,8 @@ def parse_policy_record(text: str) -> PolicyRecord | None:
         The :class:`PolicyRecord`; None if the text is not such a record (keys
         added by later versions are ignored). Fields added after kmix 0.1.0
         (``loss_scale``, ``variable_dtypes``, ``audit_findings``, ``run_id``,
-        ``processes``, ``devices``) read as None when missing or malformed.
+        ``processes``, ``devices``, ``float8_follows_loss_scale``) read as None when
+        missing or malformed.
     """
     fields = record_fields(json_object(text), PolicyRecord)
     if fields is None:
@@ -192,6 +196,9 @@ def parse_policy_record(text: str) -> PolicyRecord | None:
     for name in ("processes", "devices"):
         if name in fields:
             fields[name] = _count_or_none(fields[name])
+    if "float8_follows_loss_scale" in fields:
+        follows = fields["float8_follows_loss_scale"]
+        fields["float8_follows_loss_scale"] = follows if isinstance(follows, bool) else None
     return PolicyRecord(**fields)
 
 

@@ -34,11 +34,14 @@ def float8_payload(log: report.KmixLog, summary: report.Summary, limit: int) -> 
         limit: the most steps (columns) of the grid, evenly picked.
 
     Returns:
-        ``{"headroom": {"steps", "names", "bits"}`` (rows ``"<layer> <tensor>"`` in the
-        report's order, headroom bits at each read, None where not read), ``"tensors"``
+        ``{"headroom": {"steps", "names", "bits", "saturated"}`` (rows ``"<layer>
+        <tensor>"`` in the report's order, headroom bits at each read, None where not
+        read; saturated: the tensor was clipped after the previous column, up to this
+        one), ``"tensors"``
         (each tensor as last read, :class:`kmix.report.Float8TensorHealth` as a dict),
         ``"episodes"`` (the first :data:`MAX_EPISODES`, each with its plain ``line``),
-        ``"episode_count"``, ``"saturated_tensor_steps"``, ``"layers"``.
+        ``"episode_count"``, ``"lost_episodes"`` (overwritten before a read: counted,
+        not listed), ``"saturated_tensor_steps"``, ``"layers"``.
     """
     section = summary.float8
     if section is None:
@@ -57,6 +60,16 @@ def float8_payload(log: report.KmixLog, summary: report.Summary, limit: int) -> 
         [None if by_row[row].get(step) is None else round(by_row[row][step], 3) for step in steps]
         for row in rows
     ]
+    saturated = [
+        [
+            any(
+                (e.layer, e.tensor) == row and e.step <= step and e.step + e.steps - 1 > before
+                for e in section.episodes
+            )
+            for before, step in zip([0, *steps[:-1]], steps, strict=True)
+        ]
+        for row in rows
+    ]
     episodes = [
         {
             "step": e.step,
@@ -72,10 +85,16 @@ def float8_payload(log: report.KmixLog, summary: report.Summary, limit: int) -> 
     ]
     return json_ready(
         {
-            "headroom": {"steps": steps, "names": [f"{a} {b}" for a, b in rows], "bits": bits},
+            "headroom": {
+                "steps": steps,
+                "names": [f"{a} {b}" for a, b in rows],
+                "bits": bits,
+                "saturated": saturated,
+            },
             "tensors": [dict(vars(t)) for t in section.tensors],
             "episodes": episodes,
             "episode_count": len(section.episodes),
+            "lost_episodes": section.lost_episodes,
             "saturated_tensor_steps": section.saturated_tensor_steps,
             "layers": list(section.layers),
         }

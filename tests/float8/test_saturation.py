@@ -179,3 +179,11 @@ def test_advance_runs_on_ops_values():
     )
     new = advance_float8(rec, StepCheck(np.float32([2]), np.float32([1]), np.array([True])), 5)
     assert np.asarray(new.episode_ints)[0].tolist() == [5, 1, 0, 1]
+
+
+def test_the_formats_are_the_contracts():
+    from kmix import float8, tags
+
+    assert float8.FORMAT_MAX is tags.FLOAT8_FORMAT_MAX
+    assert float8.FORMAT_TINY is tags.FLOAT8_FORMAT_TINY
+    assert float8.FORMATS is tags.FLOAT8_FORMATS

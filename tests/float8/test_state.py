@@ -218,3 +218,135 @@ def test_monitor_reads_float8_health_without_a_loss_scale(tmp_path):
             assert not scalars(logged, tags.float8_tag(tags.FP8_SATURATED_STEPS, path, tensor))
         flushed = tags.float8_tag(tags.FP8_UNDERFLOW_FRACTION, path, "kernel")
         assert 0.0 <= scalars(logged, flushed)[16] <= 1.0
+
+
+def test_gradient_health_counts_real_gradients_only():
+    """Keras hands a float8 layer's scales and amax histories their new value as the
+    "gradient": health, per-variable underflow and histograms leave them out (SGD with
+    lr 1 and one step: the real gradients are the weights' change)."""
+    keras.utils.set_random_seed(0)
+    model = mlp()
+    scale = 256.0
+    opt = kmix.LossScaleOptimizer(
+        keras.optimizers.SGD(1.0), initial_scale=scale, health_every=1, histogram_every=1
+    )
+    model.compile(optimizer=opt, loss="mse")
+    x, y = data(spike_batch=-1)
+    model(x[:16])  # built before the weights are read
+    real = [v for v in model.trainable_variables if not v.overwrite_with_gradient]
+    float8 = [v for v in model.trainable_variables if v.overwrite_with_gradient]
+    assert float8
+    before = [np.asarray(v.value, "float64") for v in real]
+    model.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0, shuffle=False)
+    grads = [b - np.asarray(v.value, "float64") for b, v in zip(before, real, strict=True)]
+    values = np.concatenate([g.ravel() for g in grads])
+    scaled = np.abs(values * scale)
+    health = opt.read_state().health
+    assert health["float16_elements"] == values.size
+    assert health["grad_norm"] == pytest.approx(np.sqrt(np.sum(values**2)), rel=1e-3)
+    assert health["max_abs_scaled"] == pytest.approx(scaled.max(), rel=1e-3)
+    tiny = np.mean(scaled < 2.0**-14)
+    assert health["underflow_fraction"] == pytest.approx(tiny, abs=2 / values.size)
+    paths = {str(v.path) for v in float8}
+    assert not paths & set(opt.underflow_by_variable())
+    assert not paths & set(opt.exponent_histograms_by_variable())
+    assert {str(v.path) for v in real} == set(opt.underflow_by_variable())
+
+
+def written_episodes(log_dir) -> list:
+    from test_monitor import read_back, texts
+
+    from kmix import tags
+
+    logged = read_back(log_dir)
+    return [tags.parse_saturation_record(text) for _, text in texts(logged, tags.FP8_RECORD)]
+
+
+def test_one_monitor_over_two_fits_writes_each_episode_at_its_full_length(tmp_path):
+    """The inputs grow at every step, across both fits: their episode, open when the first
+    fit ends, is written again when the second has made it longer; episodes of the second
+    fit are written once they end, not truncated at its first read."""
+    from kmix.callbacks import MixedPrecisionMonitor
+
+    keras.utils.set_random_seed(0)
+    model = mlp()
+    opt = kmix.LossScaleOptimizer(
+        "sgd", dynamic_growth_steps=4, initial_scale=256.0, float8_follows_loss_scale=False
+    )
+    model.compile(optimizer=opt, loss="mse")
+    x, y = data(spike_batch=-1, batches=32)
+    x *= np.repeat(1.25 ** np.arange(32), 16)[:, None].astype("float32")
+    y *= 0
+    monitor = MixedPrecisionMonitor(str(tmp_path), update_freq=1, verbose=0)
+    for part in (slice(0, 7 * 16), slice(7 * 16, 512)):  # 7 steps, then 25
+        model.fit(x[part], y[part], batch_size=16, verbose=0, shuffle=False, callbacks=[monitor])
+    episodes = {(e.step, e.layer, e.tensor): e.steps for e in opt.float8_episodes()}
+    assert any(step <= 7 < step + steps - 1 for (step, _, _), steps in episodes.items())
+    assert any(step > 7 and steps > 1 for (step, _, _), steps in episodes.items())
+    longest: dict = {}
+    for r in written_episodes(tmp_path):
+        key = (r.step, r.layer, r.tensor)
+        longest[key] = max(longest.get(key, 0), r.steps)
+        if r.step > 7:  # the second fit's: written once, ended
+            assert r.steps == episodes[key], r
+    assert longest == episodes
+
+
+def test_episodes_the_ring_overwrote_between_reads_are_counted_lost(tmp_path, monkeypatch):
+    """A ring of 6 rows and a read every 8 steps: every episode is written or counted lost."""
+    from test_monitor import read_back, texts
+
+    from kmix import report, tags
+    from kmix.callbacks import MixedPrecisionMonitor
+
+    monkeypatch.setattr("kmix.float8.state.MIN_CAPACITY", 6)
+    keras.utils.set_random_seed(0)
+    model = mlp()
+    opt = kmix.LossScaleOptimizer(
+        "sgd", dynamic_growth_steps=4, initial_scale=256.0, float8_follows_loss_scale=False
+    )
+    model.compile(optimizer=opt, loss="mse")
+    x, y = data(spike_batch=-1, batches=32)
+    x *= np.repeat(1.25 ** np.arange(32), 16)[:, None].astype("float32")
+    monitor = MixedPrecisionMonitor(str(tmp_path), update_freq=8, verbose=0)
+    model.fit(x, y * 0, batch_size=16, verbose=0, shuffle=False, callbacks=[monitor])
+    assert opt.float8.capacity == 6
+    logged = read_back(tmp_path)
+    records = [text for _, text in texts(logged, tags.FP8_RECORD)]
+    lost = [r for r in map(tags.parse_lost_record, records) if r is not None]
+    written = {(r.step, r.layer, r.tensor) for r in map(tags.parse_saturation_record, records) if r}
+    assert lost and sum(r.episodes for r in lost) + len(written) == opt.float8.episode_count()
+    assert all(r.step % 8 == 0 for r in lost)
+    assert any("episodes lost" in text for _, text in texts(logged, tags.FP8_EVENTS))
+    section = report.summarize(report.read_log(str(tmp_path))).float8
+    assert section.lost_episodes == sum(r.episodes for r in lost)
+
+
+def test_state_saved_before_the_float8_record_existed_loads_with_the_record_at_zero():
+    """A ``.keras`` file of a float8 model saved before kmix kept float8 state lacks the
+    record's four variables: the rest loads (Keras would skip everything on the count)."""
+    import warnings
+
+    from kmix.float8 import FIELDS
+
+    keras.utils.set_random_seed(0)
+    model = mlp()
+    opt, _ = train(model)
+    old_store = {}
+    for v in opt.variables:
+        if v.name not in FIELDS:
+            old_store[str(len(old_store))] = np.asarray(v.value)
+    assert len(old_store) == len(opt.variables) - 4
+    fresh = mlp()
+    again = kmix.LossScaleOptimizer("sgd", dynamic_growth_steps=4, initial_scale=256.0)
+    fresh.compile(optimizer=again, loss="mse")
+    again.build(fresh.trainable_variables)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Keras warns when it skips the optimizer's state
+        again.load_own_variables(old_store)
+    assert again.loss_scale == opt.loss_scale and again.attempted_steps == opt.attempted_steps
+    assert again.scale_events() == opt.scale_events()
+    assert again.float8.episode_count() == 0 and again.float8_saturations() == []
+    for old, new in zip(opt.variables, again.variables, strict=True):
+        if old.name not in FIELDS:
+            np.testing.assert_array_equal(np.asarray(old.value), np.asarray(new.value))

@@ -41,3 +41,19 @@ def test_float8_layers_and_layers_that_cannot_be_are_listed():
 
 def test_nothing_is_said_of_float8_without_a_float8_layer():
     assert not [f for f in kmix.audit(model(float8=False)).findings if "float8" in f.message]
+
+
+class Gated(keras.layers.Dense):
+    """A Dense subclass: Keras's Dense.quantize refuses it (type(self) is not Dense)."""
+
+
+def test_a_dense_subclass_cannot_be_float8_and_is_told_why():
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(4, name="ffn")(inputs)
+    m = keras.Model(inputs, Gated(2, name="gated")(x))
+    m.get_layer("ffn").quantize("float8")
+    found = [f.message for f in kmix.audit(m).findings]
+    assert found[1:] == [
+        "cannot be float8 (subclasses of Dense or EinsumDense: Keras's quantize accepts "
+        "only those classes themselves): `gated`; they compute in their own dtype policy."
+    ]

@@ -199,3 +199,78 @@ def test_a_real_fit_without_following_reports_its_growth_saturations(tmp_path):
     assert any(f.rule == "float8_growth" for f in summary.findings)
     text = report.format_summary(summary)
     assert f"float8          2 layers, 6 tensors; {len(f8.episodes)} saturation episode" in text
+
+
+def test_an_episode_written_again_longer_keeps_its_longest_record():
+    """An episode open when a fit ended is written then, and again once the next fit has
+    made it longer: the report keeps the longest."""
+    short = Float8Saturation(5, LAYERS[0], "inputs", 2.0, 1.0, 2)
+    summary = report.summarize(
+        float8_log(episodes=[short, short.__class__(**{**vars(short), "steps": 6})])
+    )
+    assert [(e.step, e.steps) for e in summary.float8.episodes] == [(5, 6)]
+    again = report.summarize(
+        float8_log(episodes=[Float8Saturation(5, LAYERS[0], "inputs", 2.0, 1.0, 6), short])
+    )
+    assert [(e.step, e.steps) for e in again.float8.episodes] == [(5, 6)]
+
+
+def test_lost_episodes_are_counted_in_the_section_and_the_tab():
+    from kmix.tbplugin.float8 import float8_payload
+
+    log = float8_log(episodes=[Float8Saturation(4, LAYERS[0], "kernel", 0.75, 0.5)])
+    lost = [tags.format_lost_record(tags.Float8Lost(s, n), "run") for s, n in ((10, 3), (20, 2))]
+    log.texts[tags.FP8_RECORD] += [(10, lost[0]), (20, lost[1]), (20, lost[1])]  # one twice
+    summary = report.summarize(log)
+    assert summary.float8.lost_episodes == 5
+    assert section(summary)[1] == (
+        "  5 more episodes lost: overwritten in the optimizer's ring before a read (a lower "
+        "update_freq reads them all)"
+    )
+    assert float8_payload(log, summary, limit=200)["lost_episodes"] == 5
+    assert tags.parse_lost_record(lost[0]) == tags.Float8Lost(10, 3)
+    assert tags.parse_saturation_record(lost[0]) is None  # older readers skip it
+
+
+def test_the_growth_finding_names_the_flag_only_where_the_run_recorded_it_false():
+    import dataclasses
+
+    from test_finding_rules import RECORD
+
+    episodes = [Float8Saturation(16, layer, "outputs_grad", 2.0, 1.0) for layer in LAYERS]
+    growth = event_line(15, "growth", 256.0, 512.0)
+
+    def message(**fields) -> str:
+        log = float8_log(episodes=episodes, events=[growth])
+        record = dataclasses.replace(RECORD, loss_scaling="kmix", **fields)
+        log.texts[tags.POLICY_RECORD] = [(0, tags.format_policy_record(record))]
+        (finding,) = [f for f in report.summarize(log).findings if f.rule == "float8_growth"]
+        return finding.message
+
+    off = message(float8_follows_loss_scale=False)
+    assert "(float8_follows_loss_scale=False in this run)" in off
+    for follows in (True, None):  # following, or a log from before the field: not the flag
+        said = message(float8_follows_loss_scale=follows)
+        assert "float8_follows_loss_scale" not in said
+        assert said.endswith(
+            "(at step 16); the growth doubled them past their delayed float8 scales, which "
+            "catch up only from the next steps' amax"
+        )
+    text = tags.format_policy_record(dataclasses.replace(RECORD, float8_follows_loss_scale=False))
+    assert tags.parse_policy_record(text).float8_follows_loss_scale is False
+    old = json.loads(text)
+    del old["float8_follows_loss_scale"]
+    assert tags.parse_policy_record(json.dumps(old)).float8_follows_loss_scale is None
+
+
+def test_the_float8_formats_are_stated_once_in_the_contract():
+    import math
+
+    from kmix.report.float8 import FLUSH_FRESH_BITS
+
+    assert tags.FLOAT8_FORMAT_MAX == {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+    assert FLUSH_FRESH_BITS == {
+        "inputs": math.log2(2.0**-9 / 2 / 448.0),
+        "kernel": math.log2(2.0**-9 / 2 / 448.0),
+        "outputs_grad": math.log2(2.0**-16 / 2 / 57344.0),
+    }

@@ -530,6 +530,12 @@ def test_the_float8_section_draws_headroom_grid_and_episodes(page, tensorboard, 
     names = grid.locator("text title").all_text_contents()
     assert len(names) == 6 and names[0].endswith(" inputs") and names[2].endswith(" outputs_grad")
     assert grid.locator("rect.cell").count() == 6 * 12  # a read every 2 of 24 steps
+    # float8's own colours: red only where an episode clipped the tensor, not by bits
+    red = grid.locator('rect.cell[fill="#c62828"]').count()
+    clipped = {(e.layer, e.tensor, (e.step + 1) // 2 * 2) for e in episodes}
+    assert 0 < red and red <= sum(e.steps for e in episodes) + len(clipped)
+    assert panel.locator(".float8-legend").is_visible()
+    assert not panel.locator(".headroom-legend").count()
     rows = panel.locator(".float8-episodes tbody tr")
     assert rows.count() == len(episodes) > 0
     assert [int(s) for s in rows.evaluate_all("rs => rs.map(r => r.dataset.step)")] == [

@@ -18,6 +18,8 @@ def test_the_payload_is_a_layer_by_tensor_grid_and_the_episodes():
         "steps": [10, 20],
         "names": [f"{layer} {t}" for layer in LAYERS for t in ("inputs", "kernel", "outputs_grad")],
         "bits": [[0.5, 0.25]] * 6,
+        # steps 11-13 of mlp/dense_1's output gradients: clipped after step 10, by 20
+        "saturated": [[False, False]] * 5 + [[False, True]],
     }
     (episode,) = payload["episodes"]
     assert episode["line"] == (

@@ -576,11 +576,12 @@ function headroomLegend() {
 }
 
 /**
- * Names x steps, coloured by headroom bits (headroomColor). Steps are labelled under
+ * Names x steps, coloured by headroom bits (`colorOf(bits, row, column)`, float16's
+ * headroomColor unless given: float8's scale differs). Steps are labelled under
  * their columns; `grid.left_out` (name -> dtype) names the variables whose layers do
  * not compute in float16, which have no float16 headroom.
  */
-function headroomGrid(grid, title) {
+function headroomGrid(grid, title, colorOf = headroomColor) {
   const rowH = 14;
   const labelW = 190;
   const top = 22;
@@ -596,7 +597,7 @@ function headroomGrid(grid, title) {
     const label = name.length > 30 ? `…${name.slice(-29)}` : name;
     root.append(svg('text', {x: labelW - 6, y: y + rowH - 3, 'text-anchor': 'end', text: label}, svg('title', {text: name})));
     grid.bits[row].forEach((bits, i) => {
-      const color = headroomColor(bits);
+      const color = colorOf(bits, row, i);
       const words = bits === 'nonfinite' ? 'inf/NaN' : bits === 'zero' ? 'all zero: no headroom to speak of'
         : bits === null ? 'not measured at this step' : `${bits} bits`;
       root.append(svg('rect', {
@@ -940,7 +941,7 @@ function fillRun(section, run) {
   if (grids.length) grids[grids.length - 1][0].append(headroomLegend());
   if (run.float8) {
     q('.float8-panel').hidden = false;
-    fillFloat8(q('.float8'), run.float8, {el, svg, headroomGrid, headroomLegend, declutter});
+    fillFloat8(q('.float8'), run.float8, {el, svg, headroomGrid, declutter});
   }
   q('.whatif').append(whatIfTables(run.summary, run.float16_note));
   q('.summary').append(summaryPanel(run));
