@@ -103,7 +103,7 @@ class OptimizerConfig:
                 ),
                 growth_steps=check_int(OWNER, "dynamic_growth_steps", rule.growth_steps, 1),
                 hysteresis=check_int(OWNER, "hysteresis", rule.hysteresis, 1),
-                backoff_on_forward_overflow=_check_bool(
+                backoff_on_forward_overflow=check_bool(
                     "backoff_on_forward_overflow", rule.backoff_on_forward_overflow
                 ),
             ),
@@ -158,7 +158,12 @@ class OptimizerConfig:
         }
 
 
-def _check_bool(name: str, value: Any) -> bool:
+def check_bool(name: str, value: Any) -> bool:
+    """Returns ``value`` as a bool if it is True or False (NumPy's included).
+
+    Raises:
+        ValueError: otherwise, naming the argument and the value.
+    """
     if not isinstance(value, bool | np.bool_):
         raise invalid_argument(name, value, "True or False")
     return bool(value)

@@ -26,7 +26,7 @@ from kmix.float8 import Float8Reads, Float8State
 from kmix.optimizer.config import (
     OWNER,
     OptimizerConfig,
-    _check_bool,
+    check_bool,
     invalid_argument,
     migrated_scale,
 )
@@ -186,7 +186,7 @@ class LossScaleOptimizer(RecordReads, Float8Reads, keras.mixed_precision.LossSca
         self.parts = StepParts(self, step)
         self.hooks = ModelHooks(self.parts.trace)
         self.float8 = Float8State(
-            _check_bool("float8_follows_loss_scale", float8_follows_loss_scale)
+            check_bool("float8_follows_loss_scale", float8_follows_loss_scale)
         )
         step.check_at_creation(self)
 
