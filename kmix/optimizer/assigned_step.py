@@ -6,8 +6,12 @@ module says where the decision is agreed (TensorFlow's replicas) and calls these
 
     aligned = aligned_gradients(parts, grads, variables)
     flags = non-finite flags of aligned, then the loss's (then agreed across replicas)
-    step(optimizer, aligned, flags, forward_state, apply_inner)
+    decided = read_decisions(optimizer, flags, n)      # torch: its decisions, one host read
+    before, forward, forward_state = measured_step(optimizer, aligned, flags, decided)
+    step(optimizer, aligned, flags, before, forward_state, apply_inner, forward, decided)
         -> the inner optimizer applies when every flag is 0; the recorder records either way
+
+Traced (TensorFlow), ``decided`` is None: the decisions are made in the graph.
 """
 
 from __future__ import annotations
