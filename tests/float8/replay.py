@@ -40,18 +40,18 @@ class Replay(keras.callbacks.Callback):
         _sync(self.model)
         opt = self.model.optimizer
         state = {
-            "loss_scale": float(np.asarray(opt.dynamic_scale.value))
+            "loss_scale": float(keras.ops.convert_to_numpy(opt.dynamic_scale))
             if getattr(opt, "built", False)
             else float(opt.initial_scale),
-            "iterations": int(np.asarray(opt.iterations.value)),
+            "iterations": int(keras.ops.convert_to_numpy(opt.iterations)),
         }
         for path, layer in float8_layers(self.model):
             for t in MAX:
                 state[(path, t, "scale")] = np.float32(
-                    np.asarray(getattr(layer, f"{t}_scale").value)
+                    keras.ops.convert_to_numpy(getattr(layer, f"{t}_scale"))
                 )
                 state[(path, t, "history")] = np.array(
-                    np.asarray(getattr(layer, f"{t}_amax_history").value), "float32"
+                    keras.ops.convert_to_numpy(getattr(layer, f"{t}_amax_history")), "float32"
                 )
         return state
 

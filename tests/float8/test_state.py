@@ -11,7 +11,10 @@ from replay import Replay, float8_layers
 
 import kmix
 
-pytestmark = pytest.mark.jax
+as_numpy = keras.ops.convert_to_numpy  # a torch parameter's value too (it requires grad)
+
+# Every test fits or builds float8 models, on each backend.
+pytestmark = [pytest.mark.jax, pytest.mark.torch, pytest.mark.slow]
 
 
 @pytest.fixture(autouse=True)
@@ -57,10 +60,12 @@ def train(model, follows=True, inner="sgd", xy=None, **kwargs):
     return opt, replay
 
 
-@pytest.mark.parametrize("follows", [True, False])
-def test_every_saturated_tensor_step_at_its_step_as_the_replay_says(follows):
+@pytest.mark.parametrize(
+    ("follows", "jit_compile"), [(True, "auto"), (False, "auto"), (True, True)]
+)
+def test_every_saturated_tensor_step_at_its_step_as_the_replay_says(follows, jit_compile):
     keras.utils.set_random_seed(0)
-    opt, replay = train(mlp(), follows)
+    opt, replay = train(mlp(), follows, jit_compile=jit_compile)
     got = [(s.step, s.layer, s.tensor) for s in opt.float8_saturations()]
     assert len(got) == len(set(got))
     assert set(got) == replay.saturated() and got  # the spike and the growths saturate
@@ -146,8 +151,8 @@ def test_keras_file_keeps_float8_state_and_counts(tmp_path):
     for (path_a, a), (path_b, b) in zip(float8_layers(model), float8_layers(loaded), strict=True):
         assert path_a == path_b
         np.testing.assert_array_equal(
-            np.asarray(a.outputs_grad_amax_history.value),
-            np.asarray(b.outputs_grad_amax_history.value),
+            as_numpy(a.outputs_grad_amax_history),
+            as_numpy(b.outputs_grad_amax_history),
         )
 
 
@@ -209,8 +214,8 @@ def test_monitor_reads_float8_health_without_a_loss_scale(tmp_path):
         for tensor in ("inputs", "kernel", "outputs_grad"):
             scale = scalars(logged, tags.float8_tag(tags.FP8_SCALE, path, tensor))
             assert sorted(scale) == [4, 8, 12, 16]  # every read, and none at run end again
-            history = np.asarray(getattr(layer, f"{tensor}_amax_history").value, "float32")
-            expected_scale = float(np.asarray(getattr(layer, f"{tensor}_scale").value))
+            history = as_numpy(getattr(layer, f"{tensor}_amax_history")).astype("float32")
+            expected_scale = float(as_numpy(getattr(layer, f"{tensor}_scale")))
             assert scale[16] == pytest.approx(expected_scale, rel=1e-6)
             headroom = scalars(logged, tags.float8_tag(tags.FP8_HEADROOM_BITS, path, tensor))
             limit = expected_scale * {"outputs_grad": 57344.0}.get(tensor, 448.0)
@@ -236,9 +241,9 @@ def test_gradient_health_counts_real_gradients_only():
     real = [v for v in model.trainable_variables if not v.overwrite_with_gradient]
     float8 = [v for v in model.trainable_variables if v.overwrite_with_gradient]
     assert float8
-    before = [np.asarray(v.value, "float64") for v in real]
+    before = [as_numpy(v).astype("float64") for v in real]
     model.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0, shuffle=False)
-    grads = [b - np.asarray(v.value, "float64") for b, v in zip(before, real, strict=True)]
+    grads = [b - as_numpy(v).astype("float64") for b, v in zip(before, real, strict=True)]
     values = np.concatenate([g.ravel() for g in grads])
     scaled = np.abs(values * scale)
     health = opt.read_state().health
@@ -335,7 +340,7 @@ def test_state_saved_before_the_float8_record_existed_loads_with_the_record_at_z
     old_store = {}
     for v in opt.variables:
         if v.name not in FIELDS:
-            old_store[str(len(old_store))] = np.asarray(v.value)
+            old_store[str(len(old_store))] = as_numpy(v)
     assert len(old_store) == len(opt.variables) - 4
     fresh = mlp()
     again = kmix.LossScaleOptimizer("sgd", dynamic_growth_steps=4, initial_scale=256.0)
@@ -349,4 +354,4 @@ def test_state_saved_before_the_float8_record_existed_loads_with_the_record_at_z
     assert again.float8.episode_count() == 0 and again.float8_saturations() == []
     for old, new in zip(opt.variables, again.variables, strict=True):
         if old.name not in FIELDS:
-            np.testing.assert_array_equal(np.asarray(old.value), np.asarray(new.value))
+            np.testing.assert_array_equal(as_numpy(old), as_numpy(new))

@@ -504,6 +504,17 @@ def test_int32_counters_are_quiet_up_to_their_own_end():
     assert quiet(top - 2) and not quiet(top - 1)  # one more step would reach the end
 
 
+def printed_json(backend: str, *args: str) -> str:
+    """Runs ``python *args`` on ``backend``; returns what its first ``JSON `` line says."""
+    env = {**os.environ, "KERAS_BACKEND": backend, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=env, timeout=TIMEOUT
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("JSON ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return lines[0][len("JSON ") :]
+
+
 LOAD = (
     "import dataclasses, json, sys, keras, kmix\n"
     "opt = keras.models.load_model(sys.argv[1]).optimizer\n"
@@ -526,17 +537,8 @@ def test_a_model_saved_on_one_backend_loads_on_another_with_its_state(saved_on, 
     """The fit scenario's ``.keras`` file (saved after 19 steps) read on another backend:
     the scale, the counters and the events come back (int32 counters load as int64)."""
     run = request.getfixturevalue("fit_run" if saved_on == "jax" else "torch_run")
-    env = {**os.environ, "KERAS_BACKEND": loaded_on, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run(
-        [sys.executable, "-c", LOAD, os.path.join(run["directory"], "model.keras")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=TIMEOUT,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("JSON ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    loaded, saved = json.loads(lines[0][len("JSON ") :]), run["saved"]
+    line = printed_json(loaded_on, "-c", LOAD, os.path.join(run["directory"], "model.keras"))
+    loaded, saved = json.loads(line), run["saved"]
     assert loaded["state"] == saved["state"]
     assert loaded["kinds"] == [e["kind"] for e in saved["events"]]
     assert loaded["steps"] == [e["step"] for e in saved["events"]]
@@ -558,16 +560,7 @@ def test_a_saved_kmix_model_loads_after_a_plain_import_kmix_on_either_backend(ba
         "print('JSON', type(opt).__name__, state.attempted_steps, state.event_count,"
         " len(opt.scale_events()), opt.recorder.counters.dtype)\n"
     )
-    env = {**os.environ, "KERAS_BACKEND": backend, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run(
-        [sys.executable, "-W", "error::UserWarning", "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=TIMEOUT,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("JSON ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    line = printed_json(backend, "-W", "error::UserWarning", "-c", code)
     dtype = "int64" if backend == "tensorflow" else "int32"
     # 11 events happened, the ring of 8 keeps the last 8 (tests/data/optimizer_643f46e.json).
-    assert lines[0].split()[1:] == ["LossScaleOptimizer", "15", "11", "8", dtype]
+    assert line.split() == ["LossScaleOptimizer", "15", "11", "8", dtype]
