@@ -23,13 +23,10 @@ from kmix.backend.common import (
     retrace,
     unchanged,
 )
-from kmix.backend.common import constant_initializer as constant
+from kmix.backend.common import constant_initializer as constant_initializer  # the name, bound here
 
 USES_TENSORFLOW = False
 """Keras utilities that import TensorFlow would load it only for them."""
-
-constant_initializer = constant
-"""An initializer of ``value`` everywhere: ``keras.initializers.Constant``."""
 
 processes_and_devices, is_first_process = not_counted, one_process
 """Not counted; the first: one process."""

@@ -18,6 +18,7 @@ from keras import ops
 
 from kmix.backend.common import (
     STACK_LIMIT,
+    keras_cond,
     no_step_scope,
     numpy_value,
     retrace,
@@ -34,6 +35,9 @@ host_value = numpy_value
 
 as_arrived = unchanged
 """``tensor``: on JAX the tap notes casts as they are made (:data:`NOTES_CASTS`)."""
+
+rare_cond = keras_cond
+"""``keras.ops.cond``: ``lax.cond`` under ``jit`` runs only the branch taken."""
 
 set_random_seed = seed_without_tensorflow
 """Seeds Python, NumPy and Keras without importing TensorFlow."""
@@ -123,11 +127,6 @@ def reachable(value: Any) -> bool:
     trace = getattr(value, "_trace", None)
     is_valid = getattr(trace, "is_valid", None)
     return trace is None or is_valid is None or bool(is_valid())
-
-
-def rare_cond(pred: Any, true_fn: Any, false_fn: Any) -> Any:
-    """``lax.cond`` under ``jit`` runs only the branch taken; the branches return values."""
-    return ops.cond(pred, true_fn, false_fn)
 
 
 def retrace_all(model: Any) -> None:

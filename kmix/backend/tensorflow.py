@@ -21,7 +21,7 @@ from kmix.backend.common import (
     reduce_each,
     retrace,
 )
-from kmix.backend.common import constant_initializer as constant
+from kmix.backend.common import constant_initializer as constant_initializer  # the name, bound here
 
 USES_TENSORFLOW = True
 """Keras utilities that import TensorFlow (its TensorBoard callback, its seeding) cost
@@ -33,9 +33,6 @@ retrace_all = retrace
 reduce_rows = reduce_each
 """Reduces ``[k, n]`` matrices along their rows, one reduction each."""
 
-
-constant_initializer = constant
-"""An initializer of ``value`` everywhere: ``keras.initializers.Constant``."""
 
 all_processes_agree = alone_agrees
 """``ok`` as given: kmix counts no processes here (:func:`processes_and_devices`)."""

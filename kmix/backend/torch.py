@@ -29,14 +29,11 @@ from kmix.backend.common import (
     seed_without_tensorflow,
     unchanged,
 )
-from kmix.backend.common import constant_initializer as constant
+from kmix.backend.common import constant_initializer as constant_initializer  # the name, bound here
 
 USES_TENSORFLOW = False
 """Keras utilities that import TensorFlow (its TensorBoard callback, its seeding) would
 load it only for them: kmix avoids them here."""
-
-constant_initializer = constant
-"""An initializer of ``value`` everywhere: ``keras.initializers.Constant``."""
 
 processes_and_devices, is_first_process = not_counted, one_process
 """Not counted; the first: kmix on torch runs in one process."""

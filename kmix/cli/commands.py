@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=(
             "the Keras backend to train on (default: KERAS_BACKEND if set, else tensorflow); "
             'jax needs JAX: pip install ".[jax]" from the root of kmix\'s checkout; torch '
-            "needs torch: pip install torch"
+            'needs torch: pip install ".[torch]"'
         ),
     )
     demo.add_argument(
@@ -300,15 +300,14 @@ def choose_backend(requested: str | None, environ: Mapping[str, str]) -> str:
             f"KERAS_BACKEND={backend} is not a backend the demo trains on: use "
             "--backend tensorflow, --backend jax or --backend torch"
         )
-    if backend == "jax" and not jax_installed():
-        raise ValueError(
-            f"--backend jax{source} needs JAX, which is not installed: "
-            'pip install ".[jax]" from the root of kmix\'s checkout, or use --backend tensorflow'
-        )
-    if backend == "torch" and not torch_installed():
-        raise ValueError(
-            f"--backend torch{source} needs torch, which is not installed: "
-            "pip install torch (a CPU wheel is enough), or use --backend tensorflow"
+    library, installed = {"jax": ("JAX", jax_installed), "torch": ("torch", torch_installed)}.get(
+        backend, (None, None)
+    )
+    if installed is not None and not installed():
+        raise ValueError(  # the extra pins the tested release (torch's: the CPU build)
+            f"--backend {backend}{source} needs {library}, which is not installed: "
+            f'pip install ".[{backend}]" from the root of kmix\'s checkout, or use '
+            "--backend tensorflow"
         )
     loaded = loaded_backend()
     if loaded is not None and loaded != backend:

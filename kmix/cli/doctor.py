@@ -167,8 +167,8 @@ VERSION_RULES: tuple[tuple[Callable[[VersionFacts], bool], Callable[[VersionFact
     (
         lambda f: f.backend == "torch" and f.missing("torch"),
         lambda f: (
-            "the Keras backend is 'torch' but torch is not installed: pip install torch "
-            "(a CPU wheel is enough), or set KERAS_BACKEND=tensorflow"
+            "the Keras backend is 'torch' but torch is not installed: pip install \".[torch]\" "
+            "from the root of kmix's checkout (or set KERAS_BACKEND=tensorflow)"
         ),
     ),
     (
@@ -316,7 +316,10 @@ def backend_section(
         if backend != "torch":
             torch += " (KERAS_BACKEND=torch trains on it; kmix demo --backend torch shows it)"
     else:
-        torch = "not installed (pip install torch, for KERAS_BACKEND=torch)"
+        torch = (
+            'not installed (pip install ".[torch]" from the root of kmix\'s checkout, '
+            "for KERAS_BACKEND=torch)"
+        )
     return lines + [
         f"  JAX: {jax}",
         f"  kmix on JAX: {ON_JAX}",

@@ -692,7 +692,8 @@ def test_doctor_backend_section():
         "torch shows it)"
     )
     assert _cli_doctor.backend_section("tensorflow", {}, {"torch": None})[3] == (
-        "  torch: not installed (pip install torch, for KERAS_BACKEND=torch)"
+        '  torch: not installed (pip install ".[torch]" from the root of kmix\'s checkout, '
+        "for KERAS_BACKEND=torch)"
     )
     assert "not LoopDriver (it drives tf.distribute: TensorFlow only)" in _cli_doctor.ON_TORCH
     assert "kmix compare (from arrays), without TensorFlow" in _cli_doctor.ON_TORCH

@@ -60,8 +60,8 @@ def test_torch_not_installed_is_a_one_line_error(
     logdir = tmp_path / "run"
     line = one_line_error(kmix_here("demo", "--logdir", str(logdir), *args))
     assert line == (
-        f"kmix demo: {says}, which is not installed: pip install torch (a CPU wheel is "
-        "enough), or use --backend tensorflow"
+        f'kmix demo: {says}, which is not installed: pip install ".[torch]" from the root of '
+        "kmix's checkout, or use --backend tensorflow"
     )
     assert not logdir.exists()  # refused before anything was written
 
