@@ -99,6 +99,33 @@ def exact_exponent(x: Any) -> Any:
     return torch.bitwise_right_shift(bits, 23) - 127
 
 
+def screened_nonfinite_flags(values: list[Any]) -> Any:
+    """float32 flags, 0.0 for each tensor proven finite, 1.0 for one that may not be.
+
+    One ``torch._foreach_norm`` over all of them: a finite L2 norm (in float32) proves
+    every element finite; an inf or NaN makes it non-finite. So does a finite tensor whose
+    squares overflow float32 (|values| near 1e19): a flag here is only a suspicion, which
+    the exact check (:func:`kmix.record.nonfinite_flags`) settles. About a tenth of the
+    exact check's cost on a CPU (one kernel launch, no boolean tensors).
+
+    Args:
+        values: tensors, or None (counted as finite).
+
+    Returns:
+        A float32 vector, one entry per value.
+    """
+    present = [v for v in values if v is not None]
+    if not present:
+        return torch.zeros(len(values), dtype=torch.float32)
+    norms = torch.stack(torch._foreach_norm(present, 2, dtype=torch.float32))
+    found = torch.logical_not(torch.isfinite(norms)).float()
+    if len(present) == len(values):
+        return found
+    flags = torch.zeros(len(values), dtype=torch.float32, device=found.device)
+    flags[[i for i, v in enumerate(values) if v is not None]] = found
+    return flags
+
+
 def summed_rows(indices: Any, values: Any) -> Any:
     """Never called: gradients are dense on torch (sparse slices are TensorFlow's)."""
     raise NotImplementedError("sparse gradient slices exist only on the TensorFlow backend")

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import numpy as np
 from keras import ops
 
 from kmix import record
@@ -118,7 +119,11 @@ class Decisions(NamedTuple):
 
 
 def read_decisions(optimizer: Any, flags: Any, n: int) -> Decisions:
-    """The step's three decisions in one host read (where each read is a sync: torch).
+    """The step's three decisions from one host read (where each read is a sync: torch).
+
+    The counters and the flags are read together; what is due, whether the step is quiet
+    and whether it applies are then worked out on the host (:data:`kmix.record.HOST_OPS`),
+    by the functions the traced step uses.
 
     Args:
         optimizer: a built ``kmix.LossScaleOptimizer``.
@@ -128,11 +133,10 @@ def read_decisions(optimizer: Any, flags: Any, n: int) -> Decisions:
     Returns:
         The :class:`Decisions`.
     """
-    before = optimizer.recorder.before_step()
-    quiet = record.is_quiet(before.packed, flags, before.due, optimizer.config.rule)
-    measure = ops.logical_or(flags[n] > 0, before.due[0])
-    read = ops.convert_to_numpy(ops.stack([applies_of(flags, n), quiet, measure]))
-    return Decisions(before, *(bool(v) for v in read))
+    before, counters, flagged = optimizer.recorder.host_before_step(flags)
+    quiet = record.is_quiet(counters, flagged, before.due, optimizer.config.rule, record.HOST_OPS)
+    measure = bool(flagged[n] > 0 or before.due[0])
+    return Decisions(before, not bool(np.any(flagged[: n + 1] > 0)), bool(quiet), measure)
 
 
 def step(

@@ -205,6 +205,10 @@ class RunSettings:
                 name=name,
             )
 
+    def synced(self, name: str) -> np.ndarray:
+        """What the variable ``name`` holds now, known on the host (no read)."""
+        return self._synced[name]
+
     def _sync(self) -> None:
         changed = False
         for name, variable in self.variables.items():

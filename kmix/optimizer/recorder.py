@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -162,6 +163,23 @@ class StepRecorder:
         """The counters before this step and what is due at it, read once per step."""
         packed = ops.copy(self.counters)
         return Before(packed, self.statistics().due(packed))
+
+    def host_before_step(self, flags: Any) -> tuple[Before, np.ndarray, np.ndarray]:
+        """:meth:`before_step` decided on the host, with the step's flags: one host read.
+
+        Args:
+            flags: the step's float flags (1.0 where non-finite).
+
+        Returns:
+            ``(before, counters, flagged)``: ``before.due`` and the other two are NumPy
+            (the counters before the step, and the flags as 0/1 in their dtype).
+        """
+        packed = ops.copy(self.counters)
+        dtype = keras.backend.standardize_dtype(packed.dtype)
+        read = ops.convert_to_numpy(ops.concatenate([packed, ops.cast(flags, dtype)]))
+        counters, flagged = read[: packed.shape[0]], read[packed.shape[0] :]
+        every = np.stack([self.settings.synced(n) for n in ("health_every", "histogram_every")])
+        return Before(packed, record.due_now(counters, every, record.HOST_OPS)), counters, flagged
 
     def record(
         self,

@@ -27,6 +27,7 @@ JAX without ``jax_enable_x64`` (where an int64 variable holds int32 values).
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -152,10 +153,33 @@ def saturating_add(counter: Any, amount: Any) -> Any:
     return ops.where(ops.greater(counter, ops.subtract(top, amount)), top, ops.add(counter, amount))
 
 
-def due(step: Any, every: Any) -> Any:
-    """True when ``every > 0`` and ``step`` is a multiple of it."""
-    every = ops.cast(every, int_dtype_of(step))
-    return ops.logical_and(every > 0, ops.equal(ops.mod(step, ops.maximum(every, 1)), 0))
+HOST_OPS = types.SimpleNamespace(
+    cast=lambda x, dtype: np.asarray(x, dtype),
+    **{
+        name: getattr(np, name)
+        for name in (
+            "all",
+            "any",
+            "equal",
+            "greater_equal",
+            "less_equal",
+            "logical_and",
+            "logical_not",
+            "maximum",
+            "minimum",
+            "mod",
+        )
+    },
+)
+"""The few ``keras.ops`` the step's decisions use (:func:`due_now`, :func:`is_quiet`), over
+NumPy: an eager step decides on the host from one read of its counters (pass ``xp=HOST_OPS``)."""
+
+
+def due(step: Any, every: Any, xp: Any = ops) -> Any:
+    """True when ``every > 0`` and ``step`` is a multiple of it (``xp``: ``keras.ops`` or
+    :data:`HOST_OPS`)."""
+    every = xp.cast(every, int_dtype_of(step))
+    return xp.logical_and(every > 0, xp.equal(xp.mod(step, xp.maximum(every, 1)), 0))
 
 
 def advance(
@@ -222,7 +246,7 @@ QUIET_DELTA = Counters(
 """What a quiet step adds to the counters (nothing else changes, the scale included)."""
 
 
-def due_now(packed: Any, every: Any) -> Any:
+def due_now(packed: Any, every: Any, xp: Any = ops) -> Any:
     """``[health_due, histogram_due]`` for the step after the ``packed`` counters.
 
     The same as :func:`advance`'s ``outcome.health_due`` and ``outcome.histogram_due``,
@@ -231,14 +255,15 @@ def due_now(packed: Any, every: Any) -> Any:
     Args:
         packed: the counters before the step, as :func:`pack` lays them out.
         every: int64 vector ``[health_every, histogram_every]`` (0 means never).
+        xp: ``keras.ops``, or :data:`HOST_OPS` for NumPy values.
 
     Returns:
         A boolean vector of two.
     """
     attempted = packed[Counters._fields.index("attempted_steps")]
     dtype = int_dtype_of(attempted)
-    step = ops.minimum(attempted, np.asarray(int_max(dtype) - 1, dtype)) + 1  # as advance counts
-    return due(step, every)
+    step = xp.minimum(attempted, np.asarray(int_max(dtype) - 1, dtype)) + 1  # as advance counts
+    return due(step, every, xp)
 
 
 def quiet_bounds(
@@ -265,7 +290,9 @@ def quiet_bounds(
     return np.asarray(list(Counters(**low)), dtype), np.asarray(list(Counters(**high)), dtype)
 
 
-def is_quiet(packed: Any, flags: Any, due_vector: Any, config: scaling.ScaleConfig) -> Any:
+def is_quiet(
+    packed: Any, flags: Any, due_vector: Any, config: scaling.ScaleConfig, xp: Any = ops
+) -> Any:
     """True when :func:`advance` would only add :data:`QUIET_DELTA`: the common step.
 
     A quiet step is clean (every flag 0: gradients finite, the loss finite and known),
@@ -279,14 +306,15 @@ def is_quiet(packed: Any, flags: Any, due_vector: Any, config: scaling.ScaleConf
             then the loss non-finite, then the loss unknown.
         due_vector: :func:`due_now`'s ``[health_due, histogram_due]``.
         config: the scale rule's constants.
+        xp: ``keras.ops``, or :data:`HOST_OPS` for NumPy values.
 
     Returns:
         A boolean scalar.
     """
     low, high = quiet_bounds(config, int_dtype_of(packed))
-    inside = ops.all(ops.logical_and(ops.greater_equal(packed, low), ops.less_equal(packed, high)))
-    clean = ops.logical_not(ops.any(flags > 0))
-    return ops.logical_and(ops.logical_and(clean, inside), ops.logical_not(ops.any(due_vector)))
+    inside = xp.all(xp.logical_and(xp.greater_equal(packed, low), xp.less_equal(packed, high)))
+    clean = xp.logical_not(xp.any(flags > 0))
+    return xp.logical_and(xp.logical_and(clean, inside), xp.logical_not(xp.any(due_vector)))
 
 
 # ------------------------------------------------------------------ event ring

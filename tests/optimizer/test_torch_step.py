@@ -119,3 +119,52 @@ def test_a_quiet_eager_step_reads_one_value_on_the_host(monkeypatch):
 
     assert len(reads_of(stock)) == 2
     assert len(reads_of(optimizer)) == 1
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch's finite screen")
+def test_the_finite_screen_proves_finite_or_suspects_never_misses():
+    """One norm per tensor: finite proves finite; inf, NaN (anywhere) and a finite tensor
+    whose squares overflow float32 are suspected; None and empty tensors are finite."""
+    import torch
+
+    from kmix.backend.torch import screened_nonfinite_flags
+
+    nan_last = torch.ones(1000)
+    nan_last[-1] = float("nan")
+    values = [
+        None,
+        torch.zeros(0),
+        torch.ones(3, 3),
+        nan_last,
+        torch.tensor([1.0, -float("inf")]),
+        torch.tensor([1e20, 1.0]),  # finite; 1e40 overflows float32
+        torch.tensor([300.0], dtype=torch.float16),  # 9e4 overflows float16, not float32
+    ]
+    flags = screened_nonfinite_flags(values)
+    assert flags.dtype == torch.float32
+    assert flags.tolist() == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+    assert screened_nonfinite_flags([]).tolist() == []
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch's finite screen")
+def test_a_finite_gradient_the_screen_suspects_is_applied_and_a_nonfinite_one_skipped():
+    """A gradient of 1e20 (finite: its square overflows the screen's norm) is settled by
+    the exact check: the step applies, nothing is skipped. A NaN gradient is skipped and
+    named."""
+    keras.config.set_dtype_policy("float32")
+    optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=1.0)
+    kernel = keras.Variable(np.zeros((2,), "float32"), name="kernel")
+    bias = keras.Variable(np.zeros((2,), "float32"), name="bias")
+    optimizer.build([kernel, bias])
+    optimizer.apply([keras.ops.convert_to_tensor([1e20, 0.0]), keras.ops.ones((2,))])
+    assert keras.ops.convert_to_numpy(kernel).tolist() == [float(np.float32(-1e20)), 0.0]
+    assert optimizer.read_state().skipped_steps == 0
+
+    optimizer.apply([keras.ops.ones((2,)), keras.ops.convert_to_tensor([np.nan, 0.0])])
+    state = optimizer.read_state()
+    assert (state.attempted_steps, state.skipped_steps) == (2, 1)
+    assert keras.ops.convert_to_numpy(bias).tolist() == [-1.0, -1.0]
+    (event,) = optimizer.scale_events()
+    assert (event.step, event.variable, event.nonfinite_variables) == (2, "bias", 1)

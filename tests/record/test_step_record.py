@@ -231,14 +231,25 @@ def flags(grads_finite: bool, loss: str) -> np.ndarray:
     return np.float32([not grads_finite, loss == "nonfinite", loss == "unknown"])
 
 
+@pytest.mark.jax
+@pytest.mark.torch
 def test_which_steps_are_quiet():
     counters = initial_record().counters
 
     def quiet(grads_finite=True, loss="finite", health_every=4, histogram_every=0, **changes):
+        """Decided in the step (keras.ops) and on the host (HOST_OPS, NumPy): the same."""
         c = counters._replace(**{k: ops.convert_to_tensor(v, INT) for k, v in changes.items()})
-        packed = record.pack(c, INT)
-        due = record.due_now(packed, np.asarray([health_every, histogram_every], INT))
-        return bool(record.is_quiet(packed, flags(grads_finite, loss), due, CONFIG))
+        packed, every = record.pack(c, INT), np.asarray([health_every, histogram_every], INT)
+        due = record.due_now(packed, every)
+        in_step = bool(record.is_quiet(packed, flags(grads_finite, loss), due, CONFIG))
+        host_packed = ops.convert_to_numpy(packed)
+        host_due = record.due_now(host_packed, every, record.HOST_OPS)
+        assert host_due.tolist() == ops.convert_to_numpy(due).tolist()
+        host = record.is_quiet(
+            host_packed, flags(grads_finite, loss), host_due, CONFIG, record.HOST_OPS
+        )
+        assert bool(host) == in_step
+        return in_step
 
     assert quiet()
     assert not quiet(grads_finite=False)  # a skip
@@ -265,7 +276,10 @@ def test_due_now_is_what_advance_finds_due():
         )
         step = min(attempted + 1, TOP)
         expected = [step % 3 == 0, step % 4 == 0]
-        assert ops.convert_to_numpy(record.due_now(record.pack(c, INT), every)).tolist() == expected
+        packed = record.pack(c, INT)
+        assert ops.convert_to_numpy(record.due_now(packed, every)).tolist() == expected
+        host = ops.convert_to_numpy(packed)  # an eager step decides on the host
+        assert record.due_now(host, every, record.HOST_OPS).tolist() == expected
 
 
 @pytest.mark.jax
