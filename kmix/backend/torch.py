@@ -109,12 +109,14 @@ def screened_nonfinite_flags(values: list[Any]) -> Any:
     exact check's cost on a CPU (one kernel launch, no boolean tensors).
 
     Args:
-        values: tensors, or None (counted as finite).
+        values: tensors (or arrays), or None (counted as finite).
 
     Returns:
         A float32 vector, one entry per value.
     """
-    present = [v for v in values if v is not None]
+    present = [
+        v if torch.is_tensor(v) else ops.convert_to_tensor(v) for v in values if v is not None
+    ]
     if not present:
         return torch.zeros(len(values), dtype=torch.float32)
     norms = torch.stack(torch._foreach_norm(present, 2, dtype=torch.float32))

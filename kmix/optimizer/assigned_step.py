@@ -90,6 +90,9 @@ def measured_step(
     """
     hooks, recorder = optimizer.hooks, optimizer.recorder
     forward_state = hooks.take_forward_state()
+    if decided is not None and decided.quiet:  # the record only counts: nothing measured
+        hooks.drop_records()
+        return decided.before, None, forward_state
     before = recorder.before_step() if decided is None else decided.before
     measure = None if decided is None else decided.measure
     forward = hooks.forward_statistics(flags[len(aligned)] > 0, before.due[0], measure)

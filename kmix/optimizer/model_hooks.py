@@ -92,6 +92,7 @@ class ModelHooks:
         self.trace = trace or PerThread(StepTrace)  # the wrapped train step leaves state here
         self.layers: list[tuple[str, str]] = []
         self.not_float16: frozenset[str] = frozenset()
+        self._state_variables: list[Any] | None = None  # kept for one fit, once built
 
     @property
     def model(self) -> keras.Model | None:
@@ -109,8 +110,23 @@ class ModelHooks:
             model: the model the optimizer trains.
         """
         self.attach(model)
+        self._state_variables = None  # found again: the model may have changed since
         self._wrap_train_step(model)
         warn_unrestored(model)
+
+    def state_variables(self, model: keras.Model) -> list[Any]:
+        """:func:`kmix._layers.forward_state_variables` of ``model``, walked once per fit.
+
+        An eager step (torch) calls the wrapped train step at every step; a fit does not
+        add layers or variables once the model is built (:meth:`protect`, before every
+        fit, forgets the list).
+        """
+        if self._state_variables is not None:
+            return self._state_variables
+        found = forward_state_variables(model)
+        if getattr(model, "built", False):
+            self._state_variables = found
+        return found
 
     def attach(self, model: keras.Model) -> None:
         """Holds ``model`` (weakly) as the model the hooks serve: its float16 mask."""
@@ -172,7 +188,7 @@ class ModelHooks:
                 # Read before the forward pass assigns them (reads are ordered
                 # before later assignments of the same variable in the graph).
                 owner.trace.get().forward_state = [
-                    (v, ops.copy(v.value)) for v in forward_state_variables(model)
+                    (v, ops.copy(v.value)) for v in owner.state_variables(model)
                 ]
             return original(data)
 
@@ -210,6 +226,11 @@ class ModelHooks:
         self.layers = [(r.path, r.class_name) for r in records]
         self.not_float16 = frozenset(r.path for r in records if not _float16_output(r.outputs))
         return records
+
+    def drop_records(self) -> None:
+        """Forgets the tapped records of this step unread (:attr:`layers` stay as they were)."""
+        if self._tap is not None:
+            self._tap.drop()
 
     def recording(self) -> contextlib.AbstractContextManager:
         """Records the tapped layers' calls in the block, whatever the trace (needs a tap)."""

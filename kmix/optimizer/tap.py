@@ -369,6 +369,11 @@ class ActivationTap:
         call = TappedCall(path, inputs, outputs, type(layer).__name__)  # named at take()
         state.records.append((layer, calls, call))
 
+    def drop(self) -> None:
+        """Forgets this thread's records of the current trace unread (a step that measures
+        nothing: an eager quiet step)."""
+        self._calls.reset()
+
     def take(self) -> list[TappedCall]:
         """Returns this thread's records of the current trace, and forgets them all.
 

@@ -140,10 +140,11 @@ def test_the_finite_screen_proves_finite_or_suspects_never_misses():
         torch.tensor([1.0, -float("inf")]),
         torch.tensor([1e20, 1.0]),  # finite; 1e40 overflows float32
         torch.tensor([300.0], dtype=torch.float16),  # 9e4 overflows float16, not float32
+        np.float32([np.nan, 1.0]),  # optimizer.apply() takes arrays too
     ]
     flags = screened_nonfinite_flags(values)
     assert flags.dtype == torch.float32
-    assert flags.tolist() == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+    assert flags.tolist() == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]
     assert screened_nonfinite_flags([]).tolist() == []
 
 
