@@ -128,6 +128,27 @@ def screened_nonfinite_flags(values: list[Any]) -> Any:
     return flags
 
 
+def divided(values: list[Any], divisor: Any) -> list[Any]:
+    """Each value divided by the float32 scalar ``divisor``, as ``keras.ops.divide`` gives it.
+
+    The float32 tensors (every gradient of a mixed-precision model's float32 variables) in
+    one ``torch._foreach_div``: the same division, element by element, bit for bit; any
+    other through ``keras.ops.divide``, whose dtype promotion differs from torch's there.
+
+    Args:
+        values: tensors (or arrays).
+        divisor: a float32 scalar (the loss scale).
+
+    Returns:
+        One tensor per value.
+    """
+    divisor = ops.convert_to_tensor(divisor)
+    fast = [i for i, v in enumerate(values) if torch.is_tensor(v) and v.dtype == divisor.dtype]
+    quotients = torch._foreach_div([values[i] for i in fast], divisor) if fast else []
+    found = dict(zip(fast, quotients, strict=True))
+    return [found[i] if i in found else ops.divide(v, divisor) for i, v in enumerate(values)]
+
+
 def summed_rows(indices: Any, values: Any) -> Any:
     """Never called: gradients are dense on torch (sparse slices are TensorFlow's)."""
     raise NotImplementedError("sparse gradient slices exist only on the TensorFlow backend")

@@ -60,16 +60,36 @@ def aligned_gradients(parts: Any, grads: list, variables: list) -> list:
     return aligned
 
 
-def apply_inner(optimizer: Any, grads: list, variables: list) -> None:
-    """Unscales the gradients and applies the inner optimizer (a replica's, on TensorFlow)."""
+def divided(values: list, divisor: Any) -> list:
+    """Each value divided by ``divisor`` (``keras.ops.divide``, one op per value)."""
+    return [ops.divide(v, divisor) for v in values]
+
+
+def apply_inner(
+    optimizer: Any,
+    grads: list,
+    variables: list,
+    divide: Callable[[list, Any], list] = divided,
+) -> None:
+    """Unscales the gradients and applies the inner optimizer (a replica's, on TensorFlow).
+
+    Args:
+        optimizer: a built ``kmix.LossScaleOptimizer``.
+        grads: the scaled gradients, one per variable (None allowed).
+        variables: the variables they update.
+        divide: divides a list of tensors by the scale as :func:`divided` does (a backend
+            may do it in one call).
+    """
     scale, overwrites = optimizer.dynamic_scale, optimizer.parts.overwrites
-    optimizer.inner_optimizer.apply(
-        [
-            g if g is None or overwrites(v) else ops.divide(g, scale)
-            for g, v in zip(grads, variables, strict=True)
-        ],
-        variables,
-    )
+    scaled = [
+        i
+        for i, (g, v) in enumerate(zip(grads, variables, strict=True))
+        if g is not None and not overwrites(v)
+    ]
+    unscaled = list(grads)
+    for i, g in zip(scaled, divide([grads[i] for i in scaled], scale), strict=True):
+        unscaled[i] = g
+    optimizer.inner_optimizer.apply(unscaled, variables)
 
 
 def measured_step(

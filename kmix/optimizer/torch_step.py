@@ -25,7 +25,7 @@ from typing import Any
 from keras import ops
 
 from kmix import backend, record
-from kmix.backend.torch import screened_nonfinite_flags
+from kmix.backend.torch import divided, screened_nonfinite_flags
 from kmix.optimizer import assigned_step
 
 __all__ = ["apply", "check_at_creation", "protect_forward_state", "stateless_apply"]
@@ -52,7 +52,9 @@ def apply(optimizer: Any, grads: list, trainable_variables: list | None) -> None
         flags = ops.concatenate([record.nonfinite_flags(aligned), loss])
         decided = assigned_step.read_decisions(optimizer, flags, len(aligned))
     before, forward, forward_state = assigned_step.measured_step(optimizer, aligned, flags, decided)
-    apply_inner = functools.partial(assigned_step.apply_inner, optimizer, grads, variables)
+    apply_inner = functools.partial(
+        assigned_step.apply_inner, optimizer, grads, variables, divide=divided
+    )
     assigned_step.step(
         optimizer, aligned, flags, before, forward_state, apply_inner, forward, decided
     )

@@ -169,3 +169,25 @@ def test_a_finite_gradient_the_screen_suspects_is_applied_and_a_nonfinite_one_sk
     assert keras.ops.convert_to_numpy(bias).tolist() == [-1.0, -1.0]
     (event,) = optimizer.scale_events()
     assert (event.step, event.variable, event.nonfinite_variables) == (2, "bias", 1)
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch's one-call unscale")
+def test_the_one_call_unscale_is_keras_divide_bit_for_bit_in_every_dtype():
+    """float32 tensors go through one torch._foreach_div, the rest through keras.ops.divide:
+    each result equals keras.ops.divide's, dtype and bits (subnormals and the top included)."""
+    import torch
+
+    from kmix.backend.torch import divided
+
+    scale = keras.Variable(np.float32(1024.0)).value
+    values = [
+        torch.tensor([3.0, -7.5, 1e-40, 3e38]),
+        torch.tensor([3.0, 60000.0], dtype=torch.float16),
+        torch.tensor([3.0], dtype=torch.float64),
+        np.float32([1.0, 2.0]),
+    ]
+    for got, value in zip(divided(values, scale), values, strict=True):
+        want = keras.ops.divide(value, scale)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert divided([], scale) == []
