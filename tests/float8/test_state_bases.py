@@ -43,9 +43,7 @@ def fit(base, steps_per_execution=1, scaled=True, callbacks=(), **compile_kwargs
     keras.mixed_precision.set_global_policy(base)
     keras.utils.set_random_seed(0)
     model = mlp()
-    assert {layer.dtype_policy.name for _, layer in float8_layers(model)} == {
-        f"float8_from_{base}"
-    }
+    assert {layer.dtype_policy.name for _, layer in float8_layers(model)} == {f"float8_from_{base}"}
     pinned = {} if scaled else {"initial_scale": 1.0, "max_scale": 1.0}
     opt = kmix.LossScaleOptimizer(
         "sgd", **({"dynamic_growth_steps": 4, "initial_scale": 256.0} | pinned)
@@ -73,9 +71,7 @@ def float8_values(model) -> dict[tuple[str, str], np.ndarray]:
 
 @pytest.mark.jax
 @pytest.mark.parametrize("jit_compile", ["auto", True])
-def test_steps_per_execution_saturations_are_those_one_step_an_execution_replays(
-    base, jit_compile
-):
+def test_steps_per_execution_saturations_are_those_one_step_an_execution_replays(base, jit_compile):
     """Three steps an execution over 16 batches (the last execution is one step): every
     saturated tensor-step at its own step, as the replay of the one-step run says."""
     if jit_compile is True and keras.backend.backend() == "jax":
@@ -127,8 +123,10 @@ def test_without_loss_scaling_every_saturation_is_counted_and_written(base, tmp_
     )
     for h in opt.float8_health():
         written = scalars(logged, tags.float8_tag(tags.FP8_SATURATED_STEPS, h.layer, h.tensor))
-        assert written[max(written)] == h.saturated_steps == sum(
-            1 for s in got if s[1:] == (h.layer, h.tensor)
+        assert (
+            written[max(written)]
+            == h.saturated_steps
+            == sum(1 for s in got if s[1:] == (h.layer, h.tensor))
         )
 
 
