@@ -24,6 +24,7 @@ __all__ = [
     "STALE_WARN_BITS",
     "float8_findings",
     "float8_lines",
+    "output_gradient_headroom",
     "spike_of",
     "summarize_float8",
 ]
@@ -150,6 +151,18 @@ def summarize_float8(log: KmixLog, events: tuple[tags.ScaleEvent, ...]) -> Float
         if hit:
             growths.append(GrowthSaturation(event.step, hit))
     return Float8Summary(layers, tuple(tensors), episodes, total, tuple(growths), _lost(log))
+
+
+def output_gradient_headroom(log: KmixLog) -> dict[str, list[tuple[int, float]]]:
+    """Float8 layer path -> ``[(step, headroom bits)]`` of its output gradients at each read
+    (``kmix/fp8_headroom_bits/<layer>/outputs_grad``), for the precision what-if."""
+    found = {}
+    for tag, series in log.scalars.items():
+        parsed = tags.parse_float8_tag(tag)
+        if parsed is not None and parsed[::2] == (tags.FP8_HEADROOM_BITS, "outputs_grad"):
+            steps, values = series.steps.tolist(), series.values.tolist()
+            found[parsed[1]] = [(int(a), float(b)) for a, b in zip(steps, values, strict=True)]
+    return found
 
 
 def spike_of(section: Float8Summary, health: Float8TensorHealth) -> tags.Float8Saturation | None:

@@ -180,11 +180,22 @@ def test_a_real_fit_without_following_reports_its_growth_saturations(tmp_path):
             float8_follows_loss_scale=False,
         )
         model.compile(optimizer=opt, loss="mse")
-        monitor = kmix.callbacks.MixedPrecisionMonitor(str(tmp_path), update_freq=5, verbose=0)
+        monitor = kmix.callbacks.MixedPrecisionMonitor(
+            str(tmp_path), update_freq=5, histogram_freq=5, verbose=0
+        )
         model.fit(x, y, batch_size=16, verbose=0, shuffle=False, callbacks=[monitor])
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    summary = report.summarize(report.read_log(str(tmp_path)))
+    log = report.read_log(str(tmp_path))
+    summary = report.summarize(log)
+    # The what-if places each float8 layer's variables at its output gradients' real scale.
+    gradients = summary.precision_whatif["gradients"]
+    weights = {str(v.path) for v in model.trainable_variables if not v.overwrite_with_gradient}
+    assert set(gradients.by_variable) == weights == set(gradients.float8_headroom_bits)
+    for variable, bits in gradients.float8_headroom_bits.items():
+        tag = tags.float8_tag(tags.FP8_HEADROOM_BITS, variable.rpartition("/")[0], "outputs_grad")
+        series = log.scalars[tag]
+        assert bits == series.values[series.steps <= gradients.step][-1]
     f8 = summary.float8
     assert f8.episodes == tuple(opt.float8_episodes())
     assert f8.saturated_tensor_steps == len(opt.float8_saturations())
