@@ -65,7 +65,13 @@ def _run(name: str, workdir: pathlib.Path, values: str) -> tuple[Any, dict[str, 
 
 
 @pytest.mark.parametrize(
-    "name", ["01_quickstart.ipynb", "02_diagnose_overflow.ipynb", "03_autopilot.ipynb"]
+    "name",
+    [
+        "01_quickstart.ipynb",
+        "02_diagnose_overflow.ipynb",
+        "03_autopilot.ipynb",
+        "04_float8.ipynb",
+    ],
 )
 def test_stored_without_outputs(name):
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
@@ -84,7 +90,13 @@ def _heading_level(cell) -> int | None:
 
 
 @pytest.mark.parametrize(
-    "name", ["01_quickstart.ipynb", "02_diagnose_overflow.ipynb", "03_autopilot.ipynb"]
+    "name",
+    [
+        "01_quickstart.ipynb",
+        "02_diagnose_overflow.ipynb",
+        "03_autopilot.ipynb",
+        "04_float8.ipynb",
+    ],
 )
 def test_every_heading_has_content_and_nothing_prints_for_the_tests(name):
     cells = nbformat.read(NOTEBOOKS / name, as_version=4).cells
@@ -212,3 +224,48 @@ def test_autopilot(tmp_path):
     assert result["healed_policies"]["energy"] == "float32"
     assert result["loaded_policies"] == result["healed_policies"]
     assert result["loaded_policies"]["proj"] == "mixed_float16"
+
+
+@pytest.mark.slow
+def test_float8(tmp_path):
+    import math
+
+    _, result = _run(
+        "04_float8.ipynb",
+        tmp_path,
+        "{'stock': stock, 'off': kmix_off, 'on': kmix_on, 'off_growths': off_growths, "
+        "'stock_growths': stock_growths, 'on_growths': on_growths, "
+        "'references': [float16_loss, float32_loss], "
+        "'reports': {kind: {'saturated': r.float8.saturated_tensor_steps, "
+        "'episodes': len(r.float8.episodes), "
+        "'growths': [g.step for g in r.float8.growth_saturations], "
+        "'rules': sorted({f.rule for f in r.findings if f.rule.startswith('float8')})} "
+        "for kind, r in reports.items()}, "
+        "'episodes': {'kmix off': len(off_optimizer.float8_episodes()), "
+        "'kmix on': len(on_optimizer.float8_episodes())}}",
+    )
+    stock, off, on = result["stock"], result["off"], result["on"]
+    # kmix with following off trains exactly as stock Keras, and counts what the
+    # independent replay of stock Keras's variables counts.
+    assert off == stock and result["off_growths"] == result["stock_growths"]
+    assert len(result["off_growths"]) >= 5 and stock["after_growths"] >= len(result["off_growths"])
+    # Following the loss scale: growths (one more, the scale kept growing) saturate far
+    # fewer output gradients.
+    assert len(result["on_growths"]) >= len(result["off_growths"])
+    assert on["after_growths"] < off["after_growths"] // 4
+    assert on["saturated"] < off["saturated"]
+    losses = [stock["loss"], off["loss"], on["loss"], *result["references"]]
+    assert all(math.isfinite(loss) and loss > 0 for loss in losses)
+    # The report reads back what the optimizers counted, and names the growths only
+    # where the float8 scales did not follow.
+    reports = result["reports"]
+    for kind, row in (("kmix off", off), ("kmix on", on)):
+        assert reports[kind]["saturated"] == row["saturated"]
+        assert reports[kind]["episodes"] == result["episodes"][kind]
+    assert reports["kmix off"]["growths"] and set(reports["kmix off"]["growths"]) <= set(
+        result["off_growths"]
+    )
+    assert "float8_growth" in reports["kmix off"]["rules"]
+    assert (
+        reports["kmix on"]["growths"] == [] and "float8_growth" not in reports["kmix on"]["rules"]
+    )

@@ -176,12 +176,17 @@ def rescaled(tensors: Sequence[Float8Tensor], values: Sequence[Any], factor: Any
         factor: the loss scale's change at this step (new / old; 1 when unchanged).
 
     Returns:
-        Tracked index -> new value, for each ``outputs_grad`` scale and history.
+        Tracked index -> new value, for each ``outputs_grad`` scale and history: the value
+        itself where ``factor`` is 1 (TensorFlow's and XLA's CPU kernels flush float32
+        subnormals in a multiplication, even by 1), so a step that does not change the
+        loss scale changes nothing.
     """
     factor = ops.cast(factor, "float32")
+    unchanged = ops.equal(factor, 1.0)
     found = {}
     for t in tensors:
         if t.tensor == "outputs_grad":
             for index in (t.scale_index, t.history_index):
-                found[index] = ops.cast(values[index], "float32") * factor
+                value = ops.cast(values[index], "float32")
+                found[index] = ops.where(unchanged, value, value * factor)
     return found

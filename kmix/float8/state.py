@@ -8,11 +8,17 @@ one ``any``); then::
     TensorFlow and torch (kmix.optimizer.assigned_step, assigning variables):
         check = state.before_apply(aligned, applies)             # the scales used
         state.after_record(check, packed, old_scale, new_scale)
-            record_step(check, step)      # rare branch: counts and episodes
-            rescale(factor)               # rare branch: the loss scale changed
+            one rare branch, taken when a tensor saturated or the loss scale changed
+            (factor != 1, followed):
+                record: counts and episodes    (advance_float8: the same record when
+                                                nothing saturated)
+                rescale: output gradients * factor           (exact when factor is 1)
     JAX (kmix.optimizer.jax_step, values in, values out):
         state.step_values(...)            # advanced(old, check, step): the same, as values
         state.rescaled(values, factor)
+
+Healthy steps pay one scalar condition (TensorFlow: one uncalled branch; torch: one host
+read), not one per part.
 """
 
 from __future__ import annotations
@@ -129,37 +135,27 @@ class Float8State:
         """The step's fused check (:func:`kmix.float8.saturation.check_step`); values before it."""
         return check_step(self.tensors, grads, values, applies)
 
-    def record_step(self, check: StepCheck, step: Any) -> None:
-        """TensorFlow and torch: assigns the record after the step (a branch only saturation
-        takes)."""
+    def _write_record(self, check: StepCheck, step: Any) -> None:
+        """Assigns the record after the step (:func:`advance_float8`)."""
         variables = self.record
+        old = Float8Record(*(ops.copy(v) for v in variables))
+        for variable, value in zip(variables, advance_float8(old, check, step), strict=True):
+            variable.assign(ops.cast(value, variable.dtype))
 
-        def write() -> None:
-            old = Float8Record(*(ops.copy(v) for v in variables))
-            for variable, value in zip(variables, advance_float8(old, check, step), strict=True):
-                variable.assign(ops.cast(value, variable.dtype))
-
-        rare_cond(ops.any(check.saturated), write, _noop)
+    def _write_rescale(self, factor: Any) -> None:
+        """Multiplies the output gradients' float8 state by ``factor`` (when followed)."""
+        if not self.follows_loss_scale:
+            return
+        tracked = self._tracked
+        values = [ops.convert_to_tensor(v) for v in tracked]
+        for index, value in rescaled(self.tensors, values, factor).items():
+            tracked[index].assign(value)
 
     def advanced(self, old: Float8Record, check: StepCheck, step: Any) -> Float8Record:
         """JAX: the record's values after the step (as given when nothing saturated)."""
         return rare_cond(
             ops.any(check.saturated), lambda: advance_float8(old, check, step), lambda: old
         )
-
-    def rescale(self, factor: Any) -> None:
-        """TensorFlow and torch: multiplies the output gradients' float8 state by ``factor``
-        (when not 1)."""
-        if not self.follows_loss_scale:
-            return
-        tracked = self._tracked
-
-        def write() -> None:
-            values = [ops.convert_to_tensor(v) for v in tracked]
-            for index, value in rescaled(self.tensors, values, factor).items():
-                tracked[index].assign(value)
-
-        rare_cond(ops.not_equal(factor, 1.0), write, _noop)
 
     def rescaled(self, values: list, factor: Any) -> list:
         """JAX: ``values`` (the tracked variables' after the step) with the rescale applied."""
@@ -179,9 +175,20 @@ class Float8State:
 
     def after_record(self, check: StepCheck, packed: Any, old_scale: Any, new_scale: Any) -> None:
         """TensorFlow and torch, after the record: counts saturations, follows the scale's
-        change."""
-        self.record_step(check, attempted_step(packed))
-        self.rescale(ops.divide(new_scale, old_scale))
+        change, in one branch only a saturation or a change of the loss scale takes (both
+        writes are identities on the other steps: the record is unchanged when nothing
+        saturated, and multiplying by 1 is exact, so either may run when only the other
+        is due)."""
+        step, factor = attempted_step(packed), ops.divide(new_scale, old_scale)
+        rare = ops.any(check.saturated)
+        if self.follows_loss_scale:
+            rare = ops.logical_or(rare, ops.not_equal(factor, 1.0))
+
+        def write() -> None:
+            self._write_record(check, step)
+            self._write_rescale(factor)
+
+        rare_cond(rare, write, _noop)
 
     def step_values(
         self,

@@ -20,10 +20,12 @@ from kmix.report.values import Finding, Float8Summary, Float8TensorHealth, Growt
 __all__ = [
     "EPISODES_LISTED",
     "FLUSH_FRESH_BITS",
+    "ROUNDING_BITS",
     "SATURATED_SHARE_WARN",
     "STALE_WARN_BITS",
     "float8_findings",
     "float8_lines",
+    "output_gradient_headroom",
     "spike_of",
     "summarize_float8",
 ]
@@ -35,6 +37,10 @@ SATURATED_SHARE_WARN = 0.1
 """A tensor clipped at more than this share of the run's steps gets a warning."""
 EPISODES_LISTED = 12
 """The text lists this many episodes (the JSON lists every one)."""
+ROUNDING_BITS = 2.0**-20
+"""Episodes of an often clipped tensor all at most this far over their limit (a few float32
+ulps: delayed scaling's margin of 0 puts a steady amax at its limit, and rounding counts
+some steps a fraction of an ulp past it) are said to be rounding, with nothing to do."""
 _TENSOR_ORDER = {"inputs": 0, "kernel": 1, "outputs_grad": 2}
 _TENSOR_WORDS = {"inputs": "inputs", "kernel": "kernel", "outputs_grad": "output gradients"}
 FLUSH_FRESH_BITS = {
@@ -152,6 +158,18 @@ def summarize_float8(log: KmixLog, events: tuple[tags.ScaleEvent, ...]) -> Float
     return Float8Summary(layers, tuple(tensors), episodes, total, tuple(growths), _lost(log))
 
 
+def output_gradient_headroom(log: KmixLog) -> dict[str, list[tuple[int, float]]]:
+    """Float8 layer path -> ``[(step, headroom bits)]`` of its output gradients at each read
+    (``kmix/fp8_headroom_bits/<layer>/outputs_grad``), for the precision what-if."""
+    found = {}
+    for tag, series in log.scalars.items():
+        parsed = tags.parse_float8_tag(tag)
+        if parsed is not None and parsed[::2] == (tags.FP8_HEADROOM_BITS, "outputs_grad"):
+            steps, values = series.steps.tolist(), series.values.tolist()
+            found[parsed[1]] = [(int(a), float(b)) for a, b in zip(steps, values, strict=True)]
+    return found
+
+
 def spike_of(section: Float8Summary, health: Float8TensorHealth) -> tags.Float8Saturation | None:
     """The latest saturation episode of a tensor: the spike its history still holds, when it
     is stale (a spike is clipped by its own step's delayed scale, so kmix's optimizer
@@ -222,9 +240,16 @@ def _stale_findings(section: Float8Summary) -> list[Finding]:
                 f": values below 2^{flush + t.staleness_bits:.1f} of its latest amax flush to "
                 f"zero (2^{flush:.1f} with a fresh scale)"
             )
+        history = f"{t.tensor}_amax_history"
         message += (
             "; the scale stays until the spike leaves the amax history (Keras keeps "
-            "amax_history_length steps, 1024 by default)"
+            "amax_history_length steps, 1024 by default). To recover now, reset "
+            f"`{t.layer}`'s {history} between steps (e.g. from a callback: "
+            f"layer.{history}.assign(keras.ops.zeros_like(layer.{history}))): two steps "
+            "later its scale comes from fresh amaxes. For spikes to leave sooner, build the "
+            "layer with a shorter history (dtype=keras.dtype_policies."
+            'QuantizedFloat8DTypePolicy("float8", its source policy, '
+            "amax_history_length=...)), or keep the spike out of the data"
         )
         found.append(Finding("warning", "float8_stale", message))
     return found
@@ -257,9 +282,39 @@ def _saturated_findings(section: Float8Summary, steps_seen: int) -> list[Finding
             "float8_saturated",
             f"{head}; clipped at more than {percent(SATURATED_SHARE_WARN)} of the steps: "
             f"{named}{more}. Delayed scaling clips any amax above every amax still in the "
-            "history: values that keep growing are clipped step after step",
+            f"history: values that keep growing are clipped step after step. "
+            + _often_clipped_advice(section, often),
         )
     ]
+
+
+def _often_clipped_advice(section: Float8Summary, often: list[Float8TensorHealth]) -> str:
+    """What to do about tensors clipped at many steps: nothing where every episode of theirs
+    the log holds is float32 rounding at the limit; otherwise leave their layers out of
+    float8 in the next run (Keras cannot take a quantized layer back out of float8)."""
+    keys = {(t.layer, t.tensor) for t in often}
+    over = [
+        e.bits_over
+        for e in section.episodes
+        if (e.layer, e.tensor) in keys and math.isfinite(e.bits_over)
+    ]
+    if over and max(over) <= ROUNDING_BITS:
+        return (
+            f"Their episodes clip by at most {max(over):.2g} bits: float32 rounding at a "
+            "steady amax (Keras's margin of 0 puts it at the limit), nothing to do"
+        )
+    layers = ", ".join(f"`{layer}`" for layer in dict.fromkeys(t.layer for t in often))
+    worst = ""
+    if over:
+        most = max(over)
+        worst = (
+            f" (up to {most:.2f} bits over: clipped values lose at most {percent(1 - 2**-most)})"
+        )
+    return (
+        f"Where this clipping{worst} costs accuracy, train the next run with {layers} out "
+        'of float8: model.quantize("float8", filters=...) quantizes only the layers the '
+        "filter selects (Keras cannot take a quantized layer back out of float8)"
+    )
 
 
 def float8_findings(summary: Summary) -> list[Finding]:

@@ -18,7 +18,7 @@ import numpy as np
 
 from kmix import tags
 from kmix.report.finding_rules import HEADROOM_WARN_BITS, findings
-from kmix.report.float8 import summarize_float8
+from kmix.report.float8 import output_gradient_headroom, summarize_float8
 from kmix.report.read import EventLog, KmixLog, Series, scale_events_of
 from kmix.report.values import (
     ExponentShares,
@@ -139,7 +139,7 @@ def summarize(log: KmixLog) -> Summary:
         activation_headroom=activation,
         min_activation_headroom=_trend(log.scalars.get(tags.MIN_ACTIVATION_HEADROOM_BITS)),
         forecasts=_forecasts(log),
-        precision_whatif={"gradients": whatif(log.histograms)},
+        precision_whatif={"gradients": whatif(log.histograms, output_gradient_headroom(log))},
         variables_not_float16=_measured(other, log),
         run=log.run,
         runs=log.runs,

@@ -14,7 +14,7 @@ from kmix.report.finding_rules import RUN_END_WORDS
 from kmix.report.float8 import float8_lines
 from kmix.report.runs import RunInfo, run_words
 from kmix.report.values import Summary, Trend
-from kmix.report.whatif import FORMATS
+from kmix.report.whatif import FLOAT8_GRADIENTS, FORMATS
 
 _HEALTH_NAMES = {
     "overflow_headroom_bits": "overflow headroom (bits)",
@@ -94,12 +94,23 @@ def _whatif_lines(summary: Summary) -> list[str]:
         f"precision what-if (gradients at step {gradients.step}; share that would "
         "underflow/be subnormal/overflow; FP8 scaled per tensor to its max)"
     ]
-    rows = {"all variables": gradients.overall} | gradients.by_variable
+    real = gradients.float8_headroom_bits
+    rows = {"all variables": gradients.overall} | {
+        name + (" *" if name in real else ""): shares
+        for name, shares in gradients.by_variable.items()
+    }
     width = max(map(len, rows))
     for name, by_format in rows.items():
         lines.append(
             f"  {name:<{width}}  "
             + "  ".join(f"{fmt} {_shares(by_format[fmt])}" for fmt in FORMATS)
+        )
+    layers = {variable.rpartition("/")[0]: bits for variable, bits in real.items()}
+    if layers:
+        lines.append(
+            f"  * {FLOAT8_GRADIENTS} at the float8 layer's real output-gradient scale, not "
+            "its max (where its output gradients' amax sat, by their headroom at the read): "
+            + ", ".join(f"`{layer}` {bits:.2f} bits" for layer, bits in layers.items())
         )
     return lines
 

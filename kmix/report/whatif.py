@@ -27,11 +27,23 @@ the histogram is shifted by a power of two so that its largest finite non-zero
 bin lands on the format's top exponent (a recipe's factor ``max / amax`` differs
 from that power of two by a factor in ``(0.875, 1.75]``). float16 and bfloat16 are
 evaluated as recorded (for gradients: scaled by the loss scale, as float16 saw them).
+
+Where the run has float8 layers, their real scales replace that ideal for the format Keras
+holds their gradients in (E5M2, the output gradients'): the monitor's
+``kmix/fp8_headroom_bits/<layer>/outputs_grad`` at the latest read at or before the
+histogram's step, ``h = log2(scale * 57344 / amax)``, says where the layer's output
+gradients' amax sat at their real delayed scale: in the bin of exponent
+``floor(log2(57344) - h)``. Each variable of that layer (its kernel, its bias) has its
+histogram's top bin placed there instead of at E5M2's top exponent, so a stale spike's
+coarse scale (``h`` of several bits) shows as underflow and a clipping scale (``h < 0``) as
+overflow. E4M3 (Keras's format for a float8 layer's inputs and kernel values, never its
+gradients) stays scaled to the max.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -54,6 +66,10 @@ class FloatFormat:
     min_subnormal_exponent: int
     scaled: bool
 
+
+FLOAT8_GRADIENTS = "fp8_e5m2"
+"""The what-if format a Keras float8 layer holds its gradients in (its output gradients)."""
+_E5M2_MAX = tags.FLOAT8_FORMAT_MAX[tags.FLOAT8_FORMATS["outputs_grad"]]
 
 FORMATS = {
     "float16": FloatFormat(15, -14, -24, scaled=False),
@@ -88,11 +104,15 @@ class PrecisionWhatIf:
         overall: format name -> shares over all variables' elements (each
             variable scaled to its own max for FP8).
         by_variable: variable path -> format name -> shares.
+        float8_headroom_bits: variable path of a float8 layer's variable -> the headroom
+            bits of the layer's output gradients that placed its E5M2 shares (its real
+            scale; see the module's docstring); empty without float8 layers.
     """
 
     step: int
     overall: dict[str, FormatShares]
     by_variable: dict[str, dict[str, FormatShares]]
+    float8_headroom_bits: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def _bin_exponents() -> np.ndarray:
@@ -103,12 +123,16 @@ def _bin_exponents() -> np.ndarray:
     return exponents
 
 
-def loss_counts(counts: np.ndarray, fmt: FloatFormat) -> tuple[float, float, float]:
+def loss_counts(
+    counts: np.ndarray, fmt: FloatFormat, top: int | None = None
+) -> tuple[float, float, float]:
     """How many elements of one histogram a format would flush, make subnormal, overflow.
 
     Args:
         counts: one count per exponent bin of :mod:`kmix.tags`.
         fmt: the format.
+        top: for a scaled format, the exponent its scale gives the histogram's largest
+            finite non-zero bin (default: the format's max exponent, the ideal scale).
 
     Returns:
         ``(underflow, subnormal, overflow)`` counts.
@@ -127,7 +151,8 @@ def loss_counts(counts: np.ndarray, fmt: FloatFormat) -> tuple[float, float, flo
     if fmt.scaled:
         present = np.nonzero(finite)[0]
         if present.size:
-            exponents = exponents + (fmt.max_exponent - exponents[present[-1]])
+            goal = fmt.max_exponent if top is None else top
+            exponents = exponents + (goal - exponents[present[-1]])
     underflow = finite[exponents < fmt.min_subnormal_exponent].sum()
     subnormal = finite[
         (exponents >= fmt.min_subnormal_exponent) & (exponents < fmt.min_normal_exponent)
@@ -136,27 +161,54 @@ def loss_counts(counts: np.ndarray, fmt: FloatFormat) -> tuple[float, float, flo
     return float(underflow), float(subnormal), float(overflow)
 
 
-def format_shares(counts: np.ndarray, fmt: FloatFormat) -> FormatShares:
+def format_shares(counts: np.ndarray, fmt: FloatFormat, top: int | None = None) -> FormatShares:
     """The shares of one histogram's elements a format would lose.
 
     Args:
         counts: one count per exponent bin of :mod:`kmix.tags`.
         fmt: the format.
+        top: as in :func:`loss_counts`.
 
     Returns:
         The :class:`FormatShares` (all 0.0 for an empty histogram).
     """
     total = float(np.sum(counts))
-    lost = loss_counts(counts, fmt)
+    lost = loss_counts(counts, fmt, top)
     return FormatShares(*(value / total if total else 0.0 for value in lost))
 
 
-def whatif(histograms: dict[str, list[tuple[int, np.ndarray]]]) -> PrecisionWhatIf | None:
+def float8_top(headroom_bits: float) -> int:
+    """The exponent of the bin where a float8 layer's output gradients' amax sat at their
+    real scale, from their recorded headroom: ``floor(log2(57344) - headroom_bits)``."""
+    return math.floor(math.log2(_E5M2_MAX) - headroom_bits)
+
+
+def _float8_headroom(
+    variables: list[str], headroom: dict[str, list[tuple[int, float]]], step: int
+) -> dict[str, float]:
+    """Variable -> its float8 layer's output-gradient headroom at the latest read at or
+    before ``step`` (finite reads only); variables of other layers are left out."""
+    found = {}
+    for variable in variables:
+        layer = variable.rpartition("/")[0]
+        read = [bits for at, bits in headroom.get(layer, ()) if at <= step and math.isfinite(bits)]
+        if read:
+            found[variable] = float(read[-1])
+    return found
+
+
+def whatif(
+    histograms: dict[str, list[tuple[int, np.ndarray]]],
+    float8_headroom: dict[str, list[tuple[int, float]]] | None = None,
+) -> PrecisionWhatIf | None:
     """The what-if of the latest histograms, per variable and over all of them.
 
     Args:
         histograms: variable path -> ``[(step, counts)]`` in step order, as in
             :class:`kmix.report.KmixLog`.
+        float8_headroom: float8 layer path -> ``[(step, headroom bits)]`` of its output
+            gradients in step order (``kmix/fp8_headroom_bits/<layer>/outputs_grad``): the
+            layer's variables get E5M2 at that real scale (see the module's docstring).
 
     Returns:
         The :class:`PrecisionWhatIf` at the latest step any variable has a
@@ -172,13 +224,26 @@ def whatif(histograms: dict[str, list[tuple[int, np.ndarray]]]) -> PrecisionWhat
         for variable, points in sorted(histograms.items())
         if points and points[-1][0] == step
     }
+    real = _float8_headroom(list(chosen), float8_headroom or {}, step)
+
+    def top(variable: str, name: str) -> int | None:
+        if name != FLOAT8_GRADIENTS or variable not in real:
+            return None
+        return float8_top(real[variable])
+
     total = sum(float(counts.sum()) for counts in chosen.values())
     overall = {}
     for name, fmt in FORMATS.items():
-        summed = np.sum([loss_counts(counts, fmt) for counts in chosen.values()], axis=0)
+        summed = np.sum(
+            [loss_counts(counts, fmt, top(v, name)) for v, counts in chosen.items()], axis=0
+        )
         overall[name] = FormatShares(*(float(v) / total if total else 0.0 for v in summed))
     by_variable = {
-        variable: {name: format_shares(counts, fmt) for name, fmt in FORMATS.items()}
+        variable: {
+            name: format_shares(counts, fmt, top(variable, name)) for name, fmt in FORMATS.items()
+        }
         for variable, counts in chosen.items()
     }
-    return PrecisionWhatIf(step=int(step), overall=overall, by_variable=by_variable)
+    return PrecisionWhatIf(
+        step=int(step), overall=overall, by_variable=by_variable, float8_headroom_bits=real
+    )

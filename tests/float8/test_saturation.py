@@ -187,3 +187,30 @@ def test_the_formats_are_the_contracts():
     assert float8.FORMAT_MAX is tags.FLOAT8_FORMAT_MAX
     assert float8.FORMAT_TINY is tags.FLOAT8_FORMAT_TINY
     assert float8.FORMATS is tags.FLOAT8_FORMATS
+
+
+def test_nothing_saturated_leaves_the_record_as_it_was_and_a_factor_of_1_changes_nothing():
+    """What lets TensorFlow's and torch's step take one rare branch for both writes: the
+    record's update is the identity on a step with nothing saturated (whatever the ring
+    holds, open episodes, inf amaxes included), and the rescale by 1 is exact (subnormals
+    too: TensorFlow's and XLA's CPU kernels would flush them in a multiplication by 1)."""
+    rng = np.random.default_rng(0)
+    n, steps, capacity = 4, 30, 8
+    sat = (rng.random((steps, n)) < 0.4).tolist()
+    amax = rng.random((steps, n)).astype("float32") * 1e3
+    amax[3, 1] = np.inf
+    rec = run(sat, amax, np.ones((steps, n), "float32"), capacity)  # the ring has come round
+    quiet = StepCheck(np.float32(amax[0]), np.float32(amax[0] * 2), np.zeros(n, bool))
+    for step in (steps, steps + 1, steps + 5):  # open episodes would continue at steps + 1
+        again = advance_float8(rec, quiet, step)
+        for old, new in zip(rec, again, strict=True):
+            assert np.asarray(new).dtype == np.asarray(old).dtype
+            np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+    tensors = [Float8Tensor("d", "outputs_grad", 0, 1, 57344.0)]
+    values = [
+        np.float32(rng.random() * 2.0**-20),
+        np.float32([np.inf, 0.0, 2.0**-149, 3.4e38, np.float32(rng.random())]),
+    ]
+    out = rescaled(tensors, values, np.float32(1.0))
+    for index in (0, 1):
+        assert np.asarray(out[index]).tobytes() == np.asarray(values[index]).tobytes()

@@ -134,7 +134,13 @@ def test_a_stale_spike_names_its_step_and_what_flushes():
         "a spike at step 310 keeps `mlp/dense`'s inputs' scale 6.0 bits too coarse at step "
         "400: values below 2^-12.8 of its latest amax flush to zero (2^-18.8 with a fresh "
         "scale); the scale stays until the spike leaves the amax history (Keras keeps "
-        "amax_history_length steps, 1024 by default)"
+        "amax_history_length steps, 1024 by default). To recover now, reset `mlp/dense`'s "
+        "inputs_amax_history between steps (e.g. from a callback: "
+        "layer.inputs_amax_history.assign(keras.ops.zeros_like(layer.inputs_amax_history))): "
+        "two steps later its scale comes from fresh amaxes. For spikes to leave sooner, build "
+        "the layer with a shorter history (dtype=keras.dtype_policies."
+        'QuantizedFloat8DTypePolicy("float8", its source policy, amax_history_length=...)), '
+        "or keep the spike out of the data"
     )
     # Without kmix's optimizer nothing recorded the spike's step; 3 bits are not stale.
     assert (
@@ -154,7 +160,47 @@ def test_tensors_clipped_at_many_steps_are_a_warning():
         "beyond its delayed scale x the format's max); clipped at more than 10% of the steps: "
         "`mlp/dense` inputs (2 of 10, 20%), `mlp/dense` kernel (2 of 10, 20%), `mlp/dense` "
         "outputs_grad (2 of 10, 20%) and 3 more. Delayed scaling clips any amax above every "
-        "amax still in the history: values that keep growing are clipped step after step"
+        "amax still in the history: values that keep growing are clipped step after step. "
+        "Where this clipping costs accuracy, train the next run with `mlp/dense`, "
+        '`mlp/dense_1` out of float8: model.quantize("float8", filters=...) quantizes only '
+        "the layers the filter selects (Keras cannot take a quantized layer back out of float8)"
+    )
+
+
+def test_often_clipped_tensors_say_what_to_do_by_how_far_they_clip():
+    """Episodes all within float32 rounding of the limit: nothing to do; past it: the next
+    run without those layers in float8 (the worst episode named)."""
+    limit = np.float32(3.0)
+    rounding = [  # one ulp over 3 (2^-22): about 2^-24 bits, under ROUNDING_BITS
+        Float8Saturation(s, LAYERS[0], "kernel", float(np.nextafter(limit, 4.0)), float(limit))
+        for s in (2, 4, 6)
+    ]
+    only_kernel = float8_log(steps=(5, 10))
+    for tag in list(only_kernel.scalars):  # one tensor clipped at many steps
+        parsed = tags.parse_float8_tag(tag)
+        if parsed and parsed[0] == tags.FP8_SATURATED_STEPS and parsed[1:] != (LAYERS[0], "kernel"):
+            only_kernel.scalars[tag] = report.Series(np.asarray([5, 10]), np.asarray([0.0, 0.0]))
+    only_kernel.texts[tags.FP8_RECORD] = [
+        (e.step, tags.format_saturation_record(e, "run")) for e in rounding
+    ]
+    (finding,) = [f for f in report.summarize(only_kernel).findings if f.rule == "float8_saturated"]
+    over = np.log2(float(np.nextafter(limit, 4.0)) / 3.0)
+    assert over <= report.float8.ROUNDING_BITS
+    assert finding.message.endswith(
+        f"clipped step after step. Their episodes clip by at most {over:.2g} bits: float32 "
+        "rounding at a steady amax (Keras's margin of 0 puts it at the limit), nothing to do"
+    )
+    real = rounding + [Float8Saturation(8, LAYERS[0], "kernel", 6.0, 3.0)]
+    only_kernel.texts[tags.FP8_RECORD] = [
+        (e.step, tags.format_saturation_record(e, "run")) for e in real
+    ]
+    (finding,) = [f for f in report.summarize(only_kernel).findings if f.rule == "float8_saturated"]
+    assert finding.message.endswith(
+        "clipped step after step. Where this clipping (up to 1.00 bits over: clipped values "
+        "lose at most 50%) costs accuracy, "
+        'train the next run with `mlp/dense` out of float8: model.quantize("float8", '
+        "filters=...) quantizes only the layers the filter selects (Keras cannot take a "
+        "quantized layer back out of float8)"
     )
 
 
@@ -180,11 +226,22 @@ def test_a_real_fit_without_following_reports_its_growth_saturations(tmp_path):
             float8_follows_loss_scale=False,
         )
         model.compile(optimizer=opt, loss="mse")
-        monitor = kmix.callbacks.MixedPrecisionMonitor(str(tmp_path), update_freq=5, verbose=0)
+        monitor = kmix.callbacks.MixedPrecisionMonitor(
+            str(tmp_path), update_freq=5, histogram_freq=5, verbose=0
+        )
         model.fit(x, y, batch_size=16, verbose=0, shuffle=False, callbacks=[monitor])
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    summary = report.summarize(report.read_log(str(tmp_path)))
+    log = report.read_log(str(tmp_path))
+    summary = report.summarize(log)
+    # The what-if places each float8 layer's variables at its output gradients' real scale.
+    gradients = summary.precision_whatif["gradients"]
+    weights = {str(v.path) for v in model.trainable_variables if not v.overwrite_with_gradient}
+    assert set(gradients.by_variable) == weights == set(gradients.float8_headroom_bits)
+    for variable, bits in gradients.float8_headroom_bits.items():
+        tag = tags.float8_tag(tags.FP8_HEADROOM_BITS, variable.rpartition("/")[0], "outputs_grad")
+        series = log.scalars[tag]
+        assert bits == series.values[series.steps <= gradients.step][-1]
     f8 = summary.float8
     assert f8.episodes == tuple(opt.float8_episodes())
     assert f8.saturated_tensor_steps == len(opt.float8_saturations())

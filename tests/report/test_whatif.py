@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -93,3 +94,84 @@ def test_overall_scales_each_tensor_to_its_own_max():
     assert result.by_variable["b"]["float16"] == FormatShares(0.0, 0.5, 0.0)
     assert set(result.overall) == {"float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"}
     assert whatif.whatif({}) is None
+
+
+def test_a_float8_layer_gets_e5m2_at_its_real_output_gradient_scale():
+    """log2(57344) = 15.807...: headroom h puts the output gradients' amax in the bin of
+    exponent floor(15.807 - h); the layer's variables have their top bin placed there."""
+    kernel = exponent_histogram(zero=2, e0=4, m24=2, m26=2)  # 10 elements, top 2**0
+    other = exponent_histogram(e0=5, m26=5)
+    histograms = {
+        "mlp/dense/kernel": [(20, kernel)],
+        "mlp/dense/bias": [(20, exponent_histogram(e3=2))],
+        "other/kernel": [(20, other)],
+    }
+    headroom = {"mlp/dense": [(10, 0.25), (20, 6.0), (30, -1.0)], "mlp/dense_9": [(20, 1.0)]}
+    result = whatif.whatif(histograms, headroom)
+    assert result.float8_headroom_bits == {"mlp/dense/bias": 6.0, "mlp/dense/kernel": 6.0}
+    # h = 6 (a scale 6 bits coarse) at step 20: top at floor(9.807) = 9, a shift of +9:
+    # 2**-24 -> 2**-15 subnormal (-16 <= e < -14), 2**-26 -> 2**-17 flushes.
+    assert result.by_variable["mlp/dense/kernel"]["fp8_e5m2"] == FormatShares(0.2, 0.2, 0.0)
+    # The ideal scale (top at 15, shift +15) keeps them all normal.
+    assert shares(kernel, "fp8_e5m2") == (0.0, 0.0, 0.0)
+    # E4M3 is not a float8 layer's gradient format: scaled to its max (shift +8, -24 and
+    # -26 below -9 flush); float16 as recorded (-24 subnormal, -26 flushes).
+    assert result.by_variable["mlp/dense/kernel"]["fp8_e4m3"] == FormatShares(0.4, 0.0, 0.0)
+    assert result.by_variable["mlp/dense/kernel"]["float16"] == FormatShares(0.2, 0.2, 0.0)
+    # Another layer's variable keeps the ideal: shift +15, 2**-26 -> 2**-11, normal.
+    assert result.by_variable["other/kernel"]["fp8_e5m2"] == FormatShares(0.0, 0.0, 0.0)
+    # Over all 22 elements: the kernel's 2 flushed and 2 subnormal (the bias's top is its
+    # only bin).
+    assert result.overall["fp8_e5m2"] == FormatShares(2 / 22, 2 / 22, 0.0)
+    # A clipping scale (h = -1 at step 30): top at floor(16.807) = 16, past E5M2's 15.
+    late = whatif.whatif({"mlp/dense/kernel": [(30, kernel)]}, headroom)
+    assert late.by_variable["mlp/dense/kernel"]["fp8_e5m2"] == FormatShares(0.0, 0.0, 0.4)
+    # No read at or before the histogram's step: the ideal scale.
+    early = whatif.whatif({"mlp/dense/kernel": [(5, kernel)]}, headroom)
+    assert early.float8_headroom_bits == {}
+    assert early.by_variable["mlp/dense/kernel"]["fp8_e5m2"] == FormatShares(0.0, 0.0, 0.0)
+
+
+def test_float8_top_is_where_the_amax_sits_at_the_real_scale():
+    assert [whatif.float8_top(h) for h in (0.0, 0.8, 0.81, 6.0, -0.2, -1.0)] == [
+        15,
+        15,
+        14,
+        9,
+        16,
+        16,
+    ]
+
+
+def test_the_report_says_which_rows_use_a_float8_layers_real_scale():
+    from test_report import hand_log
+
+    from kmix import report
+
+    log = hand_log(
+        scalars={
+            tags.float8_tag(tags.FP8_HEADROOM_BITS, "mlp/dense", "outputs_grad"): ([20], [6.0]),
+            tags.float8_tag(tags.FP8_HEADROOM_BITS, "mlp/dense", "inputs"): ([20], [-3.0]),
+        },
+        histograms={
+            "mlp/dense/kernel": [(20, exponent_histogram(zero=2, e0=4, m24=2, m26=2))],
+            "head/kernel": [(20, exponent_histogram(e0=1))],
+        },
+    )
+    summary = report.summarize(log)
+    gradients = summary.precision_whatif["gradients"]
+    assert gradients.float8_headroom_bits == {"mlp/dense/kernel": 6.0}
+    lines = report.format_summary(summary).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("precision what-if"))
+    assert lines[start + 1 : start + 5] == [
+        "  all variables       float16 18.18%/18.18%/0.00%  bfloat16 0.00%/0.00%/0.00%  "
+        "fp8_e4m3 36.36%/0.00%/0.00%  fp8_e5m2 18.18%/18.18%/0.00%",
+        "  head/kernel         float16 0.00%/0.00%/0.00%  bfloat16 0.00%/0.00%/0.00%  "
+        "fp8_e4m3 0.00%/0.00%/0.00%  fp8_e5m2 0.00%/0.00%/0.00%",
+        "  mlp/dense/kernel *  float16 20.00%/20.00%/0.00%  bfloat16 0.00%/0.00%/0.00%  "
+        "fp8_e4m3 40.00%/0.00%/0.00%  fp8_e5m2 20.00%/20.00%/0.00%",
+        "  * fp8_e5m2 at the float8 layer's real output-gradient scale, not its max (where "
+        "its output gradients' amax sat, by their headroom at the read): `mlp/dense` 6.00 bits",
+    ]
+    data = json.loads(report.to_json(summary))["precision_whatif"]["gradients"]
+    assert data["float8_headroom_bits"] == {"mlp/dense/kernel": 6.0}

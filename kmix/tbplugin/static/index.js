@@ -702,14 +702,21 @@ function whatIfTables(summary, float16Note) {
       formats.map((f) => el('th', {text: f, colspan: parts.length, class: 'num'}))));
     const head2 = el('tr', {}, formats.flatMap(() => parts.map((p) => el('th', {class: 'num', text: p}))));
     const rows = [['all', data.overall]].concat(Object.entries(data.by_variable || {}));
+    const real = data.float8_headroom_bits || {};
     const body = el('tbody', {}, rows.map(([name, byFormat]) => el('tr', {'data-variable': name}, [
-      el('td', {text: name === 'all' ? 'all values' : name}),
+      el('td', {text: name === 'all' ? 'all values' : name in real ? `${name} *` : name}),
     ].concat(formats.flatMap((f) => parts.map((p) => {
       const v = byFormat[f] ? byFormat[f][p] : null;
       const cls = v === null ? 'num' : p !== 'subnormal' && v > 0.01 ? 'num bad' : v > 0.01 ? 'num warn' : 'num';
       return el('td', {class: cls, text: fmtPercent(v)});
     }))))));
     out.append(el('div', {class: 'table-wrap'}, el('table', {class: 'whatif-table'}, [el('thead', {}, [head1, head2]), body])));
+    const layers = {};
+    for (const [variable, bits] of Object.entries(real)) layers[variable.slice(0, variable.lastIndexOf('/'))] = bits;
+    if (Object.keys(layers).length) {
+      const words = Object.entries(layers).map(([layer, bits]) => `${layer} ${bits.toFixed(2)} bits`).join(', ');
+      out.append(el('p', {class: 'hint float8-whatif', text: `* fp8_e5m2 at the float8 layer's real output-gradient scale, not its max (where its output gradients' amax sat, by their headroom at the read): ${words}. Other FP8 columns: scaled per tensor to its max.`}));
+    }
   }
   return out;
 }
