@@ -40,9 +40,13 @@ the same round); the noise floor is ``stock_again``'s ratio, and its widest roun
 Ratios mean something only on a quiet machine: the 1-minute load average is printed
 before and after each model.
 
+``--calls`` counts instead of timing: each configuration's Python function calls per step
+of one fit (``cProfile``), deterministic where times are noisy. On torch, whose steps are
+eager, that is where kmix's overhead over stock Keras lies.
+
 Usage (the backend must be JAX or torch; the script says so in one line otherwise):
     KERAS_BACKEND=jax python bench/bench_backends.py [--model mlp|transformer|stack82|all]
-        [--rounds 4] [--steps N]
+        [--rounds 4] [--steps N] [--calls]
     KERAS_BACKEND=torch python bench/bench_backends.py ...
 
 ``--steps`` defaults to each model's own count (mlp 10, transformer 10, stack82 100:
@@ -52,8 +56,10 @@ a few hundred ms per round on a 2-core CPU).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import os
+import pstats
 import shutil
 import statistics
 import subprocess
@@ -192,6 +198,38 @@ class Run:
             "cpu": statistics.median(timer.cpu_times),
         }
 
+    def calls_per_step(self) -> float:
+        """Python function calls per step of one fit, counted by ``cProfile`` (deterministic:
+        the eager step's Python, where a torch step's overhead is, without the noise of time)."""
+        profile = cProfile.Profile()
+        profile.enable()
+        self.model.fit(
+            self.x,
+            self.y,
+            batch_size=self.batch,
+            epochs=1,
+            verbose=0,
+            shuffle=False,
+            callbacks=self.make_callbacks(self.log_dir),
+        )
+        profile.disable()
+        return pstats.Stats(profile).total_calls / (len(self.x) // self.batch)
+
+
+def count_calls(name: str, steps: int, root: str) -> None:
+    """``--calls``: each configuration's Python calls per step, and the ratio to stock's."""
+    title, make_model, _ = MODELS[name]
+    keras.backend.clear_session()
+    keras.mixed_precision.set_global_policy("mixed_float16")  # after clear_session, which resets it
+    counts = {
+        config: Run(make_model, config, os.path.join(root, name, config), steps).calls_per_step()
+        for config in CONFIGS
+    }
+    print(f"\n### {title}: Python calls per step ({steps + 1} steps, one fit each)\n")
+    print("| configuration | calls per step | ratio to stock |\n|---|---|---|")
+    for config, (label, _, _) in CONFIGS.items():
+        print(f"| {label} | {counts[config]:,.0f} | {counts[config] / counts['stock']:.3f}× |")
+
 
 def ratios(times: list[float], base: list[float]) -> list[float]:
     return [t / b for t, b in zip(times, base, strict=True)]
@@ -325,6 +363,11 @@ def main() -> None:
         + ", ".join(f"{n} {m[2]}" for n, m in MODELS.items())
         + ")",
     )
+    parser.add_argument(
+        "--calls",
+        action="store_true",
+        help="count Python calls per step (cProfile) instead of timing: deterministic",
+    )
     args = parser.parse_args()
     for flag in ("rounds", "steps"):
         value = getattr(args, flag)
@@ -338,7 +381,8 @@ def main() -> None:
     try:
         for name, (_, _, default_steps) in MODELS.items():
             if args.model in ("all", name):
-                bench(name, args.steps or default_steps, args.rounds, root)
+                run = count_calls if args.calls else bench
+                run(name, args.steps or default_steps, *([] if args.calls else [args.rounds]), root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
