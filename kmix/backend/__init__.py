@@ -66,6 +66,8 @@ is_traced = _active.is_traced
 as_arrived = _active.as_arrived
 set_random_seed = _active.set_random_seed
 step_scope = _active.step_scope
+divided = _active.divided
+screened_nonfinite_flags = _active.screened_nonfinite_flags
 
 __all__ = [
     "NAME",
@@ -82,6 +84,7 @@ __all__ = [
     "constant_initializer",
     "dataset_from_arrays",
     "default_strategy",
+    "divided",
     "exact_exponent",
     "first_gpu",
     "host_value",
@@ -97,6 +100,7 @@ __all__ = [
     "reduce_rows",
     "reset_peak_memory",
     "retrace_all",
+    "screened_nonfinite_flags",
     "set_random_seed",
     "step_scope",
     "summed_rows",

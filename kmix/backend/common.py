@@ -106,3 +106,13 @@ def seed_without_tensorflow(seed: int) -> None:
         keras.utils.set_random_seed(seed)
     finally:
         handle._available = was
+
+
+def divide_each(values: list[Any], divisor: Any) -> list[Any]:
+    """Each value divided by ``divisor``, one ``keras.ops.divide`` each (the unscale)."""
+    return [ops.divide(v, divisor) for v in values]
+
+
+def not_screened(values: list[Any]) -> Any:
+    """Never called: only an eager step (torch) screens its finite check before its read."""
+    raise NotImplementedError("the finite screen is for an eager step (Keras's torch backend)")

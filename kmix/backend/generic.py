@@ -14,9 +14,11 @@ import keras
 from kmix.backend.common import (
     alone_agrees,
     always_reachable,
+    divide_each,
     keras_cond,
     no_step_scope,
     not_counted,
+    not_screened,
     numpy_value,
     one_process,
     reduce_each,
@@ -24,6 +26,9 @@ from kmix.backend.common import (
     unchanged,
 )
 from kmix.backend.common import constant_initializer as constant_initializer  # the name, bound here
+
+divided, screened_nonfinite_flags = divide_each, not_screened
+"""The unscale one op at a time; no finite screen (the step decides in the graph)."""
 
 USES_TENSORFLOW = False
 """Keras utilities that import TensorFlow would load it only for them."""

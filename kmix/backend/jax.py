@@ -18,8 +18,10 @@ from keras import ops
 
 from kmix.backend.common import (
     STACK_LIMIT,
+    divide_each,
     keras_cond,
     no_step_scope,
+    not_screened,
     numpy_value,
     retrace,
     seed_without_tensorflow,
@@ -41,6 +43,9 @@ rare_cond = keras_cond
 
 set_random_seed = seed_without_tensorflow
 """Seeds Python, NumPy and Keras without importing TensorFlow."""
+
+divided, screened_nonfinite_flags = divide_each, not_screened
+"""The unscale one op at a time; no finite screen (the step decides in the graph)."""
 
 NOTES_CASTS = True
 """JAX has no graph to read a cast's input back from: the tap notes each cast down to

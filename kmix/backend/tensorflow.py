@@ -16,12 +16,17 @@ import numpy as np
 
 from kmix.backend.common import (
     alone_agrees,
+    divide_each,
     no_step_scope,
+    not_screened,
     numpy_value,
     reduce_each,
     retrace,
 )
 from kmix.backend.common import constant_initializer as constant_initializer  # the name, bound here
+
+divided, screened_nonfinite_flags = divide_each, not_screened
+"""The unscale one op at a time; no finite screen (the step decides in the graph)."""
 
 USES_TENSORFLOW = True
 """Keras utilities that import TensorFlow (its TensorBoard callback, its seeding) cost

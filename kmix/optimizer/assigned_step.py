@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from keras import ops
 
-from kmix import record
+from kmix import backend, record
 from kmix.optimizer.model_hooks import restore
 from kmix.optimizer.recorder import Before
 
@@ -60,25 +60,13 @@ def aligned_gradients(parts: Any, grads: list, variables: list) -> list:
     return aligned
 
 
-def divided(values: list, divisor: Any) -> list:
-    """Each value divided by ``divisor`` (``keras.ops.divide``, one op per value)."""
-    return [ops.divide(v, divisor) for v in values]
-
-
-def apply_inner(
-    optimizer: Any,
-    grads: list,
-    variables: list,
-    divide: Callable[[list, Any], list] = divided,
-) -> None:
+def apply_inner(optimizer: Any, grads: list, variables: list) -> None:
     """Unscales the gradients and applies the inner optimizer (a replica's, on TensorFlow).
 
     Args:
         optimizer: a built ``kmix.LossScaleOptimizer``.
         grads: the scaled gradients, one per variable (None allowed).
         variables: the variables they update.
-        divide: divides a list of tensors by the scale as :func:`divided` does (a backend
-            may do it in one call).
     """
     scale, overwrites = optimizer.dynamic_scale, optimizer.parts.overwrites
     scaled = [
@@ -87,7 +75,7 @@ def apply_inner(
         if g is not None and not overwrites(v)
     ]
     unscaled = list(grads)
-    for i, g in zip(scaled, divide([grads[i] for i in scaled], scale), strict=True):
+    for i, g in zip(scaled, backend.divided([grads[i] for i in scaled], scale), strict=True):
         unscaled[i] = g
     optimizer.inner_optimizer.apply(unscaled, variables)
 

@@ -25,7 +25,6 @@ from typing import Any
 from keras import ops
 
 from kmix import backend, record
-from kmix.backend.torch import divided, screened_nonfinite_flags
 from kmix.optimizer import assigned_step
 
 __all__ = ["apply", "check_at_creation", "protect_forward_state", "stateless_apply"]
@@ -46,15 +45,13 @@ def apply(optimizer: Any, grads: list, trainable_variables: list | None) -> None
     variables = parts.tracked if trainable_variables is None else list(trainable_variables)
     aligned = assigned_step.aligned_gradients(parts, grads, variables)
     loss = parts.loss_flags()
-    flags = ops.concatenate([screened_nonfinite_flags(aligned), loss])
+    flags = ops.concatenate([backend.screened_nonfinite_flags(aligned), loss])
     decided = assigned_step.read_decisions(optimizer, flags, len(aligned))  # the one read
     if not decided.applies:  # a skip, or a suspicion: the exact flags decide (a second read)
         flags = ops.concatenate([record.nonfinite_flags(aligned), loss])
         decided = assigned_step.read_decisions(optimizer, flags, len(aligned))
     before, forward, forward_state = assigned_step.measured_step(optimizer, aligned, flags, decided)
-    apply_inner = functools.partial(
-        assigned_step.apply_inner, optimizer, grads, variables, divide=divided
-    )
+    apply_inner = functools.partial(assigned_step.apply_inner, optimizer, grads, variables)
     assigned_step.step(
         optimizer, aligned, flags, before, forward_state, apply_inner, forward, decided
     )

@@ -26,7 +26,7 @@ from kmix.record.activations import (
     no_origin,
 )
 from kmix.record.health import NUM_EXPONENT_BINS, nonfinite_flags
-from kmix.record.host_read import Snapshot, snapshot
+from kmix.record.host_read import HOST_OPS, Snapshot, snapshot
 from kmix.record.scaling import ScaleConfig
 from kmix.record.step import FIELDS as RECORD_FIELDS
 from kmix.record.step import RecordValues, Statistics, advance_record, first_flagged, record_step
@@ -34,7 +34,6 @@ from kmix.record.step_record import (
     EVENT_FLOAT_FIELDS,
     EVENT_INT_FIELDS,
     HEALTH_FIELDS,
-    HOST_OPS,
     INT64_MAX,
     NO_SOURCE,
     QUIET_DELTA,

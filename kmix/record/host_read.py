@@ -1,4 +1,5 @@
-"""What a host read of the step record returns: a typed :class:`Snapshot`.
+"""What a host read of the step record returns: a typed :class:`Snapshot`; and
+:data:`HOST_OPS`, for a step that decides on the host.
 
 Pure and light (no TensorFlow): built from host copies of the record's variables by
 :func:`snapshot`; the callbacks, the guard's rules and the tests read these values.
@@ -8,12 +9,37 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from kmix.record.step_record import HEALTH_FIELDS, Counters, loss_finite_from_state, measured_health
 
-__all__ = ["Snapshot", "snapshot"]
+__all__ = ["HOST_OPS", "Snapshot", "snapshot"]
+
+HOST_OPS = types.SimpleNamespace(
+    cast=lambda x, dtype: np.asarray(x, dtype),
+    **{
+        name: getattr(np, name)
+        for name in (
+            "all",
+            "any",
+            "equal",
+            "greater_equal",
+            "less_equal",
+            "logical_and",
+            "logical_not",
+            "maximum",
+            "minimum",
+            "mod",
+        )
+    },
+)
+"""The few ``keras.ops`` the step's decisions use (:func:`kmix.record.due_now`,
+:func:`kmix.record.is_quiet`), over NumPy: an eager step decides on the host from one read
+of its counters (pass ``xp=HOST_OPS``)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,6 @@ JAX without ``jax_enable_x64`` (where an int64 variable holds int32 values).
 from __future__ import annotations
 
 import math
-import types
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -153,31 +152,8 @@ def saturating_add(counter: Any, amount: Any) -> Any:
     return ops.where(ops.greater(counter, ops.subtract(top, amount)), top, ops.add(counter, amount))
 
 
-HOST_OPS = types.SimpleNamespace(
-    cast=lambda x, dtype: np.asarray(x, dtype),
-    **{
-        name: getattr(np, name)
-        for name in (
-            "all",
-            "any",
-            "equal",
-            "greater_equal",
-            "less_equal",
-            "logical_and",
-            "logical_not",
-            "maximum",
-            "minimum",
-            "mod",
-        )
-    },
-)
-"""The few ``keras.ops`` the step's decisions use (:func:`due_now`, :func:`is_quiet`), over
-NumPy: an eager step decides on the host from one read of its counters (pass ``xp=HOST_OPS``)."""
-
-
 def due(step: Any, every: Any, xp: Any = ops) -> Any:
-    """True when ``every > 0`` and ``step`` is a multiple of it (``xp``: ``keras.ops`` or
-    :data:`HOST_OPS`)."""
+    """True when ``every > 0`` and ``step`` is a multiple of it (``xp``: as :func:`due_now`)."""
     every = xp.cast(every, int_dtype_of(step))
     return xp.logical_and(every > 0, xp.equal(xp.mod(step, xp.maximum(every, 1)), 0))
 
@@ -255,7 +231,7 @@ def due_now(packed: Any, every: Any, xp: Any = ops) -> Any:
     Args:
         packed: the counters before the step, as :func:`pack` lays them out.
         every: int64 vector ``[health_every, histogram_every]`` (0 means never).
-        xp: ``keras.ops``, or :data:`HOST_OPS` for NumPy values.
+        xp: ``keras.ops``, or :data:`kmix.record.HOST_OPS` for NumPy values.
 
     Returns:
         A boolean vector of two.
@@ -306,7 +282,7 @@ def is_quiet(
             then the loss non-finite, then the loss unknown.
         due_vector: :func:`due_now`'s ``[health_due, histogram_due]``.
         config: the scale rule's constants.
-        xp: ``keras.ops``, or :data:`HOST_OPS` for NumPy values.
+        xp: ``keras.ops``, or :data:`kmix.record.HOST_OPS` for NumPy values.
 
     Returns:
         A boolean scalar.

@@ -12,7 +12,7 @@ from keras import ops
 from test_scaling import reference_step
 
 import kmix.backend
-from kmix.record import scaling
+from kmix.record import HOST_OPS, scaling
 from kmix.record import step_record as record
 from kmix.record.scaling import ScaleConfig
 from kmix.tags import EventSource
@@ -243,11 +243,9 @@ def test_which_steps_are_quiet():
         due = record.due_now(packed, every)
         in_step = bool(record.is_quiet(packed, flags(grads_finite, loss), due, CONFIG))
         host_packed = ops.convert_to_numpy(packed)
-        host_due = record.due_now(host_packed, every, record.HOST_OPS)
+        host_due = record.due_now(host_packed, every, HOST_OPS)
         assert host_due.tolist() == ops.convert_to_numpy(due).tolist()
-        host = record.is_quiet(
-            host_packed, flags(grads_finite, loss), host_due, CONFIG, record.HOST_OPS
-        )
+        host = record.is_quiet(host_packed, flags(grads_finite, loss), host_due, CONFIG, HOST_OPS)
         assert bool(host) == in_step
         return in_step
 
@@ -279,7 +277,7 @@ def test_due_now_is_what_advance_finds_due():
         packed = record.pack(c, INT)
         assert ops.convert_to_numpy(record.due_now(packed, every)).tolist() == expected
         host = ops.convert_to_numpy(packed)  # an eager step decides on the host
-        assert record.due_now(host, every, record.HOST_OPS).tolist() == expected
+        assert record.due_now(host, every, HOST_OPS).tolist() == expected
 
 
 @pytest.mark.jax
