@@ -109,10 +109,21 @@ def seed_without_tensorflow(seed: int) -> None:
 
 
 def divide_each(values: list[Any], divisor: Any) -> list[Any]:
-    """Each value divided by ``divisor``, one ``keras.ops.divide`` each (the unscale)."""
+    """Each value divided by ``divisor``, one ``keras.ops.divide`` each (the unscale).
+
+    Args:
+        values: tensors; divisor: the loss scale.
+
+    Returns:
+        One tensor per value.
+    """
     return [ops.divide(v, divisor) for v in values]
 
 
 def not_screened(values: list[Any]) -> Any:
-    """Never called: only an eager step (torch) screens its finite check before its read."""
+    """Never called: only an eager step (torch) screens its finite check before its read.
+
+    Raises:
+        NotImplementedError: always (a traced step decides in its graph).
+    """
     raise NotImplementedError("the finite screen is for an eager step (Keras's torch backend)")

@@ -102,38 +102,47 @@ def exact_exponent(x: Any) -> Any:
 def screened_nonfinite_flags(values: list[Any]) -> Any:
     """float32 flags, 0.0 for each tensor proven finite, 1.0 for one that may not be.
 
-    One ``torch._foreach_norm`` over all of them: a finite L2 norm (in float32) proves
-    every element finite; an inf or NaN makes it non-finite. So does a finite tensor whose
-    squares overflow float32 (|values| near 1e19): a flag here is only a suspicion, which
-    the exact check (:func:`kmix.record.nonfinite_flags`) settles. About a tenth of the
-    exact check's cost on a CPU (one kernel launch, no boolean tensors).
+    One ``torch._foreach_norm`` over all of them (float32 accumulation; float64 tensors in
+    a second call, in float64): a finite L2 norm proves every element finite; an inf or NaN
+    makes it non-finite. So does a finite tensor whose squares overflow (|values| near 1e19
+    in float32): a flag here is only a suspicion, which the exact check
+    (:func:`kmix.record.nonfinite_flags`) settles. A quarter to a tenth of the exact check's
+    time on a CPU (measured in ``bench/history/2026-12-02-torch.md``).
 
     Args:
-        values: tensors (or arrays), or None (counted as finite).
+        values: tensors (or arrays), or None; None and integer tensors count as finite.
 
     Returns:
         A float32 vector, one entry per value.
     """
-    present = [
-        v if torch.is_tensor(v) else ops.convert_to_tensor(v) for v in values if v is not None
-    ]
-    if not present:
-        return torch.zeros(len(values), dtype=torch.float32)
-    norms = torch.stack(torch._foreach_norm(present, 2, dtype=torch.float32))
-    found = torch.logical_not(torch.isfinite(norms)).float()
-    if len(present) == len(values):
-        return found
-    flags = torch.zeros(len(values), dtype=torch.float32, device=found.device)
-    flags[[i for i, v in enumerate(values) if v is not None]] = found
+    tensors = [v if v is None or torch.is_tensor(v) else ops.convert_to_tensor(v) for v in values]
+    rows = [i for i, t in enumerate(tensors) if t is not None and t.is_floating_point()]
+    wide = [i for i in rows if tensors[i].dtype == torch.float64]
+    if rows and len(rows) == len(values) and not wide:  # the common case: float32 gradients
+        return _suspected(tensors, torch.float32)
+    device = tensors[rows[0]].device if rows else None
+    flags = torch.zeros(len(values), dtype=torch.float32, device=device)
+    for group, dtype in (
+        ([i for i in rows if i not in wide], torch.float32),
+        (wide, torch.float64),
+    ):
+        if group:
+            flags[group] = _suspected([tensors[i] for i in group], dtype)
     return flags
+
+
+def _suspected(tensors: list[Any], dtype: torch.dtype) -> Any:
+    """1.0 where a tensor's L2 norm, accumulated in ``dtype``, is not finite (float32)."""
+    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=dtype))
+    return torch.logical_not(torch.isfinite(norms)).to(torch.float32)
 
 
 def divided(values: list[Any], divisor: Any) -> list[Any]:
     """Each value divided by the float32 scalar ``divisor``, as ``keras.ops.divide`` gives it.
 
     The float32 tensors (every gradient of a mixed-precision model's float32 variables) in
-    one ``torch._foreach_div``: the same division, element by element, bit for bit; any
-    other through ``keras.ops.divide``, whose dtype promotion differs from torch's there.
+    one ``torch._foreach_div``: the same division, element by element; any other (another
+    dtype, a NumPy array) through ``keras.ops.divide``, as stock Keras divides.
 
     Args:
         values: tensors (or arrays).

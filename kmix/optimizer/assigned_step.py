@@ -7,6 +7,7 @@ module says where the decision is agreed (TensorFlow's replicas) and calls these
     aligned = aligned_gradients(parts, grads, variables)
     flags = non-finite flags of aligned, then the loss's (then agreed across replicas)
     decided = read_decisions(optimizer, flags, n)      # torch: its decisions, one host read
+                                                       # (screened flags; exact ones if not applied)
     before, forward, forward_state = measured_step(optimizer, aligned, flags, decided)
     step(optimizer, aligned, flags, before, forward_state, apply_inner, forward, decided)
         -> the inner optimizer applies when every flag is 0; the recorder records either way
@@ -19,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import numpy as np
 from keras import ops
 
 from kmix import backend, record
@@ -108,9 +108,10 @@ def measured_step(
     return before, forward, forward_state
 
 
-def applies_of(flags: Any, n: int) -> Any:
-    """True when no gradient of the ``n`` and not the loss is flagged non-finite."""
-    return ops.logical_not(ops.any(flags[: n + 1] > 0))
+def applies_of(flags: Any, n: int, xp: Any = ops) -> Any:
+    """True when no gradient of the ``n`` and not the loss is flagged non-finite (``xp``:
+    ``keras.ops``, or :data:`kmix.record.HOST_OPS` for NumPy flags)."""
+    return xp.logical_not(xp.any(flags[: n + 1] > 0))
 
 
 class Decisions(NamedTuple):
@@ -147,7 +148,7 @@ def read_decisions(optimizer: Any, flags: Any, n: int) -> Decisions:
     before, counters, flagged = optimizer.recorder.host_before_step(flags)
     quiet = record.is_quiet(counters, flagged, before.due, optimizer.config.rule, record.HOST_OPS)
     measure = bool(flagged[n] > 0 or before.due[0])
-    return Decisions(before, not bool(np.any(flagged[: n + 1] > 0)), bool(quiet), measure)
+    return Decisions(before, bool(applies_of(flagged, n, record.HOST_OPS)), bool(quiet), measure)
 
 
 def step(

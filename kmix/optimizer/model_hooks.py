@@ -79,7 +79,8 @@ class ModelHooks:
     """The optimizer's hooks into one model: train-step wrapper, activation tap, float16 mask.
 
     Attributes:
-        layers: ``(path, class)`` of the forward-pass records the last traced step took.
+        layers: ``(path, class)`` of the forward-pass records the last traced step took
+            (on torch, the last step that measured: a quiet step drops its records).
         not_float16: the paths among them whose output is not float16 (a float16 layer
             that returns float32, e.g. a block whose layers compute in float32): float16's
             range, so its headroom, does not apply to that output.
@@ -92,7 +93,7 @@ class ModelHooks:
         self.trace = trace or PerThread(StepTrace)  # the wrapped train step leaves state here
         self.layers: list[tuple[str, str]] = []
         self.not_float16: frozenset[str] = frozenset()
-        self._state_variables: list[Any] | None = None  # kept for one fit, once built
+        self._state_variables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def model(self) -> keras.Model | None:
@@ -110,22 +111,28 @@ class ModelHooks:
             model: the model the optimizer trains.
         """
         self.attach(model)
-        self._state_variables = None  # found again: the model may have changed since
+        self._state_variables.pop(model, None)  # found again: it may have changed since
         self._wrap_train_step(model)
         warn_unrestored(model)
 
     def state_variables(self, model: keras.Model) -> list[Any]:
-        """:func:`kmix._layers.forward_state_variables` of ``model``, walked once per fit.
+        """:func:`kmix._layers.forward_state_variables` of ``model``, walked once it is built.
 
-        An eager step (torch) calls the wrapped train step at every step; a fit does not
-        add layers or variables once the model is built (:meth:`protect`, before every
-        fit, forgets the list).
+        An eager step (torch) calls the wrapped train step at every step. Once a model is
+        built, Keras locks its layers' trackers (a layer refuses new state), so the list
+        holds until :meth:`protect` (before every fit) finds it again.
+
+        Args:
+            model: the model whose train step is wrapped (each model has its own list).
+
+        Returns:
+            The variables, in walk order.
         """
-        if self._state_variables is not None:
-            return self._state_variables
-        found = forward_state_variables(model)
-        if getattr(model, "built", False):
-            self._state_variables = found
+        found = self._state_variables.get(model)
+        if found is None:
+            found = forward_state_variables(model)
+            if getattr(model, "built", False):
+                self._state_variables[model] = found
         return found
 
     def attach(self, model: keras.Model) -> None:

@@ -71,7 +71,8 @@ class StepRecorder:
     Attributes:
         settings: the run-time settings read in-graph (health and histogram steps, the
             float16 mask); callbacks request them through the optimizer.
-        layers: ``(path, class)`` of the forward-pass records the last traced step kept.
+        layers: ``(path, class)`` of the forward-pass records the last traced step kept
+            (on torch, the last step that measured: a quiet step drops its records).
         sync: called before every host read (on JAX: the trained model's
             ``jax_state_sync``, since ``fit`` keeps the state outside the variables).
     """
@@ -172,7 +173,7 @@ class StepRecorder:
 
         Returns:
             ``(before, counters, flagged)``: ``before.due`` and the other two are NumPy
-            (the counters before the step, and the flags as 0/1 in their dtype).
+            (the counters before the step, and the flags as 0/1 in the counters' dtype).
         """
         packed = ops.copy(self.counters)
         dtype = keras.backend.standardize_dtype(packed.dtype)

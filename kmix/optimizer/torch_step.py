@@ -10,10 +10,14 @@ train step saved (:mod:`kmix.optimizer.model_hooks`); the wrapped step also open
 step's scope (:func:`kmix.backend.step_scope`), so the tap records its forward pass.
 
 Host reads: an eager step decides on the host, and each read of a device value is a sync.
-kmix's step reads its three decisions at once (:func:`kmix.optimizer.assigned_step.
-read_decisions`: apply or skip, quiet or not, measure the forward pass or not): one read a
-step, where stock Keras's reads two (whether the gradients are finite, whether the scale
-grows); float8 layers' checks read theirs. Statistics are computed only where they are due.
+kmix's step reads its counters and flags at once and decides there
+(:func:`kmix.optimizer.assigned_step.read_decisions`: apply or skip, quiet or not, measure
+the forward pass or not): one read a step, where stock Keras's reads two (whether the
+gradients are finite, whether the scale grows); float8 layers' check reads its own. The
+flags come from a screen (:func:`kmix.backend.screened_nonfinite_flags`, one norm per
+gradient); a step it does not prove finite is decided again on the exact flags, with a
+second read (a skip, or a finite gradient whose squares overflow). Statistics are computed
+only where they are due.
 """
 
 from __future__ import annotations

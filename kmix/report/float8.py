@@ -245,7 +245,8 @@ def _stale_findings(section: Float8Summary) -> list[Finding]:
             "; the scale stays until the spike leaves the amax history (Keras keeps "
             "amax_history_length steps, 1024 by default). To recover now, reset "
             f"`{t.layer}`'s {history} between steps (e.g. from a callback: "
-            f"layer.{history}.assign(keras.ops.zeros_like(layer.{history}))): two steps "
+            f"layer.{history}.assign(keras.ops.zeros_like(layer.{history})); on JAX call "
+            "model.jax_state_sync() first, or fit's own copy overwrites it): two steps "
             "later its scale comes from fresh amaxes. For spikes to leave sooner, build the "
             "layer with a shorter history (dtype=keras.dtype_policies."
             'QuantizedFloat8DTypePolicy("float8", its source policy, '

@@ -108,8 +108,9 @@ def _whatif_lines(summary: Summary) -> list[str]:
     layers = {variable.rpartition("/")[0]: bits for variable, bits in real.items()}
     if layers:
         lines.append(
-            f"  * {FLOAT8_GRADIENTS} at the float8 layer's real output-gradient scale, not "
-            "its max (where its output gradients' amax sat, by their headroom at the read): "
+            f"  * {FLOAT8_GRADIENTS} as if held at the float8 layer's real output-gradient "
+            "headroom, not scaled to its max (a proxy: Keras holds the layer's output "
+            "gradients in E5M2, not these): "
             + ", ".join(f"`{layer}` {bits:.2f} bits" for layer, bits in layers.items())
         )
     return lines

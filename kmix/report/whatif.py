@@ -37,7 +37,9 @@ gradients' amax sat at their real delayed scale: in the bin of exponent
 histogram's top bin placed there instead of at E5M2's top exponent, so a stale spike's
 coarse scale (``h`` of several bits) shows as underflow and a clipping scale (``h < 0``) as
 overflow. E4M3 (Keras's format for a float8 layer's inputs and kernel values, never its
-gradients) stays scaled to the max.
+gradients) stays scaled to the max. This is a proxy, said where it is shown: Keras holds
+the layer's *output* gradients in E5M2, never its kernel's or bias's gradients; their
+histogram is placed as if held in E5M2 at the headroom the output gradients really had.
 """
 
 from __future__ import annotations

@@ -141,10 +141,14 @@ def test_the_finite_screen_proves_finite_or_suspects_never_misses():
         torch.tensor([1e20, 1.0]),  # finite; 1e40 overflows float32
         torch.tensor([300.0], dtype=torch.float16),  # 9e4 overflows float16, not float32
         np.float32([np.nan, 1.0]),  # optimizer.apply() takes arrays too
+        np.ones(2),  # float64 arrays as well
+        torch.tensor([1e200, 1.0], dtype=torch.float64),  # finite; its square overflows
+        torch.tensor([3.0, 1e150], dtype=torch.float64),  # accumulated in float64: finite
+        torch.tensor([1, 2]),  # integers are finite
     ]
     flags = screened_nonfinite_flags(values)
     assert flags.dtype == torch.float32
-    assert flags.tolist() == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+    assert flags.tolist() == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0]
     assert screened_nonfinite_flags([]).tolist() == []
 
 
@@ -170,17 +174,22 @@ def test_a_finite_gradient_the_screen_suspects_is_applied_and_a_nonfinite_one_sk
     (event,) = optimizer.scale_events()
     assert (event.step, event.variable, event.nonfinite_variables) == (2, "bias", 1)
 
+    optimizer.apply([np.ones(2), np.full(2, 2.0)])  # float64 NumPy gradients: applied
+    assert keras.ops.convert_to_numpy(bias).tolist() == [-3.0, -3.0]
+    assert optimizer.read_state().attempted_steps == 3
+
 
 @pytest.mark.torch
 @pytest.mark.skipif(keras.backend.backend() != "torch", reason="torch's one-call unscale")
 def test_the_one_call_unscale_is_keras_divide_bit_for_bit_in_every_dtype():
     """float32 tensors go through one torch._foreach_div, the rest through keras.ops.divide:
-    each result equals keras.ops.divide's, dtype and bits (subnormals and the top included)."""
+    each result equals keras.ops.divide's, dtype and bits (subnormals and the top included).
+    On a CPU torch's foreach runs the per-tensor op; its fused CUDA kernel is not run here."""
     import torch
 
     from kmix.backend.torch import divided
 
-    scale = keras.Variable(np.float32(1024.0)).value
+    scale = keras.Variable(np.float32(1000.0)).value  # not a power of two: no reciprocal
     values = [
         torch.tensor([3.0, -7.5, 1e-40, 3e38]),
         torch.tensor([3.0, 60000.0], dtype=torch.float16),

@@ -136,7 +136,8 @@ def test_a_stale_spike_names_its_step_and_what_flushes():
         "scale); the scale stays until the spike leaves the amax history (Keras keeps "
         "amax_history_length steps, 1024 by default). To recover now, reset `mlp/dense`'s "
         "inputs_amax_history between steps (e.g. from a callback: "
-        "layer.inputs_amax_history.assign(keras.ops.zeros_like(layer.inputs_amax_history))): "
+        "layer.inputs_amax_history.assign(keras.ops.zeros_like(layer.inputs_amax_history)); "
+        "on JAX call model.jax_state_sync() first, or fit's own copy overwrites it): "
         "two steps later its scale comes from fresh amaxes. For spikes to leave sooner, build "
         "the layer with a shorter history (dtype=keras.dtype_policies."
         'QuantizedFloat8DTypePolicy("float8", its source policy, amax_history_length=...)), '

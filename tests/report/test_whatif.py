@@ -170,8 +170,9 @@ def test_the_report_says_which_rows_use_a_float8_layers_real_scale():
         "fp8_e4m3 0.00%/0.00%/0.00%  fp8_e5m2 0.00%/0.00%/0.00%",
         "  mlp/dense/kernel *  float16 20.00%/20.00%/0.00%  bfloat16 0.00%/0.00%/0.00%  "
         "fp8_e4m3 40.00%/0.00%/0.00%  fp8_e5m2 20.00%/20.00%/0.00%",
-        "  * fp8_e5m2 at the float8 layer's real output-gradient scale, not its max (where "
-        "its output gradients' amax sat, by their headroom at the read): `mlp/dense` 6.00 bits",
+        "  * fp8_e5m2 as if held at the float8 layer's real output-gradient headroom, not "
+        "scaled to its max (a proxy: Keras holds the layer's output gradients in E5M2, not "
+        "these): `mlp/dense` 6.00 bits",
     ]
     data = json.loads(report.to_json(summary))["precision_whatif"]["gradients"]
     assert data["float8_headroom_bits"] == {"mlp/dense/kernel": 6.0}

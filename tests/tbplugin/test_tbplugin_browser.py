@@ -543,13 +543,13 @@ def test_the_float8_section_draws_headroom_grid_and_episodes(page, tensorboard, 
     ]
     assert panel.locator(".float8-tensors tbody tr").count() == 6
     assert "float8" in frame.locator(".findings").text_content()
-    # The what-if's float8 rows: E5M2 at each layer's real output-gradient scale.
+    # The what-if's float8 rows: E5M2 as if at each layer's real output-gradient headroom.
     whatif = frame.locator(".whatif")
     marked = [t for t in whatif.locator("td").all_text_contents() if t.endswith(" *")]
     assert sorted(marked) == sorted(
         f"{layer}/{name} *" for layer in {e.layer for e in episodes} for name in ("kernel", "bias")
     )
-    assert "real output-gradient scale" in whatif.locator(".float8-whatif").text_content()
+    assert "real output-gradient headroom" in whatif.locator(".float8-whatif").text_content()
     shot = tmp_path / "mixed_precision_float8.png"
     panel.screenshot(path=str(shot))
     keep(shot)

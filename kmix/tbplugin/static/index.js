@@ -715,7 +715,7 @@ function whatIfTables(summary, float16Note) {
     for (const [variable, bits] of Object.entries(real)) layers[variable.slice(0, variable.lastIndexOf('/'))] = bits;
     if (Object.keys(layers).length) {
       const words = Object.entries(layers).map(([layer, bits]) => `${layer} ${bits.toFixed(2)} bits`).join(', ');
-      out.append(el('p', {class: 'hint float8-whatif', text: `* fp8_e5m2 at the float8 layer's real output-gradient scale, not its max (where its output gradients' amax sat, by their headroom at the read): ${words}. Other FP8 columns: scaled per tensor to its max.`}));
+      out.append(el('p', {class: 'hint float8-whatif', text: `* fp8_e5m2 as if held at the float8 layer's real output-gradient headroom, not scaled to its max (a proxy: Keras holds the layer's output gradients in E5M2, not these): ${words}. Other FP8 columns: scaled per tensor to its max.`}));
     }
   }
   return out;
