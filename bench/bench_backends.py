@@ -180,9 +180,8 @@ class Run:
         )
         self.measure()  # trace and warm up, with the configuration's callbacks
 
-    def measure(self) -> dict[str, float]:
-        """One round: each of :data:`METRICS` over its steps, in seconds."""
-        timer = CpuStepTimer()
+    def fit(self, *extra: keras.callbacks.Callback) -> None:
+        """One epoch over the round's batches, with the configuration's callbacks and ``extra``."""
         self.model.fit(
             self.x,
             self.y,
@@ -190,8 +189,13 @@ class Run:
             epochs=1,
             verbose=0,
             shuffle=False,
-            callbacks=self.make_callbacks(self.log_dir) + [timer],
+            callbacks=[*self.make_callbacks(self.log_dir), *extra],
         )
+
+    def measure(self) -> dict[str, float]:
+        """One round: each of :data:`METRICS` over its steps, in seconds."""
+        timer = CpuStepTimer()
+        self.fit(timer)
         return {
             "median": statistics.median(timer.times),
             "mean": statistics.fmean(timer.times),
@@ -203,15 +207,7 @@ class Run:
         the eager step's Python, where a torch step's overhead is, without the noise of time)."""
         profile = cProfile.Profile()
         profile.enable()
-        self.model.fit(
-            self.x,
-            self.y,
-            batch_size=self.batch,
-            epochs=1,
-            verbose=0,
-            shuffle=False,
-            callbacks=self.make_callbacks(self.log_dir),
-        )
+        self.fit()
         profile.disable()
         return pstats.Stats(profile).total_calls / (len(self.x) // self.batch)
 
