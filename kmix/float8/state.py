@@ -7,9 +7,9 @@ one ``any``); then::
 
     TensorFlow and torch (kmix.optimizer.assigned_step, assigning variables):
         check = state.before_apply(aligned, applies)             # the scales used
-        state.after_record(check, packed, old_scale, new_scale)
-            one rare branch, taken when a tensor saturated or the loss scale changed
-            (factor != 1, followed):
+        quiet = the step record's quiet check and no tensor saturated
+        in the step record's full branch (a saturation, or the loss scale changed):
+            state.write_after(check, packed, old_scale, new_scale)
                 record: counts and episodes    (advance_float8: the same record when
                                                 nothing saturated)
                 rescale: output gradients * factor           (exact when factor is 1)
@@ -17,8 +17,9 @@ one ``any``); then::
         state.step_values(...)            # advanced(old, check, step): the same, as values
         state.rescaled(values, factor)
 
-Healthy steps pay one scalar condition (TensorFlow: one uncalled branch; torch: one host
-read), not one per part.
+Healthy steps pay no branch of their own on TensorFlow (their saturation joins the step
+record's quiet check) and one host read on torch (the check's ``any``); JAX's step keeps its
+values-in, values-out branch.
 """
 
 from __future__ import annotations
@@ -54,10 +55,6 @@ __all__ = ["Float8Reads", "Float8State", "attempted_step", "read_health"]
 
 MIN_CAPACITY = 128
 """Episodes the ring keeps at least (at least one per float8 tensor)."""
-
-
-def _noop() -> None:
-    return None
 
 
 class Float8State:
@@ -173,22 +170,20 @@ class Float8State:
         }
         return self.check(aligned, values, applies)
 
-    def after_record(self, check: StepCheck, packed: Any, old_scale: Any, new_scale: Any) -> None:
-        """TensorFlow and torch, after the record: counts saturations, follows the scale's
-        change, in one branch only a saturation or a change of the loss scale takes (both
-        writes are identities on the other steps: the record is unchanged when nothing
-        saturated, and multiplying by 1 is exact, so either may run when only the other
-        is due)."""
-        step, factor = attempted_step(packed), ops.divide(new_scale, old_scale)
-        rare = ops.any(check.saturated)
-        if self.follows_loss_scale:
-            rare = ops.logical_or(rare, ops.not_equal(factor, 1.0))
+    def write_after(self, check: StepCheck, packed: Any, old_scale: Any, new_scale: Any) -> None:
+        """TensorFlow and torch, in the step record's full branch (a saturated step is never
+        quiet; a change of the loss scale never is): counts saturations and follows the
+        scale's change. Both writes are identities where not due (the record is unchanged
+        when nothing saturated, and a factor of 1 keeps every value), so a healthy step pays
+        no branch of its own.
 
-        def write() -> None:
-            self._write_record(check, step)
-            self._write_rescale(factor)
-
-        rare_cond(rare, write, _noop)
+        Args:
+            check: the step's :class:`StepCheck`.
+            packed: the step record's counters before the step.
+            old_scale: the loss scale before the step; new_scale: after it.
+        """
+        self._write_record(check, attempted_step(packed))
+        self._write_rescale(ops.divide(new_scale, old_scale))
 
     def step_values(
         self,

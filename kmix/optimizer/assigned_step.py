@@ -177,14 +177,24 @@ def step(
     """
     applies = applies_of(flags, len(aligned)) if decided is None else decided.applies
     float8, recorder = optimizer.float8, optimizer.recorder
+    quiet, also = (None if decided is None else decided.quiet), None
     if float8.active:  # the scales this step used, read before the inner optimizer assigns
         check, old_scale = float8.before_apply(aligned, applies), ops.copy(recorder.scale)
+        clipped = ops.any(check.saturated)  # a saturation makes the step not quiet
+        if decided is None:
+            quiet = ops.logical_and(
+                record.is_quiet(before.packed, flags, before.due, optimizer.config.rule),
+                ops.logical_not(clipped),
+            )
+        else:  # eager: the float8 check's own host read
+            quiet = decided.quiet and not bool(clipped)
+
+        def also() -> None:  # in the record's full branch: saturations counted, scale followed
+            float8.write_after(check, before.packed, old_scale, ops.copy(recorder.scale))
+
     ops.cond(applies, apply, _noop)
     on_skip = (lambda: restore(forward_state)) if forward_state else None
-    quiet = None if decided is None else decided.quiet
-    recorder.record(aligned, flags, before, forward, on_skip, quiet, source)
-    if float8.active:  # saturations counted; the output gradients follow the scale
-        float8.after_record(check, before.packed, old_scale, ops.copy(recorder.scale))
+    recorder.record(aligned, flags, before, forward, on_skip, quiet, source, also)
 
 
 def _noop() -> None:

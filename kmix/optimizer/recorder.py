@@ -191,6 +191,7 @@ class StepRecorder:
         on_skip: Callable[[], None] | None,
         quiet: Any = None,
         source: record.NonfiniteSource = record.NO_SOURCE,
+        also: Callable[[], None] | None = None,
     ) -> None:
         """Records one attempted step; everything but a quiet step's count in one branch.
 
@@ -210,6 +211,8 @@ class StepRecorder:
             quiet: whether the step is quiet, where the step has read it already (a
                 Python bool on torch); None computes it in the step.
             source: which replica held the first non-finite values, where known.
+            also: called at the end of the full branch (the float8 record's writes, which
+                make a saturated step not quiet), or None.
         """
 
         fields = [getattr(self, field) for field in record.RECORD_FIELDS]
@@ -231,6 +234,8 @@ class StepRecorder:
                 variable.assign(ops.cast(value, variable.dtype))
             if on_skip is not None:  # the batch never happened
                 ops.cond(outcome.skipped, on_skip, _noop)
+            if also is not None:
+                also()
 
         record.record_step(
             before.packed,

@@ -810,8 +810,11 @@ def test_an_input_of_unknown_length_counts_only_the_steps_that_ran():
     data = tf.data.Dataset.range(30).filter(lambda i: i % 4 != 0)  # cardinality unknown
     data = data.map(lambda i: (tf.fill([2], tf.cast(i, "float32") / 30), [0.0])).batch(3)
     model.fit(data, epochs=3, verbose=0)
-    # 22 rows per epoch in batches of 3: 8 batches, 24 over three epochs.
-    assert opt.attempted_steps == 24 == int(opt.iterations.numpy())
+    # 22 rows per epoch in batches of 3: 8 batches, 24 over three epochs. The first steps'
+    # scaled gradients may overflow float16 (the scale starts at 2**15, the kernel is
+    # random): the steps applied are the attempted ones less the skipped.
+    assert opt.attempted_steps == 24
+    assert int(opt.iterations.numpy()) == 24 - opt.skipped_steps
 
 
 @pytest.mark.slow
