@@ -44,6 +44,52 @@ def data(spike_batch: int = 9, batches: int = 16, batch_size: int = 16):
     return x, y
 
 
+def unfollowing_optimizer(inner="sgd") -> kmix.LossScaleOptimizer:
+    """kmix's optimizer growing every 4 steps from 256, its float8 scales not following."""
+    return kmix.LossScaleOptimizer(
+        inner, dynamic_growth_steps=4, initial_scale=256.0, float8_follows_loss_scale=False
+    )
+
+
+def growth_saturating_fit(log_dir, update_freq: int, histogram_freq: int):
+    """Weights frozen (SGD at 0), one batch repeated 24 times, the loss scale growing every
+    4 steps without the float8 scales following: after the warm-up every output-gradient
+    saturation comes from a growth. The monitor writes to ``log_dir``.
+
+    Returns:
+        ``(model, optimizer)`` after the fit.
+    """
+    from kmix.callbacks import MixedPrecisionMonitor
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y = data(spike_batch=-1)
+        x, y = np.tile(x[:16], (24, 1)), np.tile(y[:16], (24, 1))
+        keras.utils.set_random_seed(0)
+        model = mlp()
+        opt = unfollowing_optimizer(keras.optimizers.SGD(0.0))
+        model.compile(optimizer=opt, loss="mse")
+        monitor = MixedPrecisionMonitor(
+            str(log_dir), update_freq=update_freq, histogram_freq=histogram_freq, verbose=0
+        )
+        model.fit(x, y, batch_size=16, verbose=0, shuffle=False, callbacks=[monitor])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return model, opt
+
+
+def growing_inputs_run():
+    """An MLP whose inputs grow ×1.25 at every one of 32 batches (so their float8 scale is
+    always a step behind): ``(model, optimizer, x, y)``, compiled, not yet fitted."""
+    keras.utils.set_random_seed(0)
+    model = mlp()
+    opt = unfollowing_optimizer()
+    model.compile(optimizer=opt, loss="mse")
+    x, y = data(spike_batch=-1, batches=32)
+    x *= np.repeat(1.25 ** np.arange(32), 16)[:, None].astype("float32")
+    return model, opt, x, y
+
+
 def train(model, follows=True, inner="sgd", xy=None, **kwargs):
     keras.utils.set_random_seed(0)
     opt = kmix.LossScaleOptimizer(
@@ -273,14 +319,7 @@ def test_one_monitor_over_two_fits_writes_each_episode_at_its_full_length(tmp_pa
     fit are written once they end, not truncated at its first read."""
     from kmix.callbacks import MixedPrecisionMonitor
 
-    keras.utils.set_random_seed(0)
-    model = mlp()
-    opt = kmix.LossScaleOptimizer(
-        "sgd", dynamic_growth_steps=4, initial_scale=256.0, float8_follows_loss_scale=False
-    )
-    model.compile(optimizer=opt, loss="mse")
-    x, y = data(spike_batch=-1, batches=32)
-    x *= np.repeat(1.25 ** np.arange(32), 16)[:, None].astype("float32")
+    model, opt, x, y = growing_inputs_run()
     y *= 0
     monitor = MixedPrecisionMonitor(str(tmp_path), update_freq=1, verbose=0)
     for part in (slice(0, 7 * 16), slice(7 * 16, 512)):  # 7 steps, then 25
@@ -305,14 +344,7 @@ def test_episodes_the_ring_overwrote_between_reads_are_counted_lost(tmp_path, mo
     from kmix.callbacks import MixedPrecisionMonitor
 
     monkeypatch.setattr("kmix.float8.state.MIN_CAPACITY", 6)
-    keras.utils.set_random_seed(0)
-    model = mlp()
-    opt = kmix.LossScaleOptimizer(
-        "sgd", dynamic_growth_steps=4, initial_scale=256.0, float8_follows_loss_scale=False
-    )
-    model.compile(optimizer=opt, loss="mse")
-    x, y = data(spike_batch=-1, batches=32)
-    x *= np.repeat(1.25 ** np.arange(32), 16)[:, None].astype("float32")
+    model, opt, x, y = growing_inputs_run()
     monitor = MixedPrecisionMonitor(str(tmp_path), update_freq=8, verbose=0)
     model.fit(x, y * 0, batch_size=16, verbose=0, shuffle=False, callbacks=[monitor])
     assert opt.float8.capacity == 6

@@ -209,30 +209,9 @@ def test_often_clipped_tensors_say_what_to_do_by_how_far_they_clip():
 def test_a_real_fit_without_following_reports_its_growth_saturations(tmp_path):
     """Weights frozen, one batch repeated (tests/float8/test_state.py): every output-gradient
     saturation after the warm-up comes from a growth; the report says so at those steps."""
-    import keras
-    from test_state import data, mlp
+    from test_state import growth_saturating_fit
 
-    import kmix
-
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        x, y = data(spike_batch=-1)
-        x, y = np.tile(x[:16], (24, 1)), np.tile(y[:16], (24, 1))
-        keras.utils.set_random_seed(0)
-        model = mlp()
-        opt = kmix.LossScaleOptimizer(
-            keras.optimizers.SGD(0.0),
-            dynamic_growth_steps=4,
-            initial_scale=256.0,
-            float8_follows_loss_scale=False,
-        )
-        model.compile(optimizer=opt, loss="mse")
-        monitor = kmix.callbacks.MixedPrecisionMonitor(
-            str(tmp_path), update_freq=5, histogram_freq=5, verbose=0
-        )
-        model.fit(x, y, batch_size=16, verbose=0, shuffle=False, callbacks=[monitor])
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
+    model, opt = growth_saturating_fit(tmp_path, update_freq=5, histogram_freq=5)
     log = report.read_log(str(tmp_path))
     summary = report.summarize(log)
     # The what-if places each float8 layer's variables at its output gradients' real scale.

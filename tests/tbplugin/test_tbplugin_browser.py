@@ -498,26 +498,9 @@ def write_float8_run(path) -> tuple:
     """A float8 MLP trained by kmix's optimizer without following the loss scale: its
     growths saturate the output gradients. Returns the optimizer's episodes."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "float8"))
-    import numpy as np
-    from test_state import data, mlp
+    from test_state import growth_saturating_fit
 
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        x, y = data(spike_batch=-1)
-        x, y = np.tile(x[:16], (24, 1)), np.tile(y[:16], (24, 1))
-        keras.utils.set_random_seed(0)
-        model = mlp()
-        opt = kmix.LossScaleOptimizer(
-            keras.optimizers.SGD(0.0),
-            dynamic_growth_steps=4,
-            initial_scale=256.0,
-            float8_follows_loss_scale=False,
-        )
-        model.compile(optimizer=opt, loss="mse")
-        monitor = MixedPrecisionMonitor(str(path), update_freq=2, histogram_freq=12, verbose=0)
-        model.fit(x, y, batch_size=16, verbose=0, shuffle=False, callbacks=[monitor])
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
+    _, opt = growth_saturating_fit(path, update_freq=2, histogram_freq=12)
     return tuple(opt.float8_episodes())
 
 
