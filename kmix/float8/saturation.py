@@ -93,10 +93,20 @@ def check_step(
     Returns:
         The :class:`StepCheck`.
     """
-    amax = ops.stack([ops.cast(grads[t.history_index][0], "float32") for t in tensors])
+    amax = _newest([ops.cast(grads[t.history_index], "float32") for t in tensors])
     scale = ops.stack([ops.cast(values[t.scale_index], "float32") for t in tensors])
-    limit = scale * np.asarray([t.format_max for t in tensors], "float32")
+    limit = ops.multiply(scale, np.asarray([t.format_max for t in tensors], "float32"))
     return StepCheck(amax, limit, ops.logical_and(applies, amax > limit))
+
+
+def _newest(histories: Sequence[Any]) -> Any:
+    """Each amax history's newest entry (its first), in a few ops however many there are:
+    one slice of them stacked (Keras's histories all have one length by default), else one
+    gather over them concatenated (not a slice each: a healthy step pays the check)."""
+    lengths = [h.shape[0] for h in histories]
+    if len(set(lengths)) == 1:
+        return ops.stack(histories)[:, 0]
+    return ops.take(ops.concatenate(histories), np.cumsum([0] + lengths[:-1]).astype("int32"))
 
 
 def advance_float8(old: Float8Record, check: StepCheck, step: Any) -> Float8Record:

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 from keras import ops
 
 from kmix import backend, record
+from kmix.float8 import StepCheck
 from kmix.optimizer.model_hooks import restore
 from kmix.optimizer.recorder import Before
 
@@ -122,33 +123,43 @@ class Decisions(NamedTuple):
         applies: the inner optimizer applies (no non-finite flag).
         quiet: the record only counts (:func:`kmix.record.step_record.is_quiet`).
         measure: the forward pass is measured (the loss is non-finite, or statistics due).
+        float8: the float8 check made before the read, as if the step applied (None
+            without float8 layers).
     """
 
     before: Before
     applies: bool
     quiet: bool
     measure: bool
+    float8: StepCheck | None = None
 
 
-def read_decisions(optimizer: Any, flags: Any, n: int) -> Decisions:
-    """The step's three decisions from one host read (where each read is a sync: torch).
+def read_decisions(optimizer: Any, flags: Any, n: int, check: StepCheck | None = None) -> Decisions:
+    """The step's decisions from one host read (where each read is a sync: torch).
 
-    The counters and the flags are read together; what is due, whether the step is quiet
-    and whether it applies are then worked out on the host (:data:`kmix.record.HOST_OPS`),
-    by the functions the traced step uses.
+    The counters and the flags are read together, with whether a float8 tensor saturated
+    (``check``: a saturation makes the step not quiet); what is due, whether the step is
+    quiet and whether it applies are then worked out on the host
+    (:data:`kmix.record.HOST_OPS`), by the functions the traced step uses.
 
     Args:
         optimizer: a built ``kmix.LossScaleOptimizer``.
         flags: the step's non-finite flags (``n`` gradients, then the loss's two).
         n: the number of tracked variables.
+        check: the step's float8 check (:meth:`kmix.float8.Float8State.before_apply`, made
+            as if the step applied), or None without float8 layers.
 
     Returns:
         The :class:`Decisions`.
     """
-    before, counters, flagged = optimizer.recorder.host_before_step(flags)
+    read = flags  # what quiet asks: every flag 0, and no float8 tensor saturated
+    if check is not None:
+        read = ops.concatenate([flags, ops.cast(ops.any(check.saturated), "float32")[None]])
+    before, counters, flagged = optimizer.recorder.host_before_step(read)
     quiet = record.is_quiet(counters, flagged, before.due, optimizer.config.rule, record.HOST_OPS)
     measure = bool(flagged[n] > 0 or before.due[0])
-    return Decisions(before, bool(applies_of(flagged, n, record.HOST_OPS)), bool(quiet), measure)
+    applies = bool(applies_of(flagged, n, record.HOST_OPS))
+    return Decisions(before, applies, bool(quiet), measure, check)
 
 
 def step(
@@ -179,18 +190,19 @@ def step(
     float8, recorder = optimizer.float8, optimizer.recorder
     quiet, also = (None if decided is None else decided.quiet), None
     if float8.active:  # the scales this step used, read before the inner optimizer assigns
-        check, old_scale = float8.before_apply(aligned, applies), ops.copy(recorder.scale)
-        clipped = ops.any(check.saturated)  # a saturation makes the step not quiet
         if decided is None:
-            quiet = ops.logical_and(
+            check = float8.before_apply(aligned, applies)
+            quiet = ops.logical_and(  # a saturation makes the step not quiet
                 record.is_quiet(before.packed, flags, before.due, optimizer.config.rule),
-                ops.logical_not(clipped),
+                ops.logical_not(ops.any(check.saturated)),
             )
-        else:  # eager: the float8 check's own host read
-            quiet = decided.quiet and not bool(clipped)
+        else:  # eager: checked before the one read (``quiet`` counts it); a skip saturates none
+            check = decided.float8._replace(
+                saturated=ops.logical_and(applies, decided.float8.saturated)
+            )
 
-        def also() -> None:  # in the record's full branch: saturations counted, scale followed
-            float8.write_after(check, before.packed, old_scale, ops.copy(recorder.scale))
+        def also(old_scale: Any, new_scale: Any) -> None:  # in the record's full branch:
+            float8.write_after(check, before.packed, old_scale, new_scale)  # counted, followed
 
     ops.cond(applies, apply, _noop)
     on_skip = (lambda: restore(forward_state)) if forward_state else None

@@ -191,7 +191,7 @@ class StepRecorder:
         on_skip: Callable[[], None] | None,
         quiet: Any = None,
         source: record.NonfiniteSource = record.NO_SOURCE,
-        also: Callable[[], None] | None = None,
+        also: Callable[[Any, Any], None] | None = None,
     ) -> None:
         """Records one attempted step; everything but a quiet step's count in one branch.
 
@@ -211,16 +211,20 @@ class StepRecorder:
             quiet: whether the step is quiet, where the step has read it already (a
                 Python bool on torch); None computes it in the step.
             source: which replica held the first non-finite values, where known.
-            also: called at the end of the full branch (the float8 record's writes, which
-                make a saturated step not quiet), or None.
+            also: called at the end of the full branch with the loss scale before and after
+                the step (the float8 record's writes, which make a saturated step not
+                quiet), or None.
         """
 
         fields = [getattr(self, field) for field in record.RECORD_FIELDS]
+
+        read: list[record.RecordValues] = []  # the values before the step, read in the branch
 
         def advance() -> tuple[record.RecordValues, Any]:  # the pure step, in the branch
             old = record.RecordValues(  # the counters as read before the step
                 *(before.packed if v is self.counters else ops.copy(v) for v in fields)
             )
+            read.append(old)
             rule = self.config.rule
             return record.advance_record(
                 old, aligned, flags, self.statistics(), forward, rule, source
@@ -235,7 +239,7 @@ class StepRecorder:
             if on_skip is not None:  # the batch never happened
                 ops.cond(outcome.skipped, on_skip, _noop)
             if also is not None:
-                also()
+                also(read[0].scale, new.scale)
 
         record.record_step(
             before.packed,

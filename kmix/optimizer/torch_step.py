@@ -13,7 +13,7 @@ Host reads: an eager step decides on the host, and each read of a device value i
 kmix's step reads its counters and flags at once and decides there
 (:func:`kmix.optimizer.assigned_step.read_decisions`: apply or skip, quiet or not, measure
 the forward pass or not): one read a step, where stock Keras's reads two (whether the
-gradients are finite, whether the scale grows); float8 layers' check reads its own. The
+gradients are finite, whether the scale grows); float8 layers' check is read with them. The
 flags come from a screen (:func:`kmix.backend.screened_nonfinite_flags`, one norm per
 gradient); a step it does not prove finite is decided again on the exact flags, with a
 second read (a skip, or a finite gradient whose squares overflow). Statistics are computed
@@ -50,10 +50,12 @@ def apply(optimizer: Any, grads: list, trainable_variables: list | None) -> None
     aligned = assigned_step.aligned_gradients(parts, grads, variables)
     loss = parts.loss_flags()
     flags = ops.concatenate([backend.screened_nonfinite_flags(aligned), loss])
-    decided = assigned_step.read_decisions(optimizer, flags, len(aligned))  # the one read
+    float8 = optimizer.float8  # its check read with the flags: the scales before the step
+    check = float8.before_apply(aligned, True) if float8.active else None
+    decided = assigned_step.read_decisions(optimizer, flags, len(aligned), check)  # one read
     if not decided.applies:  # a skip, or a suspicion: the exact flags decide (a second read)
         flags = ops.concatenate([record.nonfinite_flags(aligned), loss])
-        decided = assigned_step.read_decisions(optimizer, flags, len(aligned))
+        decided = assigned_step.read_decisions(optimizer, flags, len(aligned), check)
     before, forward, forward_state = assigned_step.measured_step(optimizer, aligned, flags, decided)
     apply_inner = functools.partial(assigned_step.apply_inner, optimizer, grads, variables)
     assigned_step.step(

@@ -83,22 +83,10 @@ def test_an_overflow_in_a_nested_layer_is_named_skipped_and_leaves_every_state_a
     assert (snapshot.attempted_steps, snapshot.skipped_steps, snapshot.loss_scale) == (2, 1, 1024.0)
 
 
-@pytest.mark.torch
-@pytest.mark.skipif(keras.backend.backend() != "torch", reason="counts torch's host reads")
-def test_a_quiet_eager_step_reads_one_value_on_the_host(monkeypatch):
-    """On torch each read of a device value is a sync: a quiet step of kmix's optimizer
-    (monitor's tap installed) reads its decisions at once, one read; stock Keras's reads two
-    (its finite check and its growth check), counted the same way."""
+def host_reads(monkeypatch) -> list[str]:
+    """The names of torch's host reads (``bool``, ``item``, ``tolist``, ``numpy``) made from
+    now on, appended as they happen."""
     import torch
-
-    keras.config.set_dtype_policy("mixed_float16")
-    model = Net()
-    optimizer = kmix.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
-    model.compile(optimizer=optimizer, loss="mse")
-    x, y = np.full((8, 4), 0.5, "float32"), np.zeros((8, 1), "float32")
-    model.fit(x, y, batch_size=8, verbose=0)  # built, one step done
-    optimizer.watch(model)  # the tap, as the monitor installs it
-    stock = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
 
     reads = []
     for name in ("__bool__", "item", "tolist", "numpy"):
@@ -109,16 +97,54 @@ def test_a_quiet_eager_step_reads_one_value_on_the_host(monkeypatch):
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
+    return reads
 
-    def reads_of(opt):
-        model.compile(optimizer=opt, loss="mse")
-        model.fit(x, y, batch_size=8, verbose=0)  # builds stock's state outside the count
-        reads.clear()
-        model.train_step((keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y)))
-        return list(reads)
 
-    assert len(reads_of(stock)) == 2
-    assert len(reads_of(optimizer)) == 1
+def reads_of_a_step(model, opt, x, y, reads: list[str]) -> list[str]:
+    """The host reads of one train step of ``model`` compiled with ``opt`` (built first)."""
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=len(x), verbose=0)  # builds the state outside the count
+    reads.clear()
+    model.train_step((keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y)))
+    return list(reads)
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="counts torch's host reads")
+def test_a_quiet_eager_step_reads_one_value_on_the_host(monkeypatch):
+    """On torch each read of a device value is a sync: a quiet step of kmix's optimizer
+    (monitor's tap installed) reads its decisions at once, one read; stock Keras's reads two
+    (its finite check and its growth check), counted the same way."""
+    keras.config.set_dtype_policy("mixed_float16")
+    model = Net()
+    optimizer = kmix.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = np.full((8, 4), 0.5, "float32"), np.zeros((8, 1), "float32")
+    model.fit(x, y, batch_size=8, verbose=0)  # built, one step done
+    optimizer.watch(model)  # the tap, as the monitor installs it
+    stock = keras.mixed_precision.LossScaleOptimizer(keras.optimizers.Adam(1e-3))
+    reads = host_reads(monkeypatch)
+    assert len(reads_of_a_step(model, stock, x, y, reads)) == 2
+    assert len(reads_of_a_step(model, optimizer, x, y, reads)) == 1
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason="counts torch's host reads")
+def test_a_quiet_float8_step_reads_its_saturation_check_with_its_decisions(monkeypatch):
+    """Float8 layers' saturation check is read with the step's flags: still one read."""
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    model.quantize("float8")
+    optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(1e-9))  # the amaxes hold still
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
+    y = np.zeros((8, 1), "float32")
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=8, epochs=12, verbose=0)  # the delayed scales settle
+    assert optimizer.float8.active
+    reads = host_reads(monkeypatch)
+    assert len(reads_of_a_step(model, optimizer, x, y, reads)) == 1
+    assert optimizer.float8_saturations(since_step=13) == []  # the step counted was quiet
 
 
 @pytest.mark.torch
