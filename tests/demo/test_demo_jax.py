@@ -240,21 +240,23 @@ WATCHED = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def jax_demo(tmp_path_factory):
-    """``kmix demo --backend jax --epochs 1`` in a fresh process, KERAS_BACKEND unset."""
-    pytest.importorskip("jax")
-    folder = tmp_path_factory.mktemp("jax_demo")
+def demo_in_a_fresh_process(folder, backend: str, **environ: str) -> tuple:
+    """``kmix demo --backend BACKEND --epochs 1`` in a fresh process, KERAS_BACKEND unset.
+
+    Returns:
+        ``(done, logdir, facts)``: the finished process, its log folder, and what it
+        imported (``tensorflow``, ``jax``, and the kmix frames that imported TensorFlow).
+    """
     logdir, facts = str(folder / "demo"), str(folder / "facts.json")
     env = {
         k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "TF_CPP_MIN_LOG_LEVEL")
     }
     done = subprocess.run(
-        [sys.executable, "-c", WATCHED, facts, "demo", "--backend", "jax", "--epochs", "1"]
+        [sys.executable, "-c", WATCHED, facts, "demo", "--backend", backend, "--epochs", "1"]
         + ["--logdir", logdir],
         capture_output=True,
         text=True,
-        env=env,
+        env=env | environ,
         timeout=600,
         check=False,
     )
@@ -265,16 +267,14 @@ def jax_demo(tmp_path_factory):
         return done, logdir, {"tensorflow": None, "jax": None, "stacks": []}
 
 
-@pytest.mark.slow
-def test_demo_on_jax_finishes_and_writes_the_report(jax_demo):
-    done, logdir, facts = jax_demo
+def assert_the_demo_finished_with_its_report(done, logdir: str, backend: str) -> None:
+    """The demo's lines on ``backend``, its report's figures and plots, and its marker."""
     assert done.returncode == 0, done.stderr[-2000:]
-    assert facts["jax"]
     out = done.stdout
     assert out.startswith(
-        "kmix demo: 1 epoch on the 8x8 digits, policy mixed_float16, Keras backend jax."
+        f"kmix demo: 1 epoch on the 8x8 digits, policy mixed_float16, Keras backend {backend}."
     )
-    assert "oneDNN" not in out  # TensorFlow's kernels are not what JAX runs
+    assert "oneDNN" not in out  # TensorFlow's kernels are not what the backend runs
     assert "test accuracy, mixed_float16 with kmix: " in out
     assert "test accuracy, same model in float32: " in out
     assert "  backoff at step 1: loss scale 16777216 → 8388608" in out
@@ -288,6 +288,20 @@ def test_demo_on_jax_finishes_and_writes_the_report(jax_demo):
         "epoch_loss",
     ]
     assert demo.read_marker(logdir) == [n for n in demo.files_under(logdir) if n != demo.MARKER]
+
+
+@pytest.fixture(scope="module")
+def jax_demo(tmp_path_factory):
+    """``kmix demo --backend jax --epochs 1`` in a fresh process, KERAS_BACKEND unset."""
+    pytest.importorskip("jax")
+    return demo_in_a_fresh_process(tmp_path_factory.mktemp("jax_demo"), "jax")
+
+
+@pytest.mark.slow
+def test_demo_on_jax_finishes_and_writes_the_report(jax_demo):
+    done, logdir, facts = jax_demo
+    assert_the_demo_finished_with_its_report(done, logdir, "jax")
+    assert facts["jax"]
 
 
 @pytest.mark.slow

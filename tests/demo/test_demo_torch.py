@@ -9,19 +9,17 @@ runs it, importing no TensorFlow (as ``tests/demo/test_demo_jax.py`` does for JA
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import keras
 import numpy as np
 import pytest
 from test_cli import Ran, one_line_error
-from test_demo_jax import WATCHED, fake_demo, kmix_here, read_scalars
-from test_report import assert_png
+from test_demo_jax import (
+    assert_the_demo_finished_with_its_report,
+    demo_in_a_fresh_process,
+    fake_demo,
+    kmix_here,
+)
 
-from kmix import report
 from kmix.cli import commands as cli
 from kmix.demo import steps as demo_steps
 from kmix.demo import train as demo
@@ -168,50 +166,15 @@ def torch_demo(tmp_path_factory):
     """``kmix demo --backend torch --epochs 1`` in a fresh process, KERAS_BACKEND unset."""
     pytest.importorskip("torch")
     folder = tmp_path_factory.mktemp("torch_demo")
-    logdir, facts = str(folder / "demo"), str(folder / "facts.json")
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "TF_CPP_MIN_LOG_LEVEL")
-    }
-    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU, as the step counts below assume
-    done = subprocess.run(
-        [sys.executable, "-c", WATCHED, facts, "demo", "--backend", "torch", "--epochs", "1"]
-        + ["--logdir", logdir],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    try:
-        with open(facts, encoding="utf-8") as file:
-            return done, logdir, json.load(file)
-    except FileNotFoundError:  # it failed before the end: the tests show its stderr
-        return done, logdir, {"tensorflow": None, "stacks": []}
+    # The CPU, as the step counts assume.
+    return demo_in_a_fresh_process(folder, "torch", CUDA_VISIBLE_DEVICES="")
 
 
 @pytest.mark.slow
 def test_demo_on_torch_finishes_and_writes_the_report(torch_demo):
-    done, logdir, facts = torch_demo
-    assert done.returncode == 0, done.stderr[-2000:]
-    out = done.stdout
-    assert out.startswith(
-        "kmix demo: 1 epoch on the 8x8 digits, policy mixed_float16, Keras backend torch."
-    )
-    assert "oneDNN" not in out  # TensorFlow's kernels are not what torch runs
-    assert "test accuracy, mixed_float16 with kmix: " in out
-    assert "test accuracy, same model in float32: " in out
-    assert "(one step a call, without callbacks)" in out  # torch's trainer: one a call
-    assert "  backoff at step 1: loss scale 16777216 → 8388608" in out
-    summary = report.summarize(report.read_log(logdir))
-    assert summary.steps_seen == 47
-    assert set(summary.trends) >= {"overflow_headroom_bits", "underflow_fraction", "grad_norm"}
-    for name in report.PLOT_FILES:
-        assert_png(os.path.join(logdir, "report", name))
-    assert [tag for tag, _ in sorted(read_scalars(os.path.join(logdir, "validation")).items())] == [
-        "epoch_accuracy",
-        "epoch_loss",
-    ]
-    assert demo.read_marker(logdir) == [n for n in demo.files_under(logdir) if n != demo.MARKER]
+    done, logdir, _ = torch_demo
+    assert_the_demo_finished_with_its_report(done, logdir, "torch")
+    assert "(one step a call, without callbacks)" in done.stdout  # torch's trainer: one a call
 
 
 @pytest.mark.slow
