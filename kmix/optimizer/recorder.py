@@ -41,7 +41,7 @@ from kmix.record import (
 )
 from kmix.tags import ScaleEvent
 
-__all__ = ["Before", "RecordReads", "StepRecorder", "is_gradient"]
+__all__ = ["Before", "HostRead", "RecordReads", "StepRecorder", "is_gradient"]
 
 
 class Before(NamedTuple):
@@ -49,6 +49,20 @@ class Before(NamedTuple):
 
     packed: Any
     due: Any
+
+
+class HostRead(NamedTuple):
+    """A step's counters and flags read on the host at once (:meth:`StepRecorder.host_before_step`).
+
+    Attributes:
+        before: the counters before the step (a tensor) and what is due (NumPy).
+        counters: the counters before the step, NumPy.
+        flagged: the step's flags as 0/1 in the counters' dtype, NumPy.
+    """
+
+    before: Before
+    counters: np.ndarray
+    flagged: np.ndarray
 
 
 def _noop() -> None:
@@ -165,22 +179,22 @@ class StepRecorder:
         packed = ops.copy(self.counters)
         return Before(packed, self.statistics().due(packed))
 
-    def host_before_step(self, flags: Any) -> tuple[Before, np.ndarray, np.ndarray]:
+    def host_before_step(self, flags: Any) -> HostRead:
         """:meth:`before_step` decided on the host, with the step's flags: one host read.
 
         Args:
             flags: the step's float flags (1.0 where non-finite).
 
         Returns:
-            ``(before, counters, flagged)``: ``before.due`` and the other two are NumPy
-            (the counters before the step, and the flags as 0/1 in the counters' dtype).
+            The :class:`HostRead`.
         """
         packed = ops.copy(self.counters)
         dtype = keras.backend.standardize_dtype(packed.dtype)
         read = ops.convert_to_numpy(ops.concatenate([packed, ops.cast(flags, dtype)]))
         counters, flagged = read[: packed.shape[0]], read[packed.shape[0] :]
         every = np.stack([self.settings.synced(n) for n in ("health_every", "histogram_every")])
-        return Before(packed, record.due_now(counters, every, record.HOST_OPS)), counters, flagged
+        due = record.due_now(counters, every, record.HOST_OPS)
+        return HostRead(Before(packed, due), counters, flagged)
 
     def record(
         self,
