@@ -13,11 +13,20 @@ by ``MixedPrecisionMonitor(update_freq=N)``:
 
 Each round fits both once more on the same batches (ABBA order); the time counted runs
 from the end of batch ``--skip`` to the end of the last, so reads and writes inside it are
-counted, train begin and end are not. Growth is every 2000 steps: every step is healthy.
+counted, train begin and end are not.
+
+Healthy steps (the default): Adam's learning rate is 0 and every batch is the first one,
+so each step runs every op of a training step while no amax moves: after the warm-up no
+float8 tensor saturates (the script counts and prints the saturated steps of the timed
+fits), growth is every 2000 steps, no step overflows, so every step is quiet. With
+``--training`` the model learns (Adam 1e-3, fresh batches): delayed scaling then clips a
+tensor whenever its amax exceeds every earlier one, which on this toy is most steps, and
+each such step runs the step record's full branch (the cost of a saturated step, not of a
+healthy one).
 
 Usage:
     python bench/bench_float8_cost.py [--steps 300] [--rounds 6] [--update-freq 100]
-        [--width 128]
+        [--width 128] [--training]
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 from bench_float8 import BATCH, data, model  # noqa: E402
 
 import kmix  # noqa: E402
@@ -60,9 +70,10 @@ KINDS = ("float8 on", "float8 off", "step only")
 the cost sits)."""
 
 
-def contender(kind: str, update_freq: int, width: int):
+def contender(kind: str, update_freq: int, width: int, learning_rate: float):
     m = model(width)
-    opt = kmix.LossScaleOptimizer(keras.optimizers.Adam(1e-3), dynamic_growth_steps=2000)
+    inner = keras.optimizers.Adam(learning_rate)
+    opt = kmix.LossScaleOptimizer(inner, dynamic_growth_steps=2000)
     if kind == "float8 off":
         opt.float8.build = lambda *args, **kwargs: None  # no check, no record, no rescale
     m.compile(optimizer=opt, loss="mse")
@@ -81,16 +92,23 @@ def main() -> None:
     parser.add_argument("--update-freq", type=int, default=100)
     parser.add_argument("--skip", type=int, default=10)
     parser.add_argument("--width", type=int, default=128, help="the hidden layers' width")
+    parser.add_argument(
+        "--training", action="store_true", help="learn (saturating steps), not healthy steps"
+    )
     args = parser.parse_args()
     keras.mixed_precision.set_global_policy("mixed_float16")
     x, y = data(args.steps)
+    if not args.training:  # one batch again and again: no amax moves
+        x, y = np.tile(x[:BATCH], (args.steps, 1)), np.tile(y[:BATCH], (args.steps, 1))
+    learning_rate = 1e-3 if args.training else 0.0
     runs = {}
     for kind in KINDS:
-        m, monitor = contender(kind, args.update_freq, args.width)
+        m, monitor = contender(kind, args.update_freq, args.width, learning_rate)
         m.fit(x[: 4 * BATCH], y[: 4 * BATCH], batch_size=BATCH, verbose=0, callbacks=[monitor])
         runs[kind] = (m, monitor, Clock(args.skip))
     assert not runs["float8 off"][0].optimizer.float8.active
     assert runs["float8 on"][0].optimizer.float8.active
+    warmed = {kind: runs[kind][0].optimizer.read_state() for kind in KINDS}
     for r in range(args.rounds):
         for kind in KINDS if r % 2 == 0 else KINDS[::-1]:
             m, monitor, clock = runs[kind]
@@ -98,8 +116,17 @@ def main() -> None:
     median = {kind: statistics.median(runs[kind][2].per_step) for kind in KINDS}
     print(
         f"backend {keras.backend.backend()}, width {args.width}, {args.steps} steps a fit, "
-        f"{args.rounds} rounds"
+        f"{args.rounds} rounds, {'training' if args.training else 'healthy steps'}"
     )
+    for kind in ("float8 on", "step only"):  # what the timed fits' steps were
+        opt, since = runs[kind][0].optimizer, warmed[kind]
+        saturated = {s.step for s in opt.float8_saturations(since_step=since.attempted_steps)}
+        state = opt.read_state()
+        print(
+            f"  {kind:<10}: {len(saturated)} of {state.attempted_steps - since.attempted_steps}"
+            f" timed steps saturated a float8 tensor, "
+            f"{state.skipped_steps - since.skipped_steps} skipped"
+        )
     for kind in KINDS:
         times = " ".join(f"{t * 1e3:.2f}" for t in runs[kind][2].per_step)
         print(f"  {kind:<10}: {times} ms; median {median[kind] * 1e3:.3f}")

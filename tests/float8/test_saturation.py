@@ -121,6 +121,26 @@ def test_check_step_clips_above_scale_times_format_max_only_when_applied():
     assert not np.asarray(check_step(tensors, grads, values, np.bool_(False)).saturated).any()
 
 
+@pytest.mark.parametrize("fmt_max", [448.0, 57344.0])
+@pytest.mark.parametrize("amax", [255.0, 850.0, 1.0, 3.0])
+def test_an_amax_equal_to_the_one_its_scale_was_set_from_is_not_saturated(amax, fmt_max):
+    """Keras's delayed scale, ``1 / (max / amax)`` in float32, times ``max`` falls a rounding
+    under some amaxes (255, 850): a tensor whose largest |value| repeats is not clipped;
+    anything over by more than the scale's rounding is."""
+    f32 = np.float32
+    scale = f32(1) / (f32(fmt_max) / f32(amax))  # Keras's compute_float8_scale, margin 0
+    t = [Float8Tensor("d", "inputs", 0, 1, fmt_max)]
+    tie = f32(amax)
+    over = np.nextafter(f32(scale * f32(fmt_max) * f32(1 + 2.0**-22)), f32(np.inf))
+    for value, clipped in [(tie, False), (over, True), (f32(amax * 1.001), True)]:
+        check = check_step(t, [None, np.float32([value, 0])], [scale, None], np.bool_(True))
+        assert np.asarray(check.saturated).tolist() == [clipped], value
+        health = tensor_health(t[0], float(scale), np.float32([value, amax]))
+        assert (health.headroom_bits < 0) == clipped, value
+    if amax in (255.0, 850.0):  # the rounding this spares is real
+        assert scale * f32(fmt_max) < f32(amax)
+
+
 def test_rescale_touches_only_the_output_gradients():
     tensors = [
         Float8Tensor("d", t, 2 * i, 2 * i + 1, 448.0)
