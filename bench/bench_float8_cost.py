@@ -124,7 +124,8 @@ def main() -> None:
         state = opt.read_state()
         print(
             f"  {kind:<10}: {len(saturated)} of {state.attempted_steps - since.attempted_steps}"
-            f" timed steps saturated a float8 tensor, "
+            f" steps of the timed fits saturated a float8 tensor"
+            f"{f' (steps {sorted(saturated)})' if 0 < len(saturated) <= 10 else ''}, "
             f"{state.skipped_steps - since.skipped_steps} skipped"
         )
     for kind in KINDS:
