@@ -15,14 +15,16 @@ Each round fits both once more on the same batches (ABBA order); the time counte
 from the end of batch ``--skip`` to the end of the last, so reads and writes inside it are
 counted, train begin and end are not.
 
-Healthy steps (the default): Adam's learning rate is 0 and every batch is the first one,
-so each step runs every op of a training step while no amax moves: after the warm-up no
-float8 tensor saturates (the script counts and prints the saturated steps of the timed
-fits), growth is every 2000 steps, no step overflows, so every step is quiet. With
-``--training`` the model learns (Adam 1e-3, fresh batches): delayed scaling then clips a
-tensor whenever its amax exceeds every earlier one, which on this toy is most steps, and
-each such step runs the step record's full branch (the cost of a saturated step, not of a
-healthy one).
+Healthy steps (the default): Adam's learning rate is 0 and every batch is one batch, so
+each step runs every op of a training step while no amax moves. The kernels' largest
+|values| are powers of two (:func:`steady_model`) and the batch is the first whose steady
+state saturates nothing (:func:`steady_batch`): delayed scaling's margin of 0 puts a
+steady amax at its limit, and float32's rounding of Keras's scale clips some amaxes by a
+hair at every step, which is a saturation, so not a healthy step. The script prints
+the saturated steps of the timed fits; growth is every 2000 steps. With ``--training``
+the model learns (Adam 1e-3, fresh batches): delayed scaling then clips a tensor whenever
+its amax exceeds every earlier one, which on this toy is most steps, and each such step
+runs the step record's full branch (the cost of a saturated step, not of a healthy one).
 
 Usage:
     python bench/bench_float8_cost.py [--steps 300] [--rounds 6] [--update-freq 100]
@@ -46,6 +48,7 @@ import numpy as np  # noqa: E402
 from bench_float8 import BATCH, data, model  # noqa: E402
 
 import kmix  # noqa: E402
+from kmix.float8 import float8_tensors  # noqa: E402
 
 
 class Clock(keras.callbacks.Callback):
@@ -70,8 +73,21 @@ KINDS = ("float8 on", "float8 off", "step only")
 the cost sits)."""
 
 
-def contender(kind: str, update_freq: int, width: int, learning_rate: float):
+def steady_model(width: int) -> keras.Model:
+    """``model(width)`` with each float8 layer's kernel scaled so its largest |value| is a
+    power of two: Keras's scale set from such an amax gives back a limit equal to it (the
+    kernel, fixed at learning rate 0, then never clips by a rounding)."""
     m = model(width)
+    for layer in m.layers:
+        if hasattr(layer, "kernel_amax_history"):
+            kernel = keras.ops.convert_to_numpy(layer.kernel)
+            top = float(np.max(np.abs(kernel)))
+            layer.kernel.assign(kernel * np.float32(2.0 ** round(np.log2(top)) / top))
+    return m
+
+
+def contender(kind: str, update_freq: int, width: int, learning_rate: float):
+    m = model(width) if learning_rate else steady_model(width)
     inner = keras.optimizers.Adam(learning_rate)
     opt = kmix.LossScaleOptimizer(inner, dynamic_growth_steps=2000)
     if kind == "float8 off":
@@ -83,6 +99,34 @@ def contender(kind: str, update_freq: int, width: int, learning_rate: float):
     if kind != "float8 on":
         monitor._float8.write = lambda *args, **kwargs: None
     return m, monitor
+
+
+def steady_batch(x, y, width: int, tries: int = 20) -> int:
+    """The first batch of ``x, y`` on which, repeated at learning rate 0, no float8 tensor
+    saturates after an 8-step warm-up (12 steps tried), nor will once the warm-up's amaxes
+    leave the history: each tensor's steady amax is at or under the limit of the scale
+    Keras sets from it (``1 / (max / amax) * max`` in float32).
+
+    Raises:
+        SystemExit: none of the first ``tries`` batches is steady.
+    """
+    for b in range(tries):
+        rows = slice(b * BATCH, (b + 1) * BATCH)
+        xb, yb = np.tile(x[rows], (12, 1)), np.tile(y[rows], (12, 1))
+        m = steady_model(width)
+        opt = kmix.LossScaleOptimizer(keras.optimizers.Adam(0.0), dynamic_growth_steps=2000)
+        m.compile(optimizer=opt, loss="mse")
+        m.fit(xb, yb, batch_size=BATCH, verbose=0, shuffle=False)
+        values = [keras.ops.convert_to_numpy(v) for v in m.trainable_variables]
+        f32 = np.float32
+        steady = [
+            (f32(values[t.history_index][0]), f32(t.format_max))
+            for t in float8_tensors(m.trainable_variables)
+        ]
+        at_limit = all(f32(1) / (fmax / amax) * fmax >= amax for amax, fmax in steady)
+        if at_limit and not opt.float8_saturations(since_step=8):
+            return b
+    raise SystemExit(f"bench_float8_cost: none of the first {tries} batches is steady")
 
 
 def main() -> None:
@@ -98,8 +142,11 @@ def main() -> None:
     args = parser.parse_args()
     keras.mixed_precision.set_global_policy("mixed_float16")
     x, y = data(args.steps)
-    if not args.training:  # one batch again and again: no amax moves
-        x, y = np.tile(x[:BATCH], (args.steps, 1)), np.tile(y[:BATCH], (args.steps, 1))
+    if not args.training:  # one steady batch again and again: no amax moves
+        b = steady_batch(x, y, args.width)
+        rows = slice(b * BATCH, (b + 1) * BATCH)
+        x, y = np.tile(x[rows], (args.steps, 1)), np.tile(y[rows], (args.steps, 1))
+        print(f"healthy steps: batch {b} repeated, Adam at learning rate 0")
     learning_rate = 1e-3 if args.training else 0.0
     runs = {}
     for kind in KINDS:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kmix.float8.saturation import EPISODE_FLOAT_FIELDS, EPISODE_INT_FIELDS, SCALE_ROUNDING
+from kmix.float8.saturation import EPISODE_FLOAT_FIELDS, EPISODE_INT_FIELDS
 from kmix.float8.tensors import FORMAT_TINY, Float8Tensor
 from kmix.tags import Float8Saturation
 
@@ -30,8 +30,7 @@ class Float8Health:
         tensor: ``"inputs"``, ``"kernel"`` or ``"outputs_grad"``.
         scale: the delayed scale in force (what the next step divides by).
         amax: the latest step's amax (history entry 0); 0 before the first step.
-        headroom_bits: log2(scale x format max x (1 + SCALE_ROUNDING) / amax): below 0
-            the tensor was clipped; None before the first step.
+        headroom_bits: log2(scale x format max / amax); None before the first step.
         staleness_bits: log2(history max / amax); None before the first step.
         saturated_steps: steps at which it was clipped (kmix's optimizer counts them;
             None without it).
@@ -86,7 +85,7 @@ def tensor_health(
         tensor=tensor.tensor,
         scale=float(scale),
         amax=amax,
-        headroom_bits=_bits(float(scale) * tensor.format_max * (1 + SCALE_ROUNDING), amax),
+        headroom_bits=_bits(float(scale) * tensor.format_max, amax),
         staleness_bits=_bits(peak, amax),
         saturated_steps=saturated_steps,
         underflow_fraction=underflow,

@@ -4,9 +4,7 @@ The step's check, for each float8 tensor (:class:`kmix.float8.tensors.Float8Tens
 
     amax   = new amax history[0]        (the step's largest |value|, Keras's gradient)
     limit  = scale used by the step * format max
-    saturated = the step applies and amax > limit * (1 + SCALE_ROUNDING)   (Keras clipped it)
-
-(:data:`SCALE_ROUNDING`: an amax equal to the one its scale was set from is not clipped.)
+    saturated = the step applies and amax > limit     (Keras clipped it)
 
 A healthy step computes these two vectors and one ``any``; only a step where some tensor
 saturated runs :func:`advance_float8`, which counts it and writes the ring of episodes
@@ -34,7 +32,6 @@ from keras import ops
 from kmix.float8.tensors import Float8Tensor
 
 __all__ = [
-    "SCALE_ROUNDING",
     "EPISODE_FLOAT_FIELDS",
     "EPISODE_INT_FIELDS",
     "FIELDS",
@@ -52,16 +49,6 @@ EPISODE_INT_FIELDS = ("step", "steps", "tensor", "episode")
 """Columns of the episode ring's integers: first step, length, tensor row, episode (from 1)."""
 EPISODE_FLOAT_FIELDS = ("amax", "limit", "last_amax", "last_limit")
 """Columns of the episode ring's floats: at the episode's first step and at its last."""
-
-SCALE_ROUNDING = 2.0**-22
-"""The float32 rounding a limit may carry, relative: an amax over ``limit * (1 +
-SCALE_ROUNDING)`` saturated. Keras sets a delayed scale to ``1 / (format max / amax)``, two
-float32 roundings, and ``limit = scale * format max`` is a third, each within 2**-24 of
-exact: so the amax a scale was set from can exceed the computed limit by up to about
-3 * 2**-24 of it (255 and 850 do: ``limit`` 254.99998, 849.99994), which Keras's clip then
-moves by as little, far under float8's own rounding (2**-4 for E4M3). Without this slack a
-tensor whose largest |value| repeats every step (raw 0-255 pixels) would read saturated at
-every step."""
 
 FIELDS = ("fp8_tensors", "fp8_episode_count", "fp8_episode_ints", "fp8_episode_floats")
 """The float8 record's optimizer variables, in :class:`Float8Record`'s order (their names)."""
@@ -109,8 +96,7 @@ def check_step(
     amax = _newest([ops.cast(grads[t.history_index], "float32") for t in tensors])
     scale = ops.stack([ops.cast(values[t.scale_index], "float32") for t in tensors])
     limit = ops.multiply(scale, np.asarray([t.format_max for t in tensors], "float32"))
-    over = amax > ops.multiply(limit, np.float32(1 + SCALE_ROUNDING))
-    return StepCheck(amax, limit, ops.logical_and(applies, over))
+    return StepCheck(amax, limit, ops.logical_and(applies, amax > limit))
 
 
 def _newest(histories: Sequence[Any]) -> Any:

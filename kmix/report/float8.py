@@ -37,10 +37,7 @@ SATURATED_SHARE_WARN = 0.1
 """A tensor clipped at more than this share of the run's steps gets a warning."""
 EPISODES_LISTED = 12
 """The text lists this many episodes (the JSON lists every one)."""
-ROUNDING_BITS = 2.0**-20
-"""Episodes of an often clipped tensor all at most this far over their limit (a few float32
-ulps: delayed scaling's margin of 0 puts a steady amax at its limit, and rounding counts
-some steps a fraction of an ulp past it) are said to be rounding, with nothing to do."""
+ROUNDING_BITS = tags.ROUNDING_BITS  # the name, kept here too
 _TENSOR_ORDER = {"inputs": 0, "kernel": 1, "outputs_grad": 2}
 _TENSOR_WORDS = {"inputs": "inputs", "kernel": "kernel", "outputs_grad": "output gradients"}
 FLUSH_FRESH_BITS = {
@@ -347,12 +344,7 @@ def _bits(value: float | None) -> str:
 
 def _episode_line(e: tags.Float8Saturation) -> str:
     length = plural(e.steps, "step")
-    over = e.bits_over
-    over_words = "" if math.isnan(over) else f" ({over:.2f} bits over)"
-    return (
-        f"    step {e.step:<6} {length:<9} `{e.layer}` {e.tensor}: amax {e.amax:.6g} "
-        f"> limit {e.limit:.6g}{over_words}"
-    )
+    return f"    step {e.step:<6} {length:<9} `{e.layer}` {e.tensor}: {tags.amax_words(e)}"
 
 
 def float8_lines(section: Float8Summary | None) -> list[str]:

@@ -111,19 +111,35 @@ class Float8Saturation:
         return math.log2(self.amax / self.limit)
 
 
+ROUNDING_BITS = 2.0**-20
+"""A saturation at most this far over its limit (a few float32 ulps) is rounding at the
+limit: delayed scaling's margin of 0 puts a steady amax at its limit, and the float32
+rounding of Keras's scale (``1 / (max / amax)``, then ``* max``) puts the limit a fraction
+of an ulp under some amaxes (255: 254.99998), so Keras's clip moves the value by as little."""
+
+
+def amax_words(item: Float8Saturation) -> str:
+    """``amax A > limit L (how far)``: with nine digits and "float32 rounding at the limit"
+    where the amax is within :data:`ROUNDING_BITS` of it (six digits would read 850 > 850)."""
+    over = item.bits_over
+    if math.isnan(over):
+        return f"amax {item.amax:.6g} > limit {item.limit:.6g}"
+    if over <= ROUNDING_BITS:
+        return (
+            f"amax {item.amax:.9g} > limit {item.limit:.9g} (float32 rounding at the limit: "
+            "clipped by under a millionth)"
+        )
+    return f"amax {item.amax:.6g} > limit {item.limit:.6g} ({over:.2f} bits over)"
+
+
 def format_saturation(item: Float8Saturation) -> str:
     """The markdown line of a saturation episode (``kmix/fp8_events``)."""
-    over = item.bits_over
-    how = "" if math.isnan(over) else f" ({over:.2f} bits over)"
     span = (
         f"step {item.step}"
         if item.steps == 1
         else f"steps {item.step}-{item.step + item.steps - 1} ({plural(item.steps, 'step')})"
     )
-    return (
-        f"**float8 saturation** at {span}: `{item.layer}` {item.tensor} amax "
-        f"{item.amax:.6g} > limit {item.limit:.6g}{how}"
-    )
+    return f"**float8 saturation** at {span}: `{item.layer}` {item.tensor} {amax_words(item)}"
 
 
 def format_saturation_record(item: Float8Saturation, run_id: str | None = None) -> str:

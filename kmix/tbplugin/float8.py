@@ -79,6 +79,7 @@ def float8_payload(log: report.KmixLog, summary: report.Summary, limit: int) -> 
             "amax": e.amax,
             "limit": e.limit,
             "bits_over": e.bits_over,
+            "rounding": e.bits_over <= tags.ROUNDING_BITS,  # float32 rounding at the limit
             "line": tags.plain_text(tags.format_saturation(e)),
         }
         for e in section.episodes[:MAX_EPISODES]

@@ -67,7 +67,7 @@ function episodesTable(float8, {el}) {
       el('td', {text: e.tensor}),
       el('td', {class: 'num', text: fmt(e.amax)}),
       el('td', {class: 'num', text: fmt(e.limit)}),
-      el('td', {class: 'num', text: bits(e.bits_over)}),
+      el('td', {class: 'num', text: e.rounding ? 'rounding' : bits(e.bits_over)}),
     ]));
   }
   wrap.append(el('table', {class: 'float8-table'}, [
