@@ -16,11 +16,12 @@ from the end of batch ``--skip`` to the end of the last, so reads and writes ins
 counted, train begin and end are not.
 
 Healthy steps (the default): Adam's learning rate is 0 and every batch is one batch, so
-each step runs every op of a training step while no amax moves. The kernels' largest
-|values| are powers of two (:func:`steady_model`) and the batch is the first whose steady
-state saturates nothing (:func:`steady_batch`): delayed scaling's margin of 0 puts a
-steady amax at its limit, and float32's rounding of Keras's scale clips some amaxes by a
-hair at every step, which is a saturation, so not a healthy step. The script prints
+each step runs every op of a training step while no amax moves. The batch is the first
+whose steady state saturates nothing (:func:`steady_batch`; where no batch is, the same
+search with the kernels' largest |values| made powers of two, :func:`steady_model`):
+delayed scaling's margin of 0 puts a steady amax at its limit, and float32's rounding of
+Keras's scale clips some amaxes by a hair at every step, which is a saturation, so not a
+healthy step. Steadiness is judged on a short fit: the script prints
 the saturated steps of the timed fits; growth is every 2000 steps. With ``--training``
 the model learns (Adam 1e-3, fresh batches): delayed scaling then clips a tensor whenever
 its amax exceeds every earlier one, which on this toy is most steps, and each such step
@@ -73,11 +74,14 @@ KINDS = ("float8 on", "float8 off", "step only")
 the cost sits)."""
 
 
-def steady_model(width: int) -> keras.Model:
-    """``model(width)`` with each float8 layer's kernel scaled so its largest |value| is a
-    power of two: Keras's scale set from such an amax gives back a limit equal to it (the
-    kernel, fixed at learning rate 0, then never clips by a rounding)."""
+def steady_model(width: int, powers_of_two: bool = True) -> keras.Model:
+    """``model(width)``, with each float8 layer's kernel scaled so its largest |value| is a
+    power of two where ``powers_of_two``: Keras's scale set from such an amax gives back a
+    limit equal to it (the kernel, fixed at learning rate 0, then never clips by a
+    rounding)."""
     m = model(width)
+    if not powers_of_two:
+        return m
     for layer in m.layers:
         if hasattr(layer, "kernel_amax_history"):
             kernel = keras.ops.convert_to_numpy(layer.kernel)
@@ -86,8 +90,8 @@ def steady_model(width: int) -> keras.Model:
     return m
 
 
-def contender(kind: str, update_freq: int, width: int, learning_rate: float):
-    m = model(width) if learning_rate else steady_model(width)
+def contender(kind: str, update_freq: int, width: int, learning_rate: float, powers: bool):
+    m = steady_model(width, powers)
     inner = keras.optimizers.Adam(learning_rate)
     opt = kmix.LossScaleOptimizer(inner, dynamic_growth_steps=2000)
     if kind == "float8 off":
@@ -101,19 +105,23 @@ def contender(kind: str, update_freq: int, width: int, learning_rate: float):
     return m, monitor
 
 
-def steady_batch(x, y, width: int, tries: int = 20) -> int:
+def steady_batch(x, y, width: int, tries: int = 20) -> tuple[int, bool]:
     """The first batch of ``x, y`` on which, repeated at learning rate 0, no float8 tensor
     saturates after an 8-step warm-up (12 steps tried), nor will once the warm-up's amaxes
     leave the history: each tensor's steady amax is at or under the limit of the scale
     Keras sets from it (``1 / (max / amax) * max`` in float32).
 
+    Returns:
+        ``(batch, powers)``: the batch, and whether the kernels need :func:`steady_model`'s
+        powers of two (tried only where no batch is steady without).
+
     Raises:
         SystemExit: none of the first ``tries`` batches is steady.
     """
-    for b in range(tries):
+    for powers, b in [(p, b) for p in (False, True) for b in range(tries)]:
         rows = slice(b * BATCH, (b + 1) * BATCH)
         xb, yb = np.tile(x[rows], (12, 1)), np.tile(y[rows], (12, 1))
-        m = steady_model(width)
+        m = steady_model(width, powers)
         opt = kmix.LossScaleOptimizer(keras.optimizers.Adam(0.0), dynamic_growth_steps=2000)
         m.compile(optimizer=opt, loss="mse")
         m.fit(xb, yb, batch_size=BATCH, verbose=0, shuffle=False)
@@ -125,8 +133,39 @@ def steady_batch(x, y, width: int, tries: int = 20) -> int:
         ]
         at_limit = all(f32(1) / (fmax / amax) * fmax >= amax for amax, fmax in steady)
         if at_limit and not opt.float8_saturations(since_step=8):
-            return b
+            return b, powers
     raise SystemExit(f"bench_float8_cost: none of the first {tries} batches is steady")
+
+
+def one_copy(args: argparse.Namespace, x, y, learning_rate: float, powers: bool) -> None:
+    """Float8 monitoring on and off in one model copy (no copy-to-copy noise), by round.
+
+    Off hides the optimizer's float8 record (``active`` is False: no check, no record, no
+    rescale; its variables stay) and the monitor's float8 write, and retraces the train
+    step; on gives both back and retraces again. The retrace falls in the untimed batches.
+    """
+    m, monitor = contender("float8 on", args.update_freq, args.width, learning_rate, powers)
+    m.fit(x[: 4 * BATCH], y[: 4 * BATCH], batch_size=BATCH, verbose=0, callbacks=[monitor])
+    state, write = m.optimizer.float8, monitor._float8.write
+    record, clocks = state.record, {"float8 on": Clock(args.skip), "float8 off": Clock(args.skip)}
+    for r in range(args.rounds):
+        for kind in list(clocks) if r % 2 == 0 else list(clocks)[::-1]:
+            on = kind == "float8 on"
+            state.record = record if on else None
+            monitor._float8.write = write if on else (lambda *a, **k: None)
+            m.make_train_function(force=True)
+            m.fit(
+                x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[monitor, clocks[kind]]
+            )
+    on, off = (clocks[k].per_step for k in clocks)
+    print(f"one copy, width {args.width}, {args.steps} steps a fit, {args.rounds} rounds")
+    for kind, times in clocks.items():
+        joined = " ".join(f"{t * 1e3:.2f}" for t in times.per_step)
+        print(f"  {kind:<10}: {joined} ms; median {statistics.median(times.per_step) * 1e3:.3f}")
+    print(
+        f"float8 on / off: x{statistics.median(on) / statistics.median(off):.3f} by medians, "
+        f"x{statistics.median([a / b for a, b in zip(on, off, strict=True)]):.3f} per round"
+    )
 
 
 def main() -> None:
@@ -139,18 +178,26 @@ def main() -> None:
     parser.add_argument(
         "--training", action="store_true", help="learn (saturating steps), not healthy steps"
     )
+    parser.add_argument(
+        "--one-copy", action="store_true", help="one model, float8 monitoring toggled by round"
+    )
     args = parser.parse_args()
     keras.mixed_precision.set_global_policy("mixed_float16")
     x, y = data(args.steps)
+    powers = False  # the kernels as built
     if not args.training:  # one steady batch again and again: no amax moves
-        b = steady_batch(x, y, args.width)
+        b, powers = steady_batch(x, y, args.width)
         rows = slice(b * BATCH, (b + 1) * BATCH)
         x, y = np.tile(x[rows], (args.steps, 1)), np.tile(y[rows], (args.steps, 1))
-        print(f"healthy steps: batch {b} repeated, Adam at learning rate 0")
+        kernels = ", kernels' max made powers of two" if powers else ""
+        print(f"healthy steps: batch {b} repeated, Adam at learning rate 0{kernels}")
     learning_rate = 1e-3 if args.training else 0.0
+    if args.one_copy:
+        one_copy(args, x, y, learning_rate, powers)
+        return
     runs = {}
     for kind in KINDS:
-        m, monitor = contender(kind, args.update_freq, args.width, learning_rate)
+        m, monitor = contender(kind, args.update_freq, args.width, learning_rate, powers)
         m.fit(x[: 4 * BATCH], y[: 4 * BATCH], batch_size=BATCH, verbose=0, callbacks=[monitor])
         runs[kind] = (m, monitor, Clock(args.skip))
     assert not runs["float8 off"][0].optimizer.float8.active
