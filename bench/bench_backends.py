@@ -161,18 +161,24 @@ class CpuStepTimer(StepTimer):
         super().on_train_batch_end(batch, logs)
 
 
+def repeated_batch(
+    make_model: Callable, steps: int
+) -> tuple[keras.Model, np.ndarray, np.ndarray, int]:
+    """A model from seed 0 and its one batch repeated ``steps + 1`` times (``steps + 1``
+    batch ends: ``steps`` intervals): ``(model, x, y, batch size)``."""
+    keras.utils.set_random_seed(0)
+    model, x = make_model()
+    y = np.random.randint(0, CLASSES, (len(x),)).astype("int32")
+    return model, np.concatenate([x] * (steps + 1)), np.concatenate([y] * (steps + 1)), len(x)
+
+
 class Run:
     """One model copy in one configuration: built, compiled, traced and warmed up."""
 
     def __init__(self, make_model: Callable, config: str, log_dir: str, steps: int) -> None:
         _, make_optimizer, self.make_callbacks = CONFIGS[config]
         self.log_dir = log_dir
-        keras.utils.set_random_seed(0)
-        self.model, x = make_model()
-        y = np.random.randint(0, CLASSES, (len(x),)).astype("int32")
-        self.batch = len(x)
-        self.x = np.concatenate([x] * (steps + 1))  # steps + 1 batch ends: `steps` intervals
-        self.y = np.concatenate([y] * (steps + 1))
+        self.model, self.x, self.y, self.batch = repeated_batch(make_model, steps)
         self.model.compile(
             optimizer=make_optimizer(),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

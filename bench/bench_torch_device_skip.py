@@ -87,18 +87,18 @@ if BACKEND != "torch":
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import bench_backends  # noqa: E402  (the same runs, models, timer and report helpers)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from bench_backends import (  # noqa: E402  (the same models, timer and report helpers)
+from bench_backends import (  # noqa: E402
     METRICS,
     MODELS,
-    CpuStepTimer,
     kmix_source,
     library_version,
     ratios,
 )
-from bench_matrix import CLASSES, stock_optimizer  # noqa: E402
+from bench_matrix import stock_optimizer  # noqa: E402
 from keras.src.backend.torch.optimizers import torch_adam  # noqa: E402
 
 SCALE = 2.0**15
@@ -427,16 +427,13 @@ def check_identity() -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-class Run:
-    """One model copy in one configuration: built, compiled, warmed up (as in bench_backends)."""
+class Run(bench_backends.Run):
+    """One model copy in one configuration: built, compiled, warmed up (bench_backends' run,
+    without callbacks, counting the steps it ran)."""
 
     def __init__(self, make_model: Callable, config: str, steps: int, scale: float) -> None:
-        keras.utils.set_random_seed(0)
-        self.model, x = make_model()
-        y = np.random.randint(0, CLASSES, (len(x),)).astype("int32")
-        self.batch = len(x)
-        self.x = np.concatenate([x] * (steps + 1))  # steps + 1 batch ends: `steps` intervals
-        self.y = np.concatenate([y] * (steps + 1))
+        self.make_callbacks, self.log_dir = (lambda log_dir: []), None
+        self.model, self.x, self.y, self.batch = bench_backends.repeated_batch(make_model, steps)
         self.optimizer = CONFIGS[config][1](scale)
         self.model.compile(
             optimizer=self.optimizer,
@@ -449,25 +446,8 @@ class Run:
         self.measure()  # warm up
 
     def fit(self, *callbacks: keras.callbacks.Callback) -> None:
-        self.model.fit(
-            self.x,
-            self.y,
-            batch_size=self.batch,
-            epochs=1,
-            verbose=0,
-            shuffle=False,
-            callbacks=list(callbacks),
-        )
+        super().fit(*callbacks)
         self.steps_run += len(self.x) // self.batch
-
-    def measure(self) -> dict[str, float]:
-        timer = CpuStepTimer()
-        self.fit(timer)
-        return {
-            "median": statistics.median(timer.times),
-            "mean": statistics.fmean(timer.times),
-            "cpu": statistics.median(timer.cpu_times),
-        }
 
     def calls_per_step(self) -> tuple[float, float]:
         """Python calls, and calls into torch's C functions, per step of one fit (cProfile)."""

@@ -18,8 +18,8 @@ one ``any``); then::
         state.rescaled(values, factor)
 
 Healthy steps pay no branch of their own on TensorFlow (their saturation joins the step
-record's quiet check) and one host read on torch (the check's ``any``); JAX's step keeps its
-values-in, values-out branch.
+record's quiet check) and no host read of their own on torch (the check's ``any`` is read with
+the step's counters and flags); JAX's step keeps its values-in, values-out branch.
 """
 
 from __future__ import annotations

@@ -232,13 +232,10 @@ class StepRecorder:
 
         fields = [getattr(self, field) for field in record.RECORD_FIELDS]
 
-        read: list[record.RecordValues] = []  # the values before the step, read in the branch
-
         def advance() -> tuple[record.RecordValues, Any]:  # the pure step, in the branch
             old = record.RecordValues(  # the counters as read before the step
                 *(before.packed if v is self.counters else ops.copy(v) for v in fields)
             )
-            read.append(old)
             rule = self.config.rule
             return record.advance_record(
                 old, aligned, flags, self.statistics(), forward, rule, source
@@ -248,12 +245,13 @@ class StepRecorder:
             self.counters.assign_add(ops.convert_to_tensor(delta))  # torch.compile: a tensor
 
         def write(new: record.RecordValues, outcome: Any) -> None:
+            old_scale = None if also is None else ops.copy(self.scale)  # before it is assigned
             for variable, value in zip(fields, new, strict=True):
                 variable.assign(ops.cast(value, variable.dtype))
             if on_skip is not None:  # the batch never happened
                 ops.cond(outcome.skipped, on_skip, _noop)
             if also is not None:
-                also(read[0].scale, new.scale)
+                also(old_scale, new.scale)
 
         record.record_step(
             before.packed,
