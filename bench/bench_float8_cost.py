@@ -1,19 +1,24 @@
-"""What float8 monitoring costs on healthy steps (issue 35): the same monitor with and
-without it, side by side in one process, alternated round by round.
+"""What float8 monitoring costs on healthy steps (issue 35): kmix with and without it on one
+model, side by side in one process, with the method's own noise floor measured alongside.
 
-Two copies of one float8 MLP (``model.quantize("float8")`` over ``mixed_float16``, the
-model of ``bench_float8.py``), each compiled with ``kmix.LossScaleOptimizer`` and watched
-by ``MixedPrecisionMonitor(update_freq=N)``:
+One float8 MLP (``model.quantize("float8")`` over ``mixed_float16``, the model of
+``bench_float8.py``), compiled with ``kmix.LossScaleOptimizer`` and watched by
+``MixedPrecisionMonitor(update_freq=N)``. Its train step is traced twice and both are kept:
 
 - float8 on: kmix as shipped: the fused saturation check in every step, the output
   gradients following the loss scale, and the monitor writing ``kmix/fp8_*`` at each read;
-- float8 off: the same optimizer with its float8 state never built (no check, no record,
-  no rescale: ``opt.float8.build`` is a no-op here) and the monitor's float8 part
-  switched off (``monitor._float8.write`` is a no-op).
+- float8 off: the same optimizer with its float8 record hidden (``active`` is False: no
+  check, no record, no rescale; the variables stay) and the monitor's float8 write a no-op.
 
-Each round fits both once more on the same batches (ABBA order); the time counted runs
-from the end of batch ``--skip`` to the end of the last, so reads and writes inside it are
-counted, train begin and end are not.
+Each round fits once per contender, in a rotating order: on, off, and off again (the off
+step once more: what two identical contenders differ by on this machine). A fit runs
+``--skip`` untimed steps, then ``N`` timed ones, so each timed window holds exactly one
+monitor read. Each round's ratio to off is paired (neighbours in time share the machine's
+slow drifts); the verdict is their median with a 95 % bootstrap interval: met where the
+interval's top is at most the goal, missed where its bottom is above it, else not decided
+at this run's noise (run more rounds). By parts, from the same run: the monitor's float8
+write (timed at each read) and the step's op count with and without
+(``count_step_ops.count``: the ops every step runs, and those only a branch runs).
 
 Healthy steps (the default): Adam's learning rate is 0 and every batch is one batch, so
 each step runs every op of a training step while no amax moves. The batch is the first
@@ -21,14 +26,14 @@ whose steady state saturates nothing (:func:`steady_batch`; where no batch is, t
 search with the kernels' largest |values| made powers of two, :func:`steady_model`):
 delayed scaling's margin of 0 puts a steady amax at its limit, and float32's rounding of
 Keras's scale clips some amaxes by a hair at every step, which is a saturation, so not a
-healthy step. Steadiness is judged on a short fit: the script prints
-the saturated steps of the timed fits; growth is every 2000 steps. With ``--training``
-the model learns (Adam 1e-3, fresh batches): delayed scaling then clips a tensor whenever
-its amax exceeds every earlier one, which on this toy is most steps, and each such step
-runs the step record's full branch (the cost of a saturated step, not of a healthy one).
+healthy step. The script prints the saturated steps of the timed fits; growth is every
+2000 steps. With ``--training`` the model learns (Adam 1e-3, fresh batches): delayed
+scaling then clips a tensor whenever its amax exceeds every earlier one, which on this toy
+is most steps, and each such step runs the step record's full branch (the cost of a
+saturated step, not of a healthy one).
 
 Usage:
-    python bench/bench_float8_cost.py [--steps 300] [--rounds 6] [--update-freq 100]
+    python bench/bench_float8_cost.py [--rounds 100] [--update-freq 100] [--skip 10]
         [--width 128] [--training]
 """
 
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -50,6 +56,9 @@ from bench_float8 import BATCH, data, model  # noqa: E402
 
 import kmix  # noqa: E402
 from kmix.float8 import float8_tensors  # noqa: E402
+
+GOAL = 1.03
+"""Float8 monitoring's cost on healthy steps, at most (issue 35)."""
 
 
 class Clock(keras.callbacks.Callback):
@@ -69,11 +78,6 @@ class Clock(keras.callbacks.Callback):
         self.per_step.append((self._last - self._start) / (self._batches - self.skip))
 
 
-KINDS = ("float8 on", "float8 off", "step only")
-"""``step only``: the optimizer's float8 check on, the monitor's float8 part off (where
-the cost sits)."""
-
-
 def steady_model(width: int, powers_of_two: bool = True) -> keras.Model:
     """``model(width)``, with each float8 layer's kernel scaled so its largest |value| is a
     power of two where ``powers_of_two``: Keras's scale set from such an amax gives back a
@@ -90,18 +94,14 @@ def steady_model(width: int, powers_of_two: bool = True) -> keras.Model:
     return m
 
 
-def contender(kind: str, update_freq: int, width: int, learning_rate: float, powers: bool):
+def watched(update_freq: int, width: int, learning_rate: float, powers: bool):
+    """The float8 model compiled with kmix's optimizer, and the monitor that watches it."""
     m = steady_model(width, powers)
-    inner = keras.optimizers.Adam(learning_rate)
-    opt = kmix.LossScaleOptimizer(inner, dynamic_growth_steps=2000)
-    if kind == "float8 off":
-        opt.float8.build = lambda *args, **kwargs: None  # no check, no record, no rescale
+    opt = kmix.LossScaleOptimizer(keras.optimizers.Adam(learning_rate), dynamic_growth_steps=2000)
     m.compile(optimizer=opt, loss="mse")
     monitor = kmix.callbacks.MixedPrecisionMonitor(
         tempfile.mkdtemp(), update_freq=update_freq, verbose=0
     )
-    if kind != "float8 on":
-        monitor._float8.write = lambda *args, **kwargs: None
     return m, monitor
 
 
@@ -137,99 +137,161 @@ def steady_batch(x, y, width: int, tries: int = 20) -> tuple[int, bool]:
     raise SystemExit(f"bench_float8_cost: none of the first {tries} batches is steady")
 
 
-def one_copy(args: argparse.Namespace, x, y, learning_rate: float, powers: bool) -> None:
-    """Float8 monitoring on and off in one model copy (no copy-to-copy noise), by round.
+class Contenders:
+    """Float8 monitoring on and off on one model: two traced train steps, switched by fit.
 
-    Off hides the optimizer's float8 record (``active`` is False: no check, no record, no
-    rescale; its variables stay) and the monitor's float8 write, and retraces the train
-    step; on gives both back and retraces again. The retrace falls in the untimed batches.
+    Off hides the optimizer's float8 record (``active`` is False while its step is traced
+    and while it runs) and makes the monitor's float8 write a no-op; on gives both back.
+    The monitor's float8 write is timed at each read.
     """
-    m, monitor = contender("float8 on", args.update_freq, args.width, learning_rate, powers)
-    m.fit(x[: 4 * BATCH], y[: 4 * BATCH], batch_size=BATCH, verbose=0, callbacks=[monitor])
-    state, write = m.optimizer.float8, monitor._float8.write
-    record, clocks = state.record, {"float8 on": Clock(args.skip), "float8 off": Clock(args.skip)}
-    for r in range(args.rounds):
-        for kind in list(clocks) if r % 2 == 0 else list(clocks)[::-1]:
-            on = kind == "float8 on"
-            state.record = record if on else None
-            monitor._float8.write = write if on else (lambda *a, **k: None)
+
+    def __init__(self, m: keras.Model, monitor, x, y) -> None:
+        self.model, self.monitor = m, monitor
+        m.fit(x[: 4 * BATCH], y[: 4 * BATCH], batch_size=BATCH, verbose=0)  # builds the optimizer
+        self.record, write = m.optimizer.float8.record, monitor._float8.write
+        if self.record is None:
+            raise SystemExit("bench_float8_cost: the optimizer keeps no float8 record")
+        self.writes: list[float] = []
+
+        def timed_write(*args, **kwargs):
+            start = time.perf_counter()
+            write(*args, **kwargs)
+            self.writes.append(time.perf_counter() - start)
+
+        self._write = timed_write
+        self.steps = {}
+        for on in (True, False):  # each traced by a short fit of its own
+            self.switch(on)
             m.make_train_function(force=True)
+            m.fit(x[: 4 * BATCH], y[: 4 * BATCH], batch_size=BATCH, verbose=0, callbacks=[monitor])
+            self.steps[on] = m.train_function
+        self.switch(True)
+
+    def switch(self, on: bool) -> None:
+        """Float8 monitoring on or off (the train step too, once both are traced)."""
+        self.model.optimizer.float8.record = self.record if on else None
+        self.monitor._float8.write = self._write if on else (lambda *args, **kwargs: None)
+        if on in getattr(self, "steps", {}):
+            self.model.train_function = self.steps[on]
+
+    def op_counts(self, x, y) -> dict[bool, tuple[int, int, int]] | None:
+        """TensorFlow: :func:`count_step_ops.count` of the train step, on and off."""
+        if keras.backend.backend() != "tensorflow":
+            return None
+        import tensorflow as tf
+        from count_step_ops import count
+
+        spec = tuple(tf.TensorSpec((BATCH, *a.shape[1:]), a.dtype) for a in (x, y))
+        counts = {}
+        for on in (True, False):
+            self.switch(on)
+            traced = tf.function(self.model.train_step).get_concrete_function(spec)
+            counts[on] = count(traced.graph.as_graph_def())
+        self.switch(True)
+        return counts
+
+
+CONTENDERS = {"float8 on": True, "float8 off": False, "off again": False}
+"""Contender -> float8 monitoring on; "off again" is the off step once more (the noise floor)."""
+
+
+def interval(ratios: list[float], draws: int = 2000) -> tuple[float, float, float]:
+    """``(median, low, high)``: the median of ``ratios`` and its 95 % bootstrap interval."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return statistics.median(ratios), medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
+MIN_ROUNDS = 20
+"""Rounds below which no verdict is given (a bootstrap of a few values says little)."""
+
+
+def verdict(low: float, high: float, rounds: int, goal: float = GOAL) -> str:
+    """Met, missed, or not decided, from the 95 % interval of the ratio over ``rounds``."""
+    if rounds < MIN_ROUNDS:
+        return f"not decided: {rounds} rounds, under {MIN_ROUNDS}"
+    if high <= goal:
+        return f"met (the interval's top is at most {goal})"
+    if low > goal:
+        return f"missed (the interval's bottom is above {goal})"
+    return f"not decided at this noise (the interval holds {goal}): run more rounds"
+
+
+def run(args: argparse.Namespace, x, y, learning_rate: float, powers: bool) -> None:
+    """The rounds, then the verdict and the parts."""
+    m, monitor = watched(args.update_freq, args.width, learning_rate, powers)
+    contenders = Contenders(m, monitor, x, y)
+    clocks = {kind: Clock(args.skip) for kind in CONTENDERS}
+    first_step = m.optimizer.read_state().attempted_steps
+    kinds = list(CONTENDERS)
+    for r in range(args.rounds):
+        for kind in kinds[r % 3 :] + kinds[: r % 3]:
+            contenders.switch(CONTENDERS[kind])
             m.fit(
                 x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[monitor, clocks[kind]]
             )
-    on, off = (clocks[k].per_step for k in clocks)
-    print(f"one copy, width {args.width}, {args.steps} steps a fit, {args.rounds} rounds")
-    for kind, times in clocks.items():
-        joined = " ".join(f"{t * 1e3:.2f}" for t in times.per_step)
-        print(f"  {kind:<10}: {joined} ms; median {statistics.median(times.per_step) * 1e3:.3f}")
+    contenders.switch(True)
+    saturated = {s.step for s in m.optimizer.float8_saturations(since_step=first_step)}
+    state = m.optimizer.read_state()
     print(
-        f"float8 on / off: x{statistics.median(on) / statistics.median(off):.3f} by medians, "
-        f"x{statistics.median([a / b for a, b in zip(on, off, strict=True)]):.3f} per round"
+        f"backend {keras.backend.backend()}, width {args.width}, "
+        f"{'training' if args.training else 'healthy steps'}, {args.rounds} rounds of "
+        f"{args.skip} + {args.update_freq} steps a fit, update_freq {args.update_freq}"
     )
+    print(
+        f"  {len(saturated)} of {state.attempted_steps - first_step} steps saturated a float8 "
+        f"tensor{f' (steps {sorted(saturated)})' if 0 < len(saturated) <= 10 else ''}, "
+        f"{state.skipped_steps} skipped in all"
+    )
+    off = clocks["float8 off"].per_step
+    for kind, clock in clocks.items():
+        line = f"  {kind:<10}: median {statistics.median(clock.per_step) * 1e3:.3f} ms a step"
+        if kind != "float8 off":
+            ratios = [a / b for a, b in zip(clock.per_step, off, strict=True)]
+            mid, low, high = interval(ratios)
+            line += f"; to off, by round: x{mid:.4f} (95 % interval {low:.4f}-{high:.4f})"
+            if kind == "float8 on":
+                decided = verdict(low, high, args.rounds)
+        print(line)
+    print(f"float8 monitoring's cost, goal <= x{GOAL}: {decided}")
+    write = statistics.median(contenders.writes)
+    step = statistics.median(clocks["float8 off"].per_step)
+    print(
+        f"by parts: the monitor's float8 write {write * 1e3:.2f} ms a read (median of "
+        f"{len(contenders.writes)}), {write / args.update_freq / step:.2%} of a step at "
+        f"update_freq {args.update_freq}"
+    )
+    counts = contenders.op_counts(x, y)
+    if counts:
+        (on_out, on_ifs, on_in), (off_out, off_ifs, off_in) = counts[True], counts[False]
+        print(
+            f"          the step's ops outside branches {on_out} on, {off_out} off "
+            f"(+{on_out - off_out}); conditionals {on_ifs} / {off_ifs}; "
+            f"ops inside branches {on_in} / {off_in}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--update-freq", type=int, default=100)
-    parser.add_argument("--skip", type=int, default=10)
+    parser.add_argument("--skip", type=int, default=10, help="untimed steps at each fit's start")
     parser.add_argument("--width", type=int, default=128, help="the hidden layers' width")
     parser.add_argument(
         "--training", action="store_true", help="learn (saturating steps), not healthy steps"
     )
-    parser.add_argument(
-        "--one-copy", action="store_true", help="one model, float8 monitoring toggled by round"
-    )
     args = parser.parse_args()
     keras.mixed_precision.set_global_policy("mixed_float16")
-    x, y = data(args.steps)
+    steps = args.skip + args.update_freq
+    x, y = data(steps)
     powers = False  # the kernels as built
     if not args.training:  # one steady batch again and again: no amax moves
         b, powers = steady_batch(x, y, args.width)
         rows = slice(b * BATCH, (b + 1) * BATCH)
-        x, y = np.tile(x[rows], (args.steps, 1)), np.tile(y[rows], (args.steps, 1))
+        x, y = np.tile(x[rows], (steps, 1)), np.tile(y[rows], (steps, 1))
         kernels = ", kernels' max made powers of two" if powers else ""
         print(f"healthy steps: batch {b} repeated, Adam at learning rate 0{kernels}")
-    learning_rate = 1e-3 if args.training else 0.0
-    if args.one_copy:
-        one_copy(args, x, y, learning_rate, powers)
-        return
-    runs = {}
-    for kind in KINDS:
-        m, monitor = contender(kind, args.update_freq, args.width, learning_rate, powers)
-        m.fit(x[: 4 * BATCH], y[: 4 * BATCH], batch_size=BATCH, verbose=0, callbacks=[monitor])
-        runs[kind] = (m, monitor, Clock(args.skip))
-    assert not runs["float8 off"][0].optimizer.float8.active
-    assert runs["float8 on"][0].optimizer.float8.active
-    warmed = {kind: runs[kind][0].optimizer.read_state() for kind in KINDS}
-    for r in range(args.rounds):
-        for kind in KINDS if r % 2 == 0 else KINDS[::-1]:
-            m, monitor, clock = runs[kind]
-            m.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[monitor, clock])
-    median = {kind: statistics.median(runs[kind][2].per_step) for kind in KINDS}
-    print(
-        f"backend {keras.backend.backend()}, width {args.width}, {args.steps} steps a fit, "
-        f"{args.rounds} rounds, {'training' if args.training else 'healthy steps'}"
-    )
-    for kind in ("float8 on", "step only"):  # what the timed fits' steps were
-        opt, since = runs[kind][0].optimizer, warmed[kind]
-        saturated = {s.step for s in opt.float8_saturations(since_step=since.attempted_steps)}
-        state = opt.read_state()
-        print(
-            f"  {kind:<10}: {len(saturated)} of {state.attempted_steps - since.attempted_steps}"
-            f" steps of the timed fits saturated a float8 tensor"
-            f"{f' (steps {sorted(saturated)})' if 0 < len(saturated) <= 10 else ''}, "
-            f"{state.skipped_steps - since.skipped_steps} skipped"
-        )
-    for kind in KINDS:
-        times = " ".join(f"{t * 1e3:.2f}" for t in runs[kind][2].per_step)
-        print(f"  {kind:<10}: {times} ms; median {median[kind] * 1e3:.3f}")
-    off = median["float8 off"]
-    print(
-        f"median ratio to float8 off: float8 on x{median['float8 on'] / off:.3f}, "
-        f"step only x{median['step only'] / off:.3f}"
-    )
+    run(args, x, y, 1e-3 if args.training else 0.0, powers)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from kmix._checks import KmixWarning, NotFloat16Note
 from kmix._layers import walk_layers
 from kmix.backend import processes_and_devices
 from kmix.callbacks._source import Source
+from kmix.float8 import inputs_scale_of
 
 _OWNER = "kmix.callbacks.MixedPrecisionMonitor"
 
@@ -145,6 +146,13 @@ def policy_text(model: Any, source: Source, record: tags.PolicyRecord, scale: fl
 def absence_notes(model: Any, source: Source) -> list[tuple[str, type[KmixWarning]]]:
     """Why some charts will be absent: ``(note, warning category)``, one per reason (the
     monitor writes each and warns once)."""
+    notes = _scaling_notes(model, source)
+    float8 = float8_inputs_note(model, source)
+    return notes if float8 is None else [*notes, float8]
+
+
+def _scaling_notes(model: Any, source: Source) -> list[tuple[str, type[KmixWarning]]]:
+    """Loss scaling's and float16's absences: the stock optimizer, none, another dtype."""
     dtype = model.dtype_policy.compute_dtype
     if source.scales_loss and not source.records_events:  # the stock Keras optimizer
         return [(STOCK_NOTE, KmixWarning)]
@@ -166,3 +174,31 @@ def absence_notes(model: Any, source: Source) -> list[tuple[str, type[KmixWarnin
     if dtype != "float16":
         return [(NOT_FLOAT16_NOTE.format(dtype=dtype), NotFloat16Note)]
     return []
+
+
+def float8_inputs_note(model: Any, source: Source) -> tuple[str, type[KmixWarning]] | None:
+    """Why ``kmix/fp8_underflow_fraction/<layer>/inputs`` is absent for some float8 layers,
+    or None: kmix's optimizer measures it in the step, through its forward tap, which
+    covers layers computing in float16."""
+    found = [(p, layer) for p, layer in walk_layers(model) if inputs_scale_of(layer) is not None]
+    if source.records_events:
+        unmeasured = [
+            (path, layer.compute_dtype) for path, layer in found if layer.compute_dtype != "float16"
+        ]
+        why = "kmix measures a float8 layer's inputs in the step through its forward tap, "
+        why += "which covers layers computing in float16; these compute in "
+        why += ", ".join(sorted({dtype for _, dtype in unmeasured}))
+        category: type[KmixWarning] = NotFloat16Note
+    else:
+        unmeasured = [(path, None) for path, _ in found]
+        why = "kmix's optimizer (`kmix.LossScaleOptimizer`) measures a float8 layer's inputs "
+        why += "in the step"
+        category = KmixWarning
+    if not unmeasured:
+        return None
+    names = ", ".join(f"`{path}`" for path, _ in unmeasured)
+    return (
+        f"{tags.FP8_UNDERFLOW_FRACTION}<layer>/inputs is not written for {names}: {why}. "
+        "Their kernels' underflow, the scales, headroom and staleness are written.",
+        category,
+    )

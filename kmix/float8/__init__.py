@@ -20,6 +20,7 @@ from kmix.float8.saturation import (
     StepCheck,
     advance_float8,
     check_step,
+    inputs_underflow,
     rescaled,
 )
 from kmix.float8.state import Float8Reads, Float8State, attempted_step, read_health
@@ -30,6 +31,8 @@ from kmix.float8.tensors import (
     TENSORS,
     Float8Tensor,
     float8_tensors,
+    inputs_scale_of,
+    layer_of,
 )
 
 __all__ = [
@@ -52,6 +55,9 @@ __all__ = [
     "check_step",
     "decode_saturations",
     "float8_tensors",
+    "inputs_scale_of",
+    "inputs_underflow",
+    "layer_of",
     "lost_episodes",
     "read_health",
     "rescaled",

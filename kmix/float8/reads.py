@@ -34,8 +34,11 @@ class Float8Health:
         staleness_bits: log2(history max / amax); None before the first step.
         saturated_steps: steps at which it was clipped (kmix's optimizer counts them;
             None without it).
-        underflow_fraction: for the kernel, share of its non-zero values that flush to
-            zero at the scale in force; None where not measured.
+        underflow_fraction: share of its non-zero values that flush to zero: for the
+            kernel at the scale in force (from its values at the read); for the inputs at
+            the scale of the latest step that measured statistics (the forward tap's, in
+            the step); None where not measured (the output gradient; inputs without the
+            tap).
     """
 
     layer: str
@@ -60,6 +63,7 @@ def tensor_health(
     history: np.ndarray,
     saturated_steps: int | None = None,
     kernel: np.ndarray | None = None,
+    inputs_underflow: float | None = None,
 ) -> Float8Health:
     """One tensor's :class:`Float8Health` from its variables' values.
 
@@ -69,11 +73,13 @@ def tensor_health(
         history: its ``<tensor>_amax_history`` value.
         saturated_steps: the optimizer's count, or None.
         kernel: the layer's kernel values (only for ``tensor == "kernel"``), or None.
+        inputs_underflow: the inputs' underflow the step measured (only for
+            ``tensor == "inputs"``), or None.
     """
     history = np.asarray(history, "float32")
     amax = float(history[0]) if history.size else 0.0
     peak = float(np.max(history)) if history.size else 0.0
-    underflow = None
+    underflow = inputs_underflow if tensor.tensor == "inputs" else None
     if kernel is not None and tensor.tensor == "kernel" and scale > 0:
         values = np.abs(np.asarray(kernel, "float32"))
         nonzero = values > 0

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from keras import ops
 
-from kmix.float8.tensors import Float8Tensor
+from kmix.float8.tensors import FORMAT_TINY, FORMATS, Float8Tensor
 
 __all__ = [
     "EPISODE_FLOAT_FIELDS",
@@ -40,6 +40,7 @@ __all__ = [
     "StepCheck",
     "advance_float8",
     "check_step",
+    "inputs_underflow",
     "rescaled",
 ]
 
@@ -200,3 +201,31 @@ def rescaled(tensors: Sequence[Float8Tensor], values: Sequence[Any], factor: Any
                 value = ops.cast(values[index], "float32")
                 found[index] = ops.where(unchanged, value, value * factor)
     return found
+
+
+def inputs_underflow(inputs: Any, scale: Any, compute_dtype: str) -> Any:
+    """The share of a float8 layer's non-zero inputs that its scale flushes to zero.
+
+    As Keras quantizes them (``keras.quantizers.quantize_and_dequantize``): the inputs in
+    the layer's compute dtype divided by the scale cast to it, then rounded to the nearest
+    float8 (E4M3), ties to even, so a quotient of at most half the format's smallest
+    subnormal becomes 0 (one that underflows the compute dtype itself too).
+
+    Args:
+        inputs: the layer's inputs as they arrived (cast here, as Keras casts them).
+        scale: the ``inputs_scale`` the step used (float32 scalar).
+        compute_dtype: the layer's compute dtype, e.g. ``"float16"``.
+
+    Returns:
+        A float32 scalar; NaN where no input is non-zero (inf counts as non-zero, NaN
+        does not).
+    """
+    x = ops.cast(inputs, compute_dtype)
+    quotient = ops.abs(ops.divide(x, ops.cast(scale, compute_dtype)))
+    nonzero = ops.greater(ops.abs(x), 0)
+    flushed = ops.logical_and(
+        nonzero, ops.less_equal(quotient, FORMAT_TINY[FORMATS["inputs"]] / 2)
+    )
+    count = ops.cast(ops.sum(ops.cast(nonzero, "int32")), "float32")  # exact counts
+    share = ops.cast(ops.sum(ops.cast(flushed, "int32")), "float32") / ops.maximum(count, 1.0)
+    return ops.where(count > 0, share, np.float32(np.nan))

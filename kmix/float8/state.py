@@ -243,9 +243,10 @@ class Float8State:
             since_step=since_step,
         )
 
-    def health(self) -> list[Float8Health]:
-        """Each tensor's :class:`Float8Health` now, with the optimizer's counts."""
-        return read_health(self._tracked, self.saturated_steps() or None)
+    def health(self, inputs_underflow: dict[str, float] | None = None) -> list[Float8Health]:
+        """Each tensor's :class:`Float8Health` now, with the optimizer's counts and the
+        inputs' underflow by layer (``StepRecorder.float8_inputs_underflow``)."""
+        return read_health(self._tracked, self.saturated_steps() or None, inputs_underflow)
 
 
 def attempted_step(packed: Any) -> Any:
@@ -288,11 +289,13 @@ class Float8Reads:
         if not self.float8.active:
             return []
         self.recorder.sync()
-        return self.float8.health()
+        return self.float8.health(self.recorder.float8_inputs_underflow())
 
 
 def read_health(
-    variables: Sequence[Any], saturated_steps: Sequence[int] | None = None
+    variables: Sequence[Any],
+    saturated_steps: Sequence[int] | None = None,
+    inputs_underflow: dict[str, float] | None = None,
 ) -> list[Float8Health]:
     """Each float8 tensor's :class:`Float8Health` from ``variables`` as they are now.
 
@@ -302,6 +305,7 @@ def read_health(
     Args:
         variables: trainable variables holding float8 state (others are ignored).
         saturated_steps: the optimizer's counts in :func:`float8_tensors` order, or None.
+        inputs_underflow: layer path -> its inputs' underflow measured in the step, or None.
 
     Returns:
         One :class:`Float8Health` per float8 tensor.
@@ -318,6 +322,7 @@ def read_health(
                 host_value(variables[t.history_index]),
                 None if saturated_steps is None else int(saturated_steps[i]),
                 None if kernel is None else np.asarray(host_value(kernel)),
+                (inputs_underflow or {}).get(t.layer),
             )
         )
     return found

@@ -16,7 +16,16 @@ from typing import Any, NamedTuple
 
 from kmix.tags import FLOAT8_FORMAT_MAX, FLOAT8_FORMAT_TINY, FLOAT8_FORMATS
 
-__all__ = ["FORMATS", "FORMAT_MAX", "FORMAT_TINY", "TENSORS", "Float8Tensor", "float8_tensors"]
+__all__ = [
+    "FORMATS",
+    "FORMAT_MAX",
+    "FORMAT_TINY",
+    "TENSORS",
+    "Float8Tensor",
+    "float8_tensors",
+    "inputs_scale_of",
+    "layer_of",
+]
 
 TENSORS = ("inputs", "kernel", "outputs_grad")
 """The tensors a Keras float8 layer quantizes, in the order kmix keeps them."""
@@ -83,3 +92,23 @@ def float8_tensors(variables: Sequence[Any]) -> list[Float8Tensor]:
                 fmt = FORMATS[tensor]
                 found.append(Float8Tensor(layer, tensor, scale, history, FORMAT_MAX[fmt]))
     return found
+
+
+def inputs_scale_of(layer: Any) -> Any | None:
+    """A Keras float8 layer's ``inputs_scale`` variable; None for any other layer.
+
+    Args:
+        layer: a layer (the forward tap's records name theirs).
+
+    Returns:
+        The variable, or None where ``layer`` is not quantized to float8.
+    """
+    if getattr(layer, "quantization_mode", None) != "float8":
+        return None
+    scale = getattr(layer, "inputs_scale", None)
+    return scale if getattr(scale, "overwrite_with_gradient", False) else None
+
+
+def layer_of(variable: Any) -> str:
+    """The layer path a float8 variable belongs to, as :class:`Float8Tensor` names it."""
+    return str(variable.path).rpartition("/")[0]

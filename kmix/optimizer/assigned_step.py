@@ -106,6 +106,7 @@ def measured_step(
     measure = None if decided is None else decided.measure
     forward = hooks.forward_statistics(flags[len(aligned)] > 0, before.due[0], measure)
     recorder.layers, recorder.not_float16 = hooks.layers, hooks.not_float16
+    recorder.float8_inputs = hooks.float8_inputs
     return before, forward, forward_state
 
 

@@ -286,16 +286,26 @@ def measuring(optimizer: Any) -> bool:
     return optimizer.parts.trace.get().measuring
 
 
-def _measure_forward(optimizer: Any, unscaled_loss: Any, optimizer_values: list) -> Any:
-    """The tapped forward pass measured, inside ``value_and_grad``; None without records."""
+def _measure_forward(
+    optimizer: Any, model: Any, unscaled_loss: Any, optimizer_values: list, trainable: list
+) -> Any:
+    """The tapped forward pass measured, inside ``value_and_grad``; None without records.
+
+    ``trainable``: the step's values of ``model.trainable_variables`` (a float8 layer's
+    inputs' scale is read from them: the variable itself holds no traced value here).
+    """
     hooks, recorder = optimizer.hooks, optimizer.recorder
     if not hooks.tapping or not measuring(optimizer):
         return None
     counters = optimizer_values[[id(v) for v in optimizer.variables].index(id(recorder.counters))]
     due = recorder.statistics().due(counters)
     nonfinite = ops.logical_not(ops.all(ops.isfinite(unscaled_loss)))
-    forward = hooks.forward_statistics(nonfinite, due[0])
+    where = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    forward = hooks.forward_statistics(
+        nonfinite, due[0], value_of=lambda variable: trainable[where[id(variable)]]
+    )
     recorder.layers, recorder.not_float16 = hooks.layers, hooks.not_float16
+    recorder.float8_inputs = hooks.float8_inputs
     return forward
 
 
@@ -342,7 +352,7 @@ def origin_again(
     if not layers:
         return None
     recorder.layers = layers
-    return origin, ops.full((len(layers), len(record.ACTIVATION_FIELDS)), np.nan, "float32")
+    return origin, ops.full((len(layers), len(record.STORED_FIELDS)), np.nan, "float32")
 
 
 def _forward_inputs(args: tuple, kwargs: dict) -> tuple[Any, Any]:
@@ -392,7 +402,9 @@ def wrap_train_step(optimizer: Any, model: Any) -> None:
             calls.append(_forward_inputs(args, kwargs))
         if values is None:
             return loss, aux
-        forward = _measure_forward(held, aux[0], values)
+        forward = _measure_forward(
+            held, model, aux[0], values, args[0] if args else kwargs["trainable_variables"]
+        )
         if forward is None:
             return loss, aux
         return loss, (aux[0], aux[1], [*aux[2], *forward], *aux[3:])

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -35,6 +36,7 @@ from kmix._layers import (
     variable_compute_dtypes,
 )
 from kmix.backend import reachable
+from kmix.float8 import inputs_scale_of, inputs_underflow, layer_of
 from kmix.optimizer.tap import ActivationTap, tensors_in
 from kmix.optimizer.trace import PerThread, StepTrace
 from kmix.record import ACTIVATION_CAPACITY, measure_forward
@@ -84,6 +86,9 @@ class ModelHooks:
         not_float16: the paths among them whose output is not float16 (a float16 layer
             that returns float32, e.g. a block whose layers compute in float32): float16's
             range, so its headroom, does not apply to that output.
+        float8_inputs: record path -> float8 layer path (:func:`kmix.float8.layer_of`) for
+            the first call of each float8 layer among them: the rows whose
+            :data:`kmix.record.FLOAT8_INPUTS_FIELD` is measured.
     """
 
     def __init__(self, trace: PerThread[StepTrace] | None = None) -> None:
@@ -93,6 +98,7 @@ class ModelHooks:
         self.trace = trace or PerThread(StepTrace)  # the wrapped train step leaves state here
         self.layers: list[tuple[str, str]] = []
         self.not_float16: frozenset[str] = frozenset()
+        self.float8_inputs: dict[str, str] = {}
         self._state_variables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
@@ -232,6 +238,11 @@ class ModelHooks:
         records = records[:ACTIVATION_CAPACITY]
         self.layers = [(r.path, r.class_name) for r in records]
         self.not_float16 = frozenset(r.path for r in records if not _float16_output(r.outputs))
+        self.float8_inputs = {
+            r.path: layer_of(scale)
+            for r in records
+            if "#" not in r.path and (scale := inputs_scale_of(r.layer)) is not None
+        }
         return records
 
     def drop_records(self) -> None:
@@ -246,14 +257,22 @@ class ModelHooks:
         return self._tap.recording()
 
     def forward_statistics(
-        self, loss_nonfinite: Any, health_due: Any, measure: Any = None
+        self,
+        loss_nonfinite: Any,
+        health_due: Any,
+        measure: Any = None,
+        value_of: Callable[[Any], Any] | None = None,
     ) -> tuple[Any, Any] | None:
-        """This replica's forward pass, measured (see :func:`kmix.record.measure_forward`).
+        """This replica's forward pass, measured (see :func:`kmix.record.measure_forward`),
+        with each float8 layer's inputs' underflow at the scale the step used
+        (:func:`kmix.float8.inputs_underflow`).
 
         Args:
             loss_nonfinite: boolean scalar: the step's unscaled loss was inf/NaN.
             health_due: boolean scalar: statistics are due at this step.
             measure: either of them, where the step has read it already; or None.
+            value_of: a variable's value in this step (JAX: from the step's values); None
+                reads the variable (TensorFlow and torch, before the step assigns it).
 
         Returns:
             ``(origin, stats)`` tensors, or None when no tapped layer was traced.
@@ -261,4 +280,20 @@ class ModelHooks:
         records = self.take_records()
         if not records:
             return None
-        return measure_forward(records, loss_nonfinite, health_due, measure)
+        read = value_of or ops.convert_to_tensor
+        scales = [inputs_scale_of(r.layer) for r in records]
+
+        def float8_inputs() -> Any:  # in the measuring branch only
+            return ops.stack(
+                [
+                    np.float32(np.nan)
+                    if scale is None or not r.inputs
+                    else inputs_underflow(r.inputs[0], read(scale), r.layer.compute_dtype)
+                    for r, scale in zip(records, scales, strict=True)
+                ]
+            )
+
+        found = any(s is not None for s in scales)
+        return measure_forward(
+            records, loss_nonfinite, health_due, measure, float8_inputs if found else None
+        )

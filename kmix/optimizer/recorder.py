@@ -35,6 +35,7 @@ from kmix.record import (
     ACTIVATION_CAPACITY,
     ACTIVATION_FIELDS,
     HEALTH_FIELDS,
+    STORED_FIELDS,
     RecordedEvent,
     Snapshot,
     snapshot,
@@ -101,6 +102,7 @@ class StepRecorder:
         )
         self.layers: list[tuple[str, str]] = []
         self.not_float16: frozenset[str] = frozenset()  # outputs without float16's range
+        self.float8_inputs: dict[str, str] = {}  # record path -> float8 layer (ModelHooks)
         self.sync: Callable[[], None] = _noop
         self.built = False
         self._variables: list[Any] = []
@@ -147,7 +149,7 @@ class StepRecorder:
             "event_floats", "float32", 0, (capacity, len(record.EVENT_FLOAT_FIELDS))
         )
         self.activation_stats = state(
-            "activation_stats", "float32", np.nan, (ACTIVATION_CAPACITY, len(ACTIVATION_FIELDS))
+            "activation_stats", "float32", np.nan, (ACTIVATION_CAPACITY, len(STORED_FIELDS))
         )
         self.settings.base["float16_mask"] = mask
         self.settings.create()
@@ -155,23 +157,33 @@ class StepRecorder:
         self.built = True
 
     def widened(self, store: Any, variables: list) -> Any:
-        """``store`` (a saved optimizer's values by position) with an event ring saved
-        before its newest columns (:data:`kmix.record.EVENT_INT_FIELDS` grows at the end)
-        padded with -1, "unknown"; ``store`` itself when nothing needs widening.
+        """``store`` (a saved optimizer's values by position) with tables saved before
+        their newest columns padded: the event ring (:data:`kmix.record.EVENT_INT_FIELDS`
+        grows at the end) with -1, "unknown"; the per-layer rows
+        (:data:`kmix.record.STORED_FIELDS`) with NaN, "not measured". ``store`` itself
+        when nothing needs widening.
 
         Args:
             store: what Keras hands ``load_own_variables`` (keys ``"0"``, ``"1"``...).
             variables: the optimizer's variables, in the saved order.
         """
-        where = [i for i, v in enumerate(variables) if v is getattr(self, "event_ints", None)]
-        key = str(where[0]) if where else None
-        if key is None or key not in store.keys():
+        tables = (
+            ("event_ints", len(record.EVENT_INT_FIELDS), -1),
+            ("activation_stats", len(STORED_FIELDS), np.nan),
+        )
+        widened = {}
+        for name, width, fill in tables:
+            where = [i for i, v in enumerate(variables) if v is getattr(self, name, None)]
+            key = str(where[0]) if where else None
+            if key is None or key not in store.keys():
+                continue
+            saved = np.asarray(store[key])
+            if saved.ndim == 2 and saved.shape[1] < width:
+                pad = np.full((saved.shape[0], width - saved.shape[1]), fill, saved.dtype)
+                widened[key] = np.concatenate([saved, pad], 1)
+        if not widened:
             return store
-        saved, width = np.asarray(store[key]), len(record.EVENT_INT_FIELDS)
-        if saved.ndim != 2 or saved.shape[1] >= width:
-            return store
-        pad = np.full((saved.shape[0], width - saved.shape[1]), -1, saved.dtype)
-        return {k: store[k] for k in store.keys()} | {key: np.concatenate([saved, pad], 1)}
+        return {k: store[k] for k in store.keys()} | widened
 
     # ------------------------------------------------------------- in graph
     def before_step(self) -> Before:
@@ -334,7 +346,7 @@ class StepRecorder:
         if not self.built or not self.layers:
             return {}
         self.sync()
-        values = host_value(self.activation_stats)[: len(self.layers)]
+        values = host_value(self.activation_stats)[: len(self.layers), : len(ACTIVATION_FIELDS)]
         found = {}
         for (path, _), row in zip(self.layers, values, strict=True):
             if np.isfinite(row).all():
@@ -343,6 +355,19 @@ class StepRecorder:
                     del measured["headroom_bits"]
                 found[path] = measured
         return found
+
+    def float8_inputs_underflow(self) -> dict[str, float]:
+        """Float8 layer path -> its inputs' underflow at the latest health step
+        (:data:`kmix.record.FLOAT8_INPUTS_FIELD`); only layers the forward tap measured."""
+        if not self.built or not self.float8_inputs:
+            return {}
+        self.sync()
+        column = host_value(self.activation_stats)[: len(self.layers), len(ACTIVATION_FIELDS)]
+        return {
+            self.float8_inputs[path]: float(value)
+            for (path, _), value in zip(self.layers, column, strict=True)
+            if path in self.float8_inputs and np.isfinite(value)
+        }
 
     def recorded_events(self, since: int = 0) -> list[RecordedEvent]:
         """Events with ``index > since`` the ring still holds, each with its step's health.

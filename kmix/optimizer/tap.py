@@ -80,6 +80,11 @@ def tapped_layers(model: Any) -> list[tuple[str, Any]]:
     ]
 
 
+def _called(layer: Any) -> str:
+    """The method ``Layer.__call__`` runs: ``quantized_call`` for a quantized layer."""
+    return "quantized_call" if getattr(layer, "quantization_mode", None) else "call"
+
+
 def _in_symbolic_scope() -> bool:
     """True while Keras infers shapes (``compute_output_spec``) in a scratch graph."""
     try:
@@ -251,7 +256,8 @@ class ActivationTap:
         return names
 
     def install(self) -> ActivationTap:
-        """Wraps ``call`` of every layer of :func:`tapped_layers` (idempotent).
+        """Wraps ``call`` of every layer of :func:`tapped_layers` (idempotent); a quantized
+        layer's ``quantized_call``, which Keras calls instead (a float8 ``Dense``'s).
 
         The wrapper is set on the layer instance and keeps the original signature
         (``inspect.signature`` follows ``__wrapped__``), so Keras still sees the
@@ -266,11 +272,12 @@ class ActivationTap:
         for path, layer in tapped_layers(self.model):
             if id(layer) in self._installed:
                 continue
-            had_own = "call" in vars(layer)
-            original = layer.call
+            name = _called(layer)
+            had_own = name in vars(layer)
+            original = getattr(layer, name)
             wrapper = self._wrap(layer, path, original)
-            object.__setattr__(layer, "call", wrapper)
-            self._installed[id(layer)] = (layer, had_own, original, path, wrapper)
+            object.__setattr__(layer, name, wrapper)
+            self._installed[id(layer)] = (layer, had_own, original, path, wrapper, name)
             if backend.NOTES_CASTS:
                 self._watch_casts(layer.dtype_policy)
         if backend.NOTES_CASTS and self._installed:
@@ -302,13 +309,13 @@ class ActivationTap:
     def remove(self) -> None:
         """Restores every wrapped layer's original ``call`` exactly (idempotent)."""
         self._final_names = None
-        for layer, had_own, original, _path, wrapper in self._installed.values():
-            if vars(layer).get("call") is not wrapper:
+        for layer, had_own, original, _path, wrapper, name in self._installed.values():
+            if vars(layer).get(name) is not wrapper:
                 continue  # wrapped again by someone else: our wrapper stays, inert
             if had_own:
-                object.__setattr__(layer, "call", original)
+                object.__setattr__(layer, name, original)
             else:
-                object.__delattr__(layer, "call")
+                object.__delattr__(layer, name)
         self._installed.clear()
         _CAST_NOTING_TAPS.discard(self)
         for policy, wrapper in self._casts.values():
@@ -366,7 +373,7 @@ class ActivationTap:
             arrived[id(x)][1] if id(x) in arrived else backend.as_arrived(x)
             for x in tensors_in((args, kwargs))
         )
-        call = TappedCall(path, inputs, outputs, type(layer).__name__)  # named at take()
+        call = TappedCall(path, inputs, outputs, type(layer).__name__, layer)  # named at take()
         state.records.append((layer, calls, call))
 
     def drop(self) -> None:

@@ -19,6 +19,8 @@ Code outside this folder imports these names from ``kmix.record``.
 from kmix.record.activations import (
     ACTIVATION_CAPACITY,
     ACTIVATION_FIELDS,
+    FLOAT8_INPUTS_FIELD,
+    STORED_FIELDS,
     LayerCall,
     TappedCall,
     measure_forward,
@@ -49,6 +51,8 @@ from kmix.record.step_record import (
 __all__ = [
     "ACTIVATION_CAPACITY",
     "ACTIVATION_FIELDS",
+    "FLOAT8_INPUTS_FIELD",
+    "STORED_FIELDS",
     "EVENT_FLOAT_FIELDS",
     "EVENT_INT_FIELDS",
     "HEALTH_FIELDS",

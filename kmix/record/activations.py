@@ -17,6 +17,7 @@ Example (what the optimizer does inside ``apply``, in the replica context)::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import keras
@@ -34,6 +35,8 @@ from kmix.record.health import (
 __all__ = [
     "ACTIVATION_CAPACITY",
     "ACTIVATION_FIELDS",
+    "FLOAT8_INPUTS_FIELD",
+    "STORED_FIELDS",
     "ActivationStats",
     "ForwardOriginTensors",
     "LayerCall",
@@ -56,12 +59,14 @@ class TappedCall(NamedTuple):
         inputs: the tensors among the call's arguments, flattened, in argument order.
         outputs: what ``call`` returned (a tensor or a nested structure).
         class_name: the layer's class name, e.g. ``"Dense"``.
+        layer: the layer object (None where unknown).
     """
 
     path: str
     inputs: tuple
     outputs: Any
     class_name: str
+    layer: Any = None
 
 
 class LayerCall(NamedTuple):
@@ -84,6 +89,12 @@ ACTIVATION_FIELDS = (
     "subnormal_fraction",
 )
 """Columns of the per-layer statistics the optimizer keeps (:class:`ActivationStats`)."""
+FLOAT8_INPUTS_FIELD = "float8_inputs_underflow"
+"""A float8 layer's inputs' underflow: the share of its non-zero inputs that its float8
+scale flushes to zero in that step (``kmix.float8.inputs_underflow``); NaN for other layers."""
+STORED_FIELDS = (*ACTIVATION_FIELDS, FLOAT8_INPUTS_FIELD)
+"""Columns of the per-layer rows the optimizer keeps: :data:`ACTIVATION_FIELDS`, then
+:data:`FLOAT8_INPUTS_FIELD`."""
 
 
 # ------------------------------------------------------------------ typed values
@@ -405,7 +416,11 @@ def measure_origin(records: list[TappedCall]) -> Any:
 
 
 def measure_forward(
-    records: list[TappedCall], loss_nonfinite: Any, health_due: Any, measure: Any = None
+    records: list[TappedCall],
+    loss_nonfinite: Any,
+    health_due: Any,
+    measure: Any = None,
+    float8_inputs: Callable[[], Any] | None = None,
 ) -> tuple[Any, Any]:
     """What the optimizer keeps of one step's forward pass, computed only when needed.
 
@@ -415,21 +430,29 @@ def measure_forward(
         health_due: boolean scalar: statistics are due at this step.
         measure: ``loss_nonfinite or health_due``, where the step has read it already
             (a Python bool on torch); None computes it here.
+        float8_inputs: computes the :data:`FLOAT8_INPUTS_FIELD` column (a float32 vector,
+            one entry per record) where statistics are due, in the same branch; None:
+            NaN.
 
     Returns:
         ``(origin, stats)``: ``origin`` is ``[layer index, inputs finite, max |input|]``
         (float32; ``[-1, 1, NaN]`` unless the loss was non-finite, see
-        :func:`forward_origin`); ``stats`` is ``[len(records), len(ACTIVATION_FIELDS)]``
+        :func:`forward_origin`); ``stats`` is ``[len(records), len(STORED_FIELDS)]``
         (NaN unless due). On other steps a called conditional skips all of it.
     """
     from kmix.backend import rare_cond
 
-    unmeasured = ops.full((len(records), len(ACTIVATION_FIELDS)), np.nan, "float32")
+    unmeasured = ops.full((len(records), len(STORED_FIELDS)), np.nan, "float32")
 
     def measured() -> tuple[Any, Any]:
         rows = _inputs_and_outputs([r.inputs for r in records], [r.outputs for r in records])
         measured = _stats_of(rows[2])
-        stats = ops.stack([getattr(measured, f) for f in ACTIVATION_FIELDS], axis=1)
+        column = (
+            ops.full((len(records),), np.nan, "float32")
+            if float8_inputs is None
+            else ops.cast(float8_inputs(), "float32")
+        )
+        stats = ops.stack([*(getattr(measured, f) for f in ACTIVATION_FIELDS), column], axis=1)
         return (
             ops.where(loss_nonfinite, _origin_vector(_origin_of(*rows)), no_origin()),
             ops.where(health_due, stats, unmeasured),

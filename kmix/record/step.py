@@ -28,7 +28,7 @@ from keras import ops
 from kmix.backend import rare_cond
 from kmix.record import health, scaling
 from kmix.record import step_record as record
-from kmix.record.activations import ACTIVATION_CAPACITY, ACTIVATION_FIELDS
+from kmix.record.activations import ACTIVATION_CAPACITY, STORED_FIELDS
 from kmix.record.step_record import HEALTH_FIELDS
 
 __all__ = [
@@ -178,7 +178,7 @@ def advance_record(
     if forward is not None:
         rows = ops.shape(forward[1])[0]
         padded = ops.concatenate(
-            [forward[1], ops.full((ACTIVATION_CAPACITY - rows, len(ACTIVATION_FIELDS)), np.nan)]
+            [forward[1], ops.full((ACTIVATION_CAPACITY - rows, len(STORED_FIELDS)), np.nan)]
         )
         activations = ops.where(due, padded, activations)
         origin = record.EventOrigin(*ops.unstack(forward[0]))

@@ -228,7 +228,8 @@ def test_monitor_writes_float8_tags_and_every_episode_at_its_step(tmp_path):
     layer = float8_layers(model)[0][0]
     for prefix in (tags.FP8_SCALE, tags.FP8_HEADROOM_BITS, tags.FP8_SATURATED_STEPS):
         assert scalars(logged, tags.float8_tag(prefix, layer, "inputs"))
-    assert scalars(logged, tags.float8_tag(tags.FP8_UNDERFLOW_FRACTION, layer, "kernel"))
+    for tensor in ("inputs", "kernel"):
+        assert scalars(logged, tags.float8_tag(tags.FP8_UNDERFLOW_FRACTION, layer, tensor))
     final = scalars(logged, tags.float8_tag(tags.FP8_SATURATED_STEPS, layer, "inputs"))
     assert final[max(final)] == sum(
         1 for s in opt.float8_saturations() if (s.layer, s.tensor) == (layer, "inputs")
@@ -237,6 +238,74 @@ def test_monitor_writes_float8_tags_and_every_episode_at_its_step(tmp_path):
     assert sorted((r.step, r.layer, r.tensor) for r in records) == sorted(
         (e.step, e.layer, e.tensor) for e in opt.float8_episodes()
     )
+
+
+def flushed_share(inputs: np.ndarray, scale: float, ulps: int = 0) -> float:
+    """NumPy: the share of non-zero inputs Keras's E4M3 quantization flushes to zero (the
+    inputs and the scale cast to float16, divided there, at most 2**-10); with ``ulps``,
+    the threshold moved by that many float16 ulps (negative: down)."""
+    x = inputs.astype("float16")
+    quotient = np.abs(x / np.asarray(scale, "float16"))
+    nonzero = np.abs(x) > 0
+    threshold = 2.0**-10 * (1 + ulps * 2.0**-10)
+    return np.count_nonzero(nonzero & (quotient <= threshold)) / np.count_nonzero(nonzero)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_inputs_underflow_is_each_float8_layers_share_its_scale_flushes(nested, tmp_path):
+    """Weights frozen, one batch repeated (its column 0 shrunk ×1e-5, below E4M3's reach at
+    the scale the batch sets): at each read the monitor writes every float8 layer's inputs'
+    underflow, measured in the step, exact against NumPy on the inputs the layers see."""
+    from test_monitor import read_back, scalars
+
+    from kmix import tags
+    from kmix.callbacks import MixedPrecisionMonitor
+
+    x, y = data(spike_batch=-1)
+    xb, yb = x[:16].copy(), y[:16]
+    xb[:, 0] *= 1e-5
+    keras.utils.set_random_seed(0)
+    model = mlp(nested)
+    opt = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0))
+    model.compile(optimizer=opt, loss="mse")
+    monitor = MixedPrecisionMonitor(str(tmp_path), update_freq=4, verbose=0)
+    model.fit(
+        np.tile(xb, (8, 1)),
+        np.tile(yb, (8, 1)),
+        batch_size=16,
+        verbose=0,
+        shuffle=False,
+        callbacks=[monitor],
+    )
+    seen = {}  # each float8 layer's inputs on the batch, as the fitted model computes them
+    for path, layer in float8_layers(model):  # Keras calls a quantized layer's quantized_call
+        call = layer.quantized_call
+
+        def capture(inputs, *args, _call=call, _path=path, **kwargs):
+            seen[_path] = as_numpy(inputs).astype("float32")
+            return _call(inputs, *args, **kwargs)
+
+        layer.quantized_call = capture
+    model(xb)
+    got = {h.layer: h.underflow_fraction for h in opt.float8_health() if h.tensor == "inputs"}
+    layers = float8_layers(model)
+    assert sorted(got) == sorted(path for path, _ in layers)
+    arrived = xb.astype("float16").astype("float32")  # the batch, as Keras autocasts it
+    first = next(path for path, _ in layers if np.array_equal(seen[path], arrived))
+    scales = {path: float(as_numpy(layer.inputs_scale)) for path, layer in layers}
+    expected = flushed_share(seen[first], scales[first])  # the batch: the same values
+    assert got[first] == pytest.approx(expected, abs=1e-7)
+    assert 0 < expected < 1  # column 0's tiny values flush, the rest do not
+    # Deeper layers' inputs were computed again here, outside the compiled step: a float16
+    # matmul summed in another order can differ by an ulp, so a value that close to the
+    # threshold may flip; every other value decides the same.
+    for path in (path for path, _ in layers if path != first):
+        low, high = (flushed_share(seen[path], scales[path], ulps) for ulps in (-4, 4))
+        assert low - 1e-7 <= got[path] <= high + 1e-7
+    written = scalars(
+        read_back(tmp_path), tags.float8_tag(tags.FP8_UNDERFLOW_FRACTION, first, "inputs")
+    )
+    assert written[8] == pytest.approx(expected, abs=1e-7)
 
 
 def test_monitor_reads_float8_health_without_a_loss_scale(tmp_path):
@@ -253,8 +322,13 @@ def test_monitor_reads_float8_health_without_a_loss_scale(tmp_path):
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     x, y = data()
     monitor = MixedPrecisionMonitor(str(tmp_path), update_freq=4, verbose=0)
-    with pytest.warns(kmix.KmixWarning, match="No loss-scale optimizer"):
+    with pytest.warns(kmix.KmixWarning) as caught:
         model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False, callbacks=[monitor])
+    said = [str(w.message) for w in caught]
+    assert any("No loss-scale optimizer" in text for text in said)
+    # The inputs' underflow is measured in the step by kmix's optimizer: absent, and said.
+    names = ", ".join(f"`{path}`" for path, _ in float8_layers(model))
+    assert f"kmix/fp8_underflow_fraction/<layer>/inputs is not written for {names}" in "".join(said)
     logged = read_back(tmp_path)
     for path, layer in float8_layers(model):
         for tensor in ("inputs", "kernel", "outputs_grad"):
@@ -269,6 +343,7 @@ def test_monitor_reads_float8_health_without_a_loss_scale(tmp_path):
             assert not scalars(logged, tags.float8_tag(tags.FP8_SATURATED_STEPS, path, tensor))
         flushed = tags.float8_tag(tags.FP8_UNDERFLOW_FRACTION, path, "kernel")
         assert 0.0 <= scalars(logged, flushed)[16] <= 1.0
+        assert not scalars(logged, tags.float8_tag(tags.FP8_UNDERFLOW_FRACTION, path, "inputs"))
 
 
 def test_gradient_health_counts_real_gradients_only():
