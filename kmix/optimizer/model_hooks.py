@@ -153,17 +153,22 @@ class ModelHooks:
     def tap(self, model: keras.Model) -> None:
         """Taps the float16 layers' calls (forward statistics); retraces a traced step.
 
-        Idempotent for the same model; a tap on another model is removed first.
+        Idempotent for the same model (layers added or quantized since are wrapped, and
+        the step retraced); a tap on another model is removed first.
 
         Args:
             model: the model the optimizer trains.
         """
-        if self._tap is None or self._tap.model is not model:
+        if self._tap is not None and self._tap.model is model:
+            before = self._tap.wrapped()
+            if self._tap.install().wrapped() == before:  # a layer quantized since: rewrapped
+                return
+        else:
             if self._tap is not None:
                 self._tap.remove()
             self._tap = ActivationTap(model).install()
-            if getattr(model, "train_function", None) is not None:
-                model.make_train_function(force=True)
+        if getattr(model, "train_function", None) is not None:
+            model.make_train_function(force=True)
 
     def float16_mask(self, variables: list[Any]) -> np.ndarray:
         """1.0 for each variable whose layer computes in float16 (all, without a model).

@@ -270,8 +270,11 @@ class ActivationTap:
         """
         self._final_names = None
         for path, layer in tapped_layers(self.model):
-            if id(layer) in self._installed:
+            entry = self._installed.get(id(layer))
+            if entry is not None and entry[5] == _called(layer):
                 continue
+            if entry is not None:  # quantized since it was wrapped: Keras runs another method
+                self._unwrap(entry)
             name = _called(layer)
             had_own = name in vars(layer)
             original = getattr(layer, name)
@@ -309,19 +312,29 @@ class ActivationTap:
     def remove(self) -> None:
         """Restores every wrapped layer's original ``call`` exactly (idempotent)."""
         self._final_names = None
-        for layer, had_own, original, _path, wrapper, name in self._installed.values():
-            if vars(layer).get(name) is not wrapper:
-                continue  # wrapped again by someone else: our wrapper stays, inert
-            if had_own:
-                object.__setattr__(layer, name, original)
-            else:
-                object.__delattr__(layer, name)
+        for entry in list(self._installed.values()):
+            self._unwrap(entry)
         self._installed.clear()
         _CAST_NOTING_TAPS.discard(self)
         for policy, wrapper in self._casts.values():
             if vars(policy).get("convert_input") is wrapper:
                 object.__delattr__(policy, "convert_input")
         self._casts.clear()
+
+    def wrapped(self) -> frozenset[tuple[int, str]]:
+        """``(id(layer), method)`` of every wrapped layer: what :meth:`install` changed."""
+        return frozenset((key, entry[5]) for key, entry in self._installed.items())
+
+    def _unwrap(self, entry: tuple) -> None:
+        """Gives one wrapped layer its method back and forgets it."""
+        layer, had_own, original, _path, wrapper, name = entry
+        self._installed.pop(id(layer), None)
+        if vars(layer).get(name) is not wrapper:
+            return  # wrapped again by someone else: our wrapper stays, inert
+        if had_own:
+            object.__setattr__(layer, name, original)
+        else:
+            object.__delattr__(layer, name)
 
     def _wrap(self, layer: Any, path: str, original: Any) -> Any:
         tap = self

@@ -350,8 +350,9 @@ DESCRIPTIONS = {
     "clips at this amax.",
     FP8_SATURATED_STEPS: "Cumulative steps at which a float8 tensor's amax exceeded what its "
     "scale could represent (Keras clipped it, silently).",
-    FP8_UNDERFLOW_FRACTION: "Share of a float8 layer's non-zero kernel values that flush to "
-    "zero at the kernel scale in force.",
+    FP8_UNDERFLOW_FRACTION: "Share of a float8 layer's non-zero values that flush to zero: "
+    "its kernel's at the kernel scale in force, its inputs' (measured in the step) at the "
+    "inputs scale that step used.",
     FP8_STALENESS_BITS: "log2(largest amax in the history / the newest amax): how many bits "
     "coarser than needed the delayed scale is (a stale spike keeps it coarse for up to the "
     "history's length).",

@@ -60,7 +60,9 @@ this amax (the limit is the scale in force, the one the next step uses)."""
 FP8_SATURATED_STEPS = "kmix/fp8_saturated_steps/"
 """+ ``<layer>/<tensor>``: cumulative steps at which the tensor was clipped."""
 FP8_UNDERFLOW_FRACTION = "kmix/fp8_underflow_fraction/"
-"""+ ``<layer>/kernel``: share of non-zero values that flush to zero at the scale in force."""
+"""+ ``<layer>/kernel`` and ``<layer>/inputs``: share of non-zero values that flush to zero:
+the kernel at the scale in force at the read, the inputs at the scale of the latest
+statistics step (measured in that step, on the inputs the layer quantized)."""
 FP8_STALENESS_BITS = "kmix/fp8_staleness_bits/"
 """+ ``<layer>/<tensor>``: log2(amax history's max / the newest amax): a stale spike."""
 FP8_TAG_PREFIXES = (

@@ -308,6 +308,29 @@ def test_inputs_underflow_is_each_float8_layers_share_its_scale_flushes(nested, 
     assert written[8] == pytest.approx(expected, abs=1e-7)
 
 
+def test_a_model_quantized_after_a_fit_has_its_float8_inputs_measured(tmp_path):
+    """Fitted in mixed_float16 with the monitor (its layers' ``call`` tapped), then
+    quantized: Keras runs ``quantized_call`` from then on, and the next fit taps that."""
+    from kmix.callbacks import MixedPrecisionMonitor
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    x, y = data(spike_batch=-1)
+    for run in ("before", "after"):
+        if run == "after":
+            model.quantize("float8")
+        opt = kmix.LossScaleOptimizer("sgd")
+        model.compile(optimizer=opt, loss="mse")
+        monitor = MixedPrecisionMonitor(str(tmp_path / run), update_freq=4, verbose=0)
+        model.fit(x, y, batch_size=16, verbose=0, shuffle=False, callbacks=[monitor])
+    got = {h.layer: h.underflow_fraction for h in opt.float8_health() if h.tensor == "inputs"}
+    assert sorted(got) == sorted(path for path, _ in float8_layers(model))
+    assert all(0.0 <= value <= 1.0 for value in got.values())
+    assert sorted(opt.activations_by_layer()) == sorted(got)  # the float8 layers' outputs too
+
+
 def test_monitor_reads_float8_health_without_a_loss_scale(tmp_path):
     """A float32 base and a plain optimizer: no loss scale, so the variables alone are read
     at each read (scale, headroom, staleness, kernel flush; no counts, no episodes)."""
