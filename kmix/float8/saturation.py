@@ -223,9 +223,7 @@ def inputs_underflow(inputs: Any, scale: Any, compute_dtype: str) -> Any:
     x = ops.cast(inputs, compute_dtype)
     quotient = ops.abs(ops.divide(x, ops.cast(scale, compute_dtype)))
     nonzero = ops.greater(ops.abs(x), 0)
-    flushed = ops.logical_and(
-        nonzero, ops.less_equal(quotient, FORMAT_TINY[FORMATS["inputs"]] / 2)
-    )
+    flushed = ops.logical_and(nonzero, ops.less_equal(quotient, FORMAT_TINY[FORMATS["inputs"]] / 2))
     count = ops.cast(ops.sum(ops.cast(nonzero, "int32")), "float32")  # exact counts
     share = ops.cast(ops.sum(ops.cast(flushed, "int32")), "float32") / ops.maximum(count, 1.0)
     return ops.where(count > 0, share, np.float32(np.nan))
