@@ -161,7 +161,7 @@ class ModelHooks:
         """
         if self._tap is not None and self._tap.model is model:
             before = self._tap.wrapped()
-            if self._tap.install().wrapped() == before:  # a layer quantized since: rewrapped
+            if self._tap.install().wrapped() == before:  # nothing new (added or quantized)
                 return
         else:
             if self._tap is not None:
