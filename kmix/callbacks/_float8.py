@@ -82,7 +82,7 @@ class Float8Monitor:
             getattr(v, "overwrite_with_gradient", False)
             for v in getattr(model, "trainable_variables", ())
         ):
-            health, episodes = read_health(model.trainable_variables), []
+            health, episodes = read_health(model.trainable_variables, model=model), []
         else:
             return
         for h in health:

@@ -31,6 +31,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from kmix._layers import walk_layers
 from kmix.backend import host_value, rare_cond
 from kmix.float8.reads import Float8Health, decode_saturations, tensor_health
 from kmix.float8.saturation import (
@@ -44,7 +45,7 @@ from kmix.float8.saturation import (
     check_step,
     rescaled,
 )
-from kmix.float8.tensors import Float8Tensor, float8_tensors
+from kmix.float8.tensors import Float8Tensor, float8_tensors, inputs_scale_of, layer_of
 from kmix.record import Counters
 from kmix.tags import Float8Saturation
 
@@ -243,10 +244,13 @@ class Float8State:
             since_step=since_step,
         )
 
-    def health(self, inputs_underflow: dict[str, float] | None = None) -> list[Float8Health]:
-        """Each tensor's :class:`Float8Health` now, with the optimizer's counts and the
-        inputs' underflow by layer (``StepRecorder.float8_inputs_underflow``)."""
-        return read_health(self._tracked, self.saturated_steps() or None, inputs_underflow)
+    def health(
+        self, inputs_underflow: dict[str, float] | None = None, model: Any = None
+    ) -> list[Float8Health]:
+        """Each tensor's :class:`Float8Health` now, with the optimizer's counts, the
+        inputs' underflow by layer (``StepRecorder.float8_inputs_underflow``) and, from
+        ``model``, the layers' compute dtypes."""
+        return read_health(self._tracked, self.saturated_steps() or None, inputs_underflow, model)
 
 
 def attempted_step(packed: Any) -> Any:
@@ -259,6 +263,7 @@ class Float8Reads:
 
     float8: Float8State
     recorder: Any
+    hooks: Any
 
     def float8_saturations(self, since_step: int = 0) -> list[Float8Saturation]:
         """Every saturated float8 tensor-step the ring still holds, in step order.
@@ -289,13 +294,14 @@ class Float8Reads:
         if not self.float8.active:
             return []
         self.recorder.sync()
-        return self.float8.health(self.recorder.float8_inputs_underflow())
+        return self.float8.health(self.recorder.float8_inputs_underflow(), self.hooks.model)
 
 
 def read_health(
     variables: Sequence[Any],
     saturated_steps: Sequence[int] | None = None,
     inputs_underflow: dict[str, float] | None = None,
+    model: Any = None,
 ) -> list[Float8Health]:
     """Each float8 tensor's :class:`Float8Health` from ``variables`` as they are now.
 
@@ -306,12 +312,15 @@ def read_health(
         variables: trainable variables holding float8 state (others are ignored).
         saturated_steps: the optimizer's counts in :func:`float8_tensors` order, or None.
         inputs_underflow: layer path -> its inputs' underflow measured in the step, or None.
+        model: the model, for its float8 layers' compute dtypes (:func:`compute_dtypes`);
+            None: the kernels' underflow is not given.
 
     Returns:
         One :class:`Float8Health` per float8 tensor.
     """
     variables = list(variables)
     by_path = {str(v.path): v for v in variables}
+    dtypes = {} if model is None else compute_dtypes(model)
     found = []
     for i, t in enumerate(float8_tensors(variables)):
         kernel = by_path.get(f"{t.layer}/kernel") if t.tensor == "kernel" else None
@@ -323,6 +332,16 @@ def read_health(
                 None if saturated_steps is None else int(saturated_steps[i]),
                 None if kernel is None else np.asarray(host_value(kernel)),
                 (inputs_underflow or {}).get(t.layer),
+                dtypes.get(t.layer),
             )
         )
     return found
+
+
+def compute_dtypes(model: Any) -> dict[str, str]:
+    """Float8 layer path (as :class:`Float8Tensor` names it) -> the layer's compute dtype."""
+    return {
+        layer_of(scale): layer.compute_dtype
+        for _, layer in walk_layers(model)
+        if (scale := inputs_scale_of(layer)) is not None
+    }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import keras
 import numpy as np
 import pytest
 from keras import ops
@@ -165,10 +166,32 @@ def test_tensor_health_words_the_newest_amax_against_the_scale():
     t = Float8Tensor("d", "kernel", 0, 1, 448.0)
     history = np.float32([112.0, 0, 896.0])
     kernel = np.float32([1.0, 2.0**-11, 0.0, -3.0])  # scale 2**-1: 2**-11 / 0.5 = 2**-10 flushes
-    h = tensor_health(t, 0.5, history, 7, kernel)
+    h = tensor_health(t, 0.5, history, 7, kernel, compute_dtype="float16")
     assert h.headroom_bits == pytest.approx(1.0) and h.staleness_bits == pytest.approx(3.0)
     assert h.saturated_steps == 7 and h.underflow_fraction == pytest.approx(1 / 3)
     assert tensor_health(t, 0.5, np.zeros(3, "float32")).headroom_bits is None
+    # The compute dtype unknown: the kernel's underflow is not given, not guessed.
+    assert tensor_health(t, 0.5, history, 7, kernel).underflow_fraction is None
+
+
+@pytest.mark.parametrize(
+    ("compute_dtype", "flushed"), [("float16", 1.0), ("bfloat16", 1.0), ("float32", 0.0)]
+)
+def test_the_kernels_underflow_is_in_the_compute_dtype_as_keras_quantizes(compute_dtype, flushed):
+    """Keras divides the autocast kernel by the scale cast to the compute dtype. A scale of
+    1 + 2**-10 - 2**-13 is 1 + 2**-10 in float16 (1.0 in bfloat16), so the kernel value
+    2**-10 * (1 + 2**-10) divides to exactly 2**-10 there (half of E4M3's smallest
+    subnormal: a tie, to 0); in float32 the quotient stays just above it and is kept."""
+    t = Float8Tensor("d", "kernel", 0, 1, 448.0)
+    kernel = np.float32([2.0**-10 * (1 + 2.0**-10)])
+    history = np.float32([1.0])
+    scale = 1 + 2.0**-10 - 2.0**-13
+    h = tensor_health(t, scale, history, None, kernel, compute_dtype=compute_dtype)
+    assert h.underflow_fraction == flushed
+    quantized = keras.quantizers.quantize_and_dequantize(  # Keras itself, as a float8 layer runs it
+        keras.ops.cast(kernel, compute_dtype), np.float32(scale), "float8_e4m3fn", compute_dtype
+    )
+    assert float(np.mean(keras.ops.convert_to_numpy(quantized) == 0)) == flushed
 
 
 def test_float8_tensors_found_by_name_and_flag():
