@@ -525,6 +525,14 @@ def test_the_float8_section_draws_headroom_grid_and_episodes(page, tensorboard, 
         e.step for e in episodes
     ]
     assert panel.locator(".float8-tensors tbody tr").count() == 6
+    flushed = {  # the last column: the inputs' share measured in the step, the kernels' read
+        tensor: cell
+        for tensor, cell in panel.locator(".float8-tensors tbody tr").evaluate_all(
+            "rs => rs.map(r => [r.cells[1].textContent, r.cells[r.cells.length - 1].textContent])"
+        )
+    }
+    assert flushed["inputs"].endswith("%") and flushed["kernel"].endswith("%")
+    assert flushed["outputs_grad"] == ""
     assert "float8" in frame.locator(".findings").text_content()
     # The what-if's float8 rows: E5M2 as if at each layer's real output-gradient headroom.
     whatif = frame.locator(".whatif")

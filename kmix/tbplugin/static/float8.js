@@ -81,7 +81,7 @@ function episodesTable(float8, {el}) {
 }
 
 function tensorsTable(float8, {el}) {
-  const head = ['layer', 'tensor', 'read at', 'scale', 'headroom', 'min headroom', 'staleness', 'saturated steps', 'kernel flushed'];
+  const head = ['layer', 'tensor', 'read at', 'scale', 'headroom', 'min headroom', 'staleness', 'saturated steps', 'flushed to zero'];
   const body = el('tbody');
   for (const t of float8.tensors) {
     const cells = [t.layer, t.tensor, String(t.step), fmt(t.scale), bits(t.headroom_bits), bits(t.min_headroom_bits), bits(t.staleness_bits),
