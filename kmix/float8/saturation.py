@@ -94,10 +94,16 @@ def check_step(
     Returns:
         The :class:`StepCheck`.
     """
-    amax = _newest([ops.cast(grads[t.history_index], "float32") for t in tensors])
+    amax = _newest([_history_or_none(grads[t.history_index]) for t in tensors])
     scale = ops.stack([ops.cast(values[t.scale_index], "float32") for t in tensors])
     limit = ops.multiply(scale, np.asarray([t.format_max for t in tensors], "float32"))
     return StepCheck(amax, limit, ops.logical_and(applies, amax > limit))
+
+
+def _history_or_none(grad: Any) -> Any:
+    """A new amax history as float32; a history without one (its layer did not run in the
+    step: Keras skips a None gradient) reads as amax 0, which clips nothing."""
+    return np.zeros((1,), "float32") if grad is None else ops.cast(grad, "float32")
 
 
 def _newest(histories: Sequence[Any]) -> Any:

@@ -31,6 +31,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from kmix._checks import KmixWarning, WarnOnce
 from kmix._layers import walk_layers
 from kmix.backend import host_value, rare_cond
 from kmix.float8.reads import Float8Health, decode_saturations, tensor_health
@@ -53,6 +54,8 @@ ATTEMPTED = Counters._fields.index("attempted_steps")
 """The attempted steps' position in the step record's packed counters."""
 
 __all__ = ["Float8Reads", "Float8State", "attempted_step", "read_health"]
+
+_SAID = WarnOnce()
 
 MIN_CAPACITY = 128
 """Episodes the ring keeps at least (at least one per float8 tensor)."""
@@ -130,7 +133,25 @@ class Float8State:
 
     # ------------------------------------------------------------- in the step
     def check(self, grads: Sequence[Any], values: Sequence[Any], applies: Any) -> StepCheck:
-        """The step's fused check (:func:`kmix.float8.saturation.check_step`); values before it."""
+        """The step's fused check (:func:`kmix.float8.saturation.check_step`); values before it.
+
+        A tensor whose new amax history is None (Keras computed none: a float8 layer called
+        without ``training=True`` leaves its inputs' and kernel's scales as they are) is
+        not checked; said once, by name.
+        """
+        unchecked = [
+            f"`{t.layer}` {t.tensor}" for t in self.tensors if grads[t.history_index] is None
+        ]
+        if unchecked:
+            _SAID(
+                f"kmix: Keras computed no new float8 scale for {', '.join(unchecked)} in "
+                "this step, so those scales never follow their tensors and kmix cannot check "
+                "them for saturation (Keras updates them only when the float8 layer is called "
+                "with training=True: pass `training` on to the layers your model's call "
+                "calls).",
+                KmixWarning,
+                key=tuple(unchecked),
+            )
         return check_step(self.tensors, grads, values, applies)
 
     def _write_record(self, check: StepCheck, step: Any) -> None:

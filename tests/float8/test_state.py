@@ -331,6 +331,45 @@ def test_a_model_quantized_after_a_fit_has_its_float8_inputs_measured(tmp_path):
     assert sorted(opt.activations_by_layer()) == sorted(got)  # the float8 layers' outputs too
 
 
+class TrainingNotPassed(keras.Model):
+    """A subclassed model whose call does not pass ``training`` on to its float8 layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = keras.Sequential([keras.layers.Dense(16, activation="relu")])
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.head(self.block(x))
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() == "jax",
+    reason="JAX's value_and_grad gives zeros, not None, for the scales Keras leaves alone",
+)
+def test_float8_scales_keras_does_not_update_are_named_not_a_crash(tmp_path):
+    """Called without ``training``, Keras's float8 layers compute no new inputs or kernel
+    scale (their new amax history is None): the fit runs, kmix says which tensors it
+    cannot check, and the output gradients are still checked."""
+    from kmix.callbacks import MixedPrecisionMonitor
+
+    keras.utils.set_random_seed(0)
+    x, y = data(spike_batch=-1)
+    model = TrainingNotPassed()
+    model(x[:2])
+    model.quantize("float8")
+    opt = kmix.LossScaleOptimizer("sgd")
+    model.compile(optimizer=opt, loss="mse")
+    monitor = MixedPrecisionMonitor(str(tmp_path), update_freq=4, verbose=0)
+    with pytest.warns(kmix.KmixWarning, match="computed no new float8 scale") as caught:
+        model.fit(x, y, batch_size=16, verbose=0, shuffle=False, callbacks=[monitor])
+    said = next(str(w.message) for w in caught if "no new float8 scale" in str(w.message))
+    for path, _ in float8_layers(model):
+        assert f"`{path}` inputs" in said and f"`{path}` kernel" in said
+        assert f"`{path}` outputs_grad" not in said
+    assert opt.read_state().attempted_steps == len(x) // 16
+
+
 def test_monitor_reads_float8_health_without_a_loss_scale(tmp_path):
     """A float32 base and a plain optimizer: no loss scale, so the variables alone are read
     at each read (scale, headroom, staleness, kernel flush; no counts, no episodes)."""
