@@ -57,6 +57,7 @@ reachable = _active.reachable
 rare_cond = _active.rare_cond
 retrace_all = _active.retrace_all
 host_value = _active.host_value
+initialized = _active.initialized
 int64_dtype = _active.int64_dtype
 exact_exponent = _active.exact_exponent
 summed_rows = _active.summed_rows
@@ -88,6 +89,7 @@ __all__ = [
     "exact_exponent",
     "first_gpu",
     "host_value",
+    "initialized",
     "int64_dtype",
     "is_dataset",
     "is_first_process",

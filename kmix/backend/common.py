@@ -45,6 +45,11 @@ def numpy_value(variable: Any) -> np.ndarray:
     return np.asarray(ops.convert_to_numpy(variable))
 
 
+def always_initialized(variable: Any) -> bool:
+    """True: eager backends give a variable its value when they create it."""
+    return True
+
+
 def not_counted() -> tuple[int, int] | None:
     """None: the processes and devices that run the step are not counted here."""
     return None

@@ -13,6 +13,7 @@ import keras
 
 from kmix.backend.common import (
     alone_agrees,
+    always_initialized,
     always_reachable,
     divide_each,
     keras_cond,
@@ -59,6 +60,7 @@ def _unsupported(*args: Any, **kwargs: Any) -> Any:
 
 exact_exponent = summed_rows = _unsupported
 retrace_all, reduce_rows, host_value, as_arrived = retrace, reduce_each, numpy_value, unchanged
+initialized = always_initialized
 
 
 def trace_root(outputs: Any) -> Any:

@@ -18,6 +18,7 @@ from keras import ops
 
 from kmix.backend.common import (
     STACK_LIMIT,
+    always_initialized,
     divide_each,
     keras_cond,
     no_step_scope,
@@ -34,6 +35,9 @@ load it only for them: kmix avoids them here."""
 
 host_value = numpy_value
 """A Keras variable's value on the host."""
+
+initialized = always_initialized
+"""True: variables get their value when they are created."""
 
 as_arrived = unchanged
 """``tensor``: on JAX the tap notes casts as they are made (:data:`NOTES_CASTS`)."""

@@ -150,6 +150,22 @@ def host_value(variable: Any) -> np.ndarray:
     return numpy_value(variable)
 
 
+def initialized(variable: Any) -> bool:
+    """Whether ``variable`` holds a value: one created while a ``tf.function`` was traced
+    gets it at that function's first run, so a trace that failed after creating it (a
+    ``fit`` ended by an exception in its first step) leaves it without one.
+
+    Args:
+        variable: a Keras variable (or a TensorFlow variable).
+
+    Returns:
+        False only for a variable TensorFlow reports uninitialized.
+    """
+    value = getattr(variable, "value", variable)
+    check = getattr(value, "is_initialized", None)
+    return True if check is None else bool(check())
+
+
 def int64_dtype() -> str:
     """``"int64"``: TensorFlow holds int64 variables as they are."""
     return "int64"

@@ -19,6 +19,7 @@ from keras import ops
 
 from kmix.backend.common import (
     alone_agrees,
+    always_initialized,
     always_reachable,
     keras_cond,
     not_counted,
@@ -50,6 +51,9 @@ down to float16 as it is made (:func:`as_arrived` then returns what it is given)
 
 host_value = numpy_value
 """A Keras variable's value on the host (a sync with the device)."""
+
+initialized = always_initialized
+"""True: variables get their value when they are created."""
 
 as_arrived = unchanged
 """``tensor``: on torch the tap notes casts as they are made (:data:`NOTES_CASTS`)."""

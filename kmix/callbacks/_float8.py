@@ -67,6 +67,8 @@ class Float8Monitor:
         """
         state = getattr(optimizer, "float8", None)
         if state is not None and state.active:
+            if not state.readable():  # the fit ended before its first step ran
+                return
             health: list[Float8Health] = optimizer.float8_health()
             episodes = optimizer.float8_episodes()
             count = state.episode_count()

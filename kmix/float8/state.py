@@ -33,7 +33,7 @@ from keras import ops
 
 from kmix._checks import KmixWarning, WarnOnce
 from kmix._layers import walk_layers
-from kmix.backend import host_value, rare_cond
+from kmix.backend import host_value, initialized, rare_cond
 from kmix.float8.reads import Float8Health, decode_saturations, tensor_health
 from kmix.float8.saturation import (
     EPISODE_FLOAT_FIELDS,
@@ -78,11 +78,20 @@ class Float8State:
         self.tensors: list[Float8Tensor] = []
         self.record: Float8Record | None = None
         self._tracked: list[Any] = []
+        self._holds_values = False
 
     @property
     def active(self) -> bool:
         """Whether the optimizer trains float8 layers (the record exists)."""
         return self.record is not None
+
+    def readable(self) -> bool:
+        """Whether the record holds values to read on the host: it exists and (on
+        TensorFlow) a first step whose trace failed after creating it (a ``fit`` ended by
+        an exception there) did not leave it empty. True stays true."""
+        if self.record is not None and not self._holds_values:
+            self._holds_values = initialized(self.record.episode_count)
+        return self._holds_values
 
     def build(
         self, add_variable: Callable[..., Any], var_list: Sequence[Any], int_dtype: str
@@ -298,21 +307,21 @@ class Float8Reads:
         Args:
             since_step: only steps after this one.
         """
-        if not self.float8.active:
+        if not self.float8.readable():
             return []
         self.recorder.sync()
         return self.float8.saturations(per_step=True, since_step=since_step)
 
     def float8_episodes(self, since_step: int = 0) -> list[Float8Saturation]:
         """One :class:`kmix.Float8Saturation` per episode: its first step, ``steps`` its length."""
-        if not self.float8.active:
+        if not self.float8.readable():
             return []
         self.recorder.sync()
         return self.float8.saturations(per_step=False, since_step=since_step)
 
     def float8_health(self) -> list[Float8Health]:
         """Each float8 tensor now (:class:`kmix.float8.Float8Health`), with its saturated steps."""
-        if not self.float8.active:
+        if not self.float8.readable():
             return []
         self.recorder.sync()
         return self.float8.health(self.recorder.float8_inputs_underflow(), self.hooks.model)

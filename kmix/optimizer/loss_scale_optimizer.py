@@ -292,6 +292,28 @@ class LossScaleOptimizer(RecordReads, Float8Reads, keras.mixed_precision.LossSca
         )
         return self.watch(model)
 
+    def _check_usable(self) -> None:
+        """Refuses an optimizer whose variables were created in a step that never ran.
+
+        On TensorFlow, an optimizer first used inside ``fit`` creates its variables while
+        the step is traced; they get their values when that step first runs. A ``fit``
+        that raised in between (a metric or callback failing at the first step) leaves them
+        empty for good, and every later step would fail with TensorFlow's "uninitialized"
+        error (Keras's own optimizers are left the same way).
+
+        Raises:
+            RuntimeError: built, and its step record holds no values.
+        """
+        if self.built and not self.recorder.readable():
+            raise RuntimeError(
+                f"kmix.LossScaleOptimizer {self.name!r} cannot train: its variables (the "
+                "loss scale, the step record and those of its inner optimizer) were created "
+                "in the first step of an earlier fit that raised before that step ran, so "
+                "TensorFlow never gave them values. Compile the model again with a new "
+                "optimizer: model.compile(optimizer=kmix.LossScaleOptimizer(<a new inner "
+                "optimizer>), ...)."
+            )
+
     def protect_forward_state(self, model: keras.Model) -> None:
         """Makes a skipped step leave ``model``'s forward-pass state as it was; no tap.
 
@@ -302,7 +324,11 @@ class LossScaleOptimizer(RecordReads, Float8Reads, keras.mixed_precision.LossSca
 
         Args:
             model: the model whose trainable variables this optimizer updates.
+
+        Raises:
+            RuntimeError: the optimizer's variables hold no values (:meth:`_check_usable`).
         """
+        self._check_usable()
         self.parts.step.protect_forward_state(self, model)
         if self.built:
             mask = self.hooks.float16_mask(self._trainable_variables)

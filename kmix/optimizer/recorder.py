@@ -29,7 +29,7 @@ import numpy as np
 from keras import ops
 
 from kmix import record
-from kmix.backend import constant_initializer, host_value, int64_dtype, rare_cond
+from kmix.backend import constant_initializer, host_value, initialized, int64_dtype, rare_cond
 from kmix.optimizer.config import OptimizerConfig, RunSettings, invalid_argument
 from kmix.record import (
     ACTIVATION_CAPACITY,
@@ -105,6 +105,7 @@ class StepRecorder:
         self.float8_inputs: dict[str, str] = {}  # record path -> float8 layer (ModelHooks)
         self.sync: Callable[[], None] = _noop
         self.built = False
+        self._holds_values = False
         self._variables: list[Any] = []
 
     # ------------------------------------------------------------------ state
@@ -155,6 +156,15 @@ class StepRecorder:
         self.settings.create()
         self._variables = list(var_list)
         self.built = True
+
+    def readable(self) -> bool:
+        """Whether the record holds values to read: built, and (on TensorFlow) not left
+        empty by a first step whose trace failed after creating it (a ``fit`` ended by an
+        exception there, e.g. a metric that raises); the reads then answer as before
+        :meth:`build`. Asked once per read; true stays true."""
+        if self.built and not self._holds_values:
+            self._holds_values = initialized(self.scale)
+        return self.built and self._holds_values
 
     def widened(self, store: Any, variables: list) -> Any:
         """``store`` (a saved optimizer's values by position) with tables saved before
@@ -298,10 +308,10 @@ class StepRecorder:
                 ``health`` empty.
 
         Returns:
-            A :class:`kmix.record.host_read.Snapshot`; before :meth:`build`, the initial scale
+            A :class:`kmix.record.host_read.Snapshot`; until :meth:`readable`, the initial scale
             and zeros.
         """
-        if not self.built:
+        if not self.readable():
             counters = record.initial_counters(self.config.rule.hysteresis)
             return snapshot(self.initial_scale, list(counters), None)
         self.sync()
@@ -324,7 +334,7 @@ class StepRecorder:
         Returns:
             Floats for the fractions, int arrays (layout in :mod:`kmix.tags`) for histograms.
         """
-        if not self.built:
+        if not self.readable():
             return {}
         self.sync()
         values = host_value(getattr(self, name))
@@ -343,7 +353,7 @@ class StepRecorder:
         output that is not float16 (:attr:`not_float16`) has no ``headroom_bits``:
         float16's range does not apply to it.
         """
-        if not self.built or not self.layers:
+        if not self.readable() or not self.layers:
             return {}
         self.sync()
         values = host_value(self.activation_stats)[: len(self.layers), : len(ACTIVATION_FIELDS)]
@@ -359,7 +369,7 @@ class StepRecorder:
     def float8_inputs_underflow(self) -> dict[str, float]:
         """Float8 layer path -> its inputs' underflow at the latest health step
         (:data:`kmix.record.FLOAT8_INPUTS_FIELD`); only layers the forward tap measured."""
-        if not self.built or not self.float8_inputs:
+        if not self.readable() or not self.float8_inputs:
             return {}
         self.sync()
         column = host_value(self.activation_stats)[: len(self.layers), len(ACTIVATION_FIELDS)]
@@ -386,7 +396,7 @@ class StepRecorder:
             raise invalid_argument(
                 "since", since, "an integer >= 0 (the index of the last event seen)"
             )
-        if not self.built:
+        if not self.readable():
             return []
         count = self.read_state(counters_only=True).event_count
         if count == since:

@@ -838,3 +838,46 @@ def test_a_run_resumed_by_backup_and_restore_is_one_run(tmp_path):
         3,
         "completed",
     )
+
+
+def raises_at_trace(y_true, y_pred):
+    """A metric that fails while the first step is traced, after the optimizer built."""
+    raise RuntimeError("a broken metric")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("float8", [False, True])
+def test_a_fit_whose_first_step_never_ran_ends_its_run_and_the_optimizer_says_why(tmp_path, float8):
+    """On TensorFlow, kmix's optimizer first used in ``fit`` creates its variables while the
+    step is traced; a metric raising later in that trace leaves them without values. The run
+    still ends on disk (no step ran), and the next fit with that optimizer is refused in
+    words, not with TensorFlow's "uninitialized" graph error."""
+    keras.utils.clear_session()
+    keras.config.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32")(hidden))
+    if float8:
+        model.quantize("float8")
+    optimizer = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.01))
+    model.compile(optimizer, "mse", metrics=[raises_at_trace])
+    x, y = np.ones((32, 8), np.float32), np.zeros((32, 1), np.float32)
+    monitor = MixedPrecisionMonitor(tmp_path, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="a broken metric"):
+            fit(model, (x, y), callbacks=[monitor])
+    assert not [w for w in caught if "could not write the end of the run" in str(w.message)]
+    assert optimizer.built and optimizer.read_state().attempted_steps == 0
+    assert optimizer.float8_saturations() == [] and optimizer.float8_health() == []
+
+    ((step, text),) = texts(read_back(tmp_path), tags.RUN_END)
+    run_end = tags.parse_run_end(text)
+    assert (step, run_end.step, run_end.reason) == (0, 0, "exception")
+
+    model.compile(optimizer, "mse", metrics=["mae"])  # (no metrics would keep the old ones)
+    with pytest.raises(RuntimeError, match="'loss_scale_optimizer' cannot train.*new optimizer"):
+        fit(model, (x, y))
+    model.compile(kmix.LossScaleOptimizer(keras.optimizers.SGD(0.01)), "mse", metrics=["mae"])
+    fit(model, (x, y))  # a new optimizer trains
+    assert model.optimizer.read_state().attempted_steps == 32
