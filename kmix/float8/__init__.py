@@ -21,6 +21,7 @@ from kmix.float8.saturation import (
     advance_float8,
     check_step,
     inputs_underflow,
+    kept_where_zero,
     rescaled,
 )
 from kmix.float8.state import Float8Reads, Float8State, attempted_step, read_health
@@ -57,6 +58,7 @@ __all__ = [
     "float8_tensors",
     "inputs_scale_of",
     "inputs_underflow",
+    "kept_where_zero",
     "layer_of",
     "lost_episodes",
     "read_health",

@@ -41,6 +41,7 @@ __all__ = [
     "advance_float8",
     "check_step",
     "inputs_underflow",
+    "kept_where_zero",
     "rescaled",
 ]
 
@@ -207,6 +208,39 @@ def rescaled(tensors: Sequence[Float8Tensor], values: Sequence[Any], factor: Any
                 value = ops.cast(values[index], "float32")
                 found[index] = ops.where(unchanged, value, value * factor)
     return found
+
+
+def kept_where_zero(
+    tensors: Sequence[Float8Tensor], grads: Sequence[Any], values: Sequence[Any]
+) -> list[Any]:
+    """``grads`` with each float8 tensor whose new scale is 0 given its scale and amax
+    history as they were, so the step leaves them unchanged (JAX).
+
+    Keras hands a float8 scale its new value as its gradient. A layer called without
+    ``training=True`` computes none: TensorFlow and torch then give None, which Keras
+    skips, but JAX's gradient of a value the step did not update is 0, which Keras would
+    assign; the next step divides by that scale (the loss turns NaN). A scale Keras
+    computes is never 0 but where ``format max / amax`` overflows float32 (an amax below
+    about 1e-36), the same division by zero.
+
+    Args:
+        tensors: the float8 tensors.
+        grads: the step's gradients, one per tracked variable.
+        values: the tracked variables' values before the step.
+
+    Returns:
+        The gradients, those of such tensors' scale and history replaced by their values.
+    """
+    kept = list(grads)
+    for t in tensors:
+        new_scale = grads[t.scale_index]
+        if new_scale is None:
+            continue
+        zero = ops.equal(ops.cast(new_scale, "float32"), 0.0)
+        for index in (t.scale_index, t.history_index):
+            if grads[index] is not None:
+                kept[index] = ops.where(zero, values[index], grads[index])
+    return kept
 
 
 def inputs_underflow(inputs: Any, scale: Any, compute_dtype: str) -> Any:

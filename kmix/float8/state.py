@@ -44,6 +44,7 @@ from kmix.float8.saturation import (
     StepCheck,
     advance_float8,
     check_step,
+    kept_where_zero,
     rescaled,
 )
 from kmix.float8.tensors import Float8Tensor, float8_tensors, inputs_scale_of, layer_of
@@ -56,6 +57,10 @@ ATTEMPTED = Counters._fields.index("attempted_steps")
 __all__ = ["Float8Reads", "Float8State", "attempted_step", "read_health"]
 
 _SAID = WarnOnce()
+_PASS_TRAINING = (
+    "Keras updates them only when the float8 layer is called with training=True: pass "
+    "`training` on to the layers your model's call calls"
+)
 
 MIN_CAPACITY = 128
 """Episodes the ring keeps at least (at least one per float8 tensor)."""
@@ -146,7 +151,8 @@ class Float8State:
 
         A tensor whose new amax history is None (Keras computed none: a float8 layer called
         without ``training=True`` leaves its inputs' and kernel's scales as they are) is
-        not checked; said once, by name.
+        not checked; said once, by name. (On JAX it is 0, which checks nothing either;
+        :meth:`health` says so at the reads.)
         """
         unchecked = [
             f"`{t.layer}` {t.tensor}" for t in self.tensors if grads[t.history_index] is None
@@ -155,9 +161,7 @@ class Float8State:
             _SAID(
                 f"kmix: Keras computed no new float8 scale for {', '.join(unchecked)} in "
                 "this step, so those scales never follow their tensors and kmix cannot check "
-                "them for saturation (Keras updates them only when the float8 layer is called "
-                "with training=True: pass `training` on to the layers your model's call "
-                "calls).",
+                f"them for saturation ({_PASS_TRAINING}).",
                 KmixWarning,
                 key=tuple(unchecked),
             )
@@ -184,6 +188,10 @@ class Float8State:
         return rare_cond(
             ops.any(check.saturated), lambda: advance_float8(old, check, step), lambda: old
         )
+
+    def kept(self, grads: Sequence[Any], values: Sequence[Any]) -> list[Any]:
+        """JAX: ``grads`` keeping a scale Keras did not update (:func:`kept_where_zero`)."""
+        return kept_where_zero(self.tensors, grads, values)
 
     def rescaled(self, values: list, factor: Any) -> list:
         """JAX: ``values`` (the tracked variables' after the step) with the rescale applied."""
@@ -275,12 +283,31 @@ class Float8State:
         )
 
     def health(
-        self, inputs_underflow: dict[str, float] | None = None, model: Any = None
+        self,
+        inputs_underflow: dict[str, float] | None = None,
+        model: Any = None,
+        applied_steps: int = 0,
     ) -> list[Float8Health]:
         """Each tensor's :class:`Float8Health` now, with the optimizer's counts, the
         inputs' underflow by layer (``StepRecorder.float8_inputs_underflow``) and, from
-        ``model``, the layers' compute dtypes."""
-        return read_health(self._tracked, self.saturated_steps() or None, inputs_underflow, model)
+        ``model``, the layers' compute dtypes.
+
+        After ``applied_steps`` >= 1, tensors whose newest amax is still 0 are named once
+        in a :class:`KmixWarning`: Keras has not updated their scales (on JAX, where the
+        step gives no None to tell, this is where it is said), or they were all zero.
+        """
+        found = read_health(self._tracked, self.saturated_steps() or None, inputs_underflow, model)
+        unmoved = [f"`{h.layer}` {h.tensor}" for h in found if h.amax == 0.0]
+        if applied_steps and unmoved:
+            _SAID(
+                f"kmix: after {applied_steps} applied steps the newest amax of "
+                f"{', '.join(unmoved)} is still 0: Keras has not updated those float8 "
+                f"scales ({_PASS_TRAINING}), or those tensors were all zero. Such a scale "
+                "stays as it is, and kmix cannot check it for saturation.",
+                KmixWarning,
+                key=tuple(unmoved),
+            )
+        return found
 
 
 def attempted_step(packed: Any) -> Any:
@@ -324,7 +351,12 @@ class Float8Reads:
         if not self.float8.readable():
             return []
         self.recorder.sync()
-        return self.float8.health(self.recorder.float8_inputs_underflow(), self.hooks.model)
+        state = self.recorder.read_state(counters_only=True)
+        return self.float8.health(
+            self.recorder.float8_inputs_underflow(),
+            self.hooks.model,
+            state.attempted_steps - state.skipped_steps,
+        )
 
 
 def read_health(

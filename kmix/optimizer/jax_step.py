@@ -121,11 +121,13 @@ def stateless_apply(
     flags = ops.concatenate([record.nonfinite_flags(grads), optimizer.parts.loss_flags()])
     applies = ops.logical_not(ops.any(flags[: len(grads) + 1] > 0))
     inner_values = values[own:]
+    float8 = optimizer.float8
+    assigned = float8.kept(grads, trainable_variables) if float8.active else grads
 
     def apply_inner() -> tuple[list, list]:
         unscaled = [
             g if g is None or optimizer.parts.overwrites(v) else g / old.scale
-            for g, v in zip(grads, tracked, strict=True)
+            for g, v in zip(assigned, tracked, strict=True)
         ]
         new_trainable, new_inner = optimizer.inner_optimizer.stateless_apply(
             inner_values, unscaled, trainable_variables
@@ -140,7 +142,6 @@ def stateless_apply(
 
     rule = optimizer.config.rule
     due = statistics.due(old.counters)
-    float8 = optimizer.float8
     float8_new = (
         float8.step_values(values, where, grads, trainable_variables, applies, old.counters)
         if float8.active

@@ -17,6 +17,7 @@ from kmix.float8 import (
     check_step,
     decode_saturations,
     float8_tensors,
+    kept_where_zero,
     rescaled,
     tensor_health,
 )
@@ -160,6 +161,25 @@ def test_rescale_touches_only_the_output_gradients():
     out = rescaled(tensors, values, np.float32(0.5))
     assert sorted(out) == [4, 5]
     np.testing.assert_array_equal(np.asarray(out[5]), np.float32([0.5, 1]))
+
+
+def test_a_zero_new_scale_keeps_that_tensors_scale_and_history_and_nothing_else():
+    """JAX hands a scale Keras did not update a 0 (a layer called without training): its
+    scale and history keep their values; a computed scale, a None and the rest pass."""
+    tensors = [
+        Float8Tensor("d", t, 2 * i, 2 * i + 1, 448.0)
+        for i, t in enumerate(["inputs", "kernel", "outputs_grad"])
+    ]
+    values = [np.float32(2.0), np.float32([5, 6]), np.float32(3.0), np.float32([7, 8])]
+    values += [np.float32(4.0), np.float32([9, 1])]
+    grads = [np.float32(0.0), np.float32([0, 0]), np.float32(0.25), np.float32([3, 7])]
+    grads += [None, None]
+    out = [None if g is None else np.asarray(g) for g in kept_where_zero(tensors, grads, values)]
+    np.testing.assert_array_equal(out[0], np.float32(2.0))  # kept
+    np.testing.assert_array_equal(out[1], np.float32([5, 6]))
+    np.testing.assert_array_equal(out[2], np.float32(0.25))  # Keras's new values
+    np.testing.assert_array_equal(out[3], np.float32([3, 7]))
+    assert out[4:] == [None, None]
 
 
 def test_tensor_health_words_the_newest_amax_against_the_scale():
