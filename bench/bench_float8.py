@@ -15,13 +15,16 @@ a loss-scale backoff each; 0 turns this off).
 Saturated tensor-steps are counted by one NumPy replay of Keras's variables for all three
 (amax after the step > scale before it x format max), so stock Keras is measured the same
 way; also the output-gradient saturations in the two steps after each growth. Output
-gradients flushed to zero are counted exactly for the last float8 layer by a second NumPy
-replay (tests/float8/flush.py: its output gradient under "mse", quantized to E5M2 at the
-scale the step used; each step's max checked against Keras's recorded amax): the applied
-steps where it had values flushed, and how many values. The final loss is the trained
-model's MSE on the inputs with their true targets. Then the monitor's cost: kmix on with and
-without ``MixedPrecisionMonitor`` (which reads float8 every ``--update-freq`` steps),
-alternated round by round.
+gradients flushed to zero are counted for every float8 layer in the step (TensorFlow;
+tests/float8/flush.py ``InStepFlushes``: Keras's own E5M2 quantize-dequantize wrapped, its
+non-zero values that came out 0 counted per layer, each step's max checked against Keras's
+recorded amax), and the last layer's again by an independent NumPy replay
+(``OutputGradFlushes``: its output gradient under "mse", quantized to E5M2 at the scale the
+step used), which must agree step by step: the applied steps where some layer had values
+flushed, how many values, and the steps per layer. On another backend only the last
+layer's replay counts. The final loss is the trained model's MSE on the inputs with their
+true targets. Then the monitor's cost: kmix on with and without ``MixedPrecisionMonitor``
+(which reads float8 every ``--update-freq`` steps), alternated round by round.
 
 Usage:
     python bench/bench_float8.py [--steps 300] [--growth 40] [--backoff-every 200]
@@ -52,7 +55,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "float
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from flush import OutputGradFlushes, amax_mismatches, steps_with_flushes  # noqa: E402
+from flush import (  # noqa: E402
+    FlushStep,
+    InStepFlushes,
+    OutputGradFlushes,
+    amax_mismatches,
+    steps_with_flushes,
+)
 from replay import Replay  # noqa: E402
 
 import kmix  # noqa: E402
@@ -147,9 +156,11 @@ class Figures(NamedTuple):
     after_growths: int  # output-gradient saturations in the two steps after a growth
     growths: int
     backoffs: int
-    flushed_steps: int  # applied steps where the last layer's output gradient lost values
+    flushed_steps: int  # applied steps where some layer's output gradient lost values
     flushed_values: int  # non-zero output-gradient values flushed to zero, in all
-    amax_mismatches: int  # applied steps where the flush replay's max |g| != Keras's amax
+    flushed_by_layer: str  # "steps/steps/..." per float8 layer, first to last
+    amax_mismatches: int  # applied layer-steps where a flush count's max |g| != Keras's amax
+    replay_disagrees: bool  # the in-step count of the last layer != its NumPy replay
     loss: float  # final loss
 
 
@@ -171,14 +182,18 @@ def saturation_run(kind: str, steps: int, growth: int, overflow: Sequence[int]) 
     replay.rescaled = kind == "kmix on"
     x, y = data(steps, overflow)
     flushes = OutputGradFlushes(x, y, BATCH, rescaled=kind == "kmix on")
-    m.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[replay, flushes])
+    callbacks = [replay, flushes]
+    if keras.backend.backend() == "tensorflow":
+        callbacks.append(InStepFlushes(rescaled=kind == "kmix on"))
+    m.fit(x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=callbacks)
+    by_layer = callbacks[2].steps if len(callbacks) > 2 else {"last": flushes.steps}
     saturated = replay.saturated()
     scales = [before["loss_scale"] for before, _ in replay.steps] + [
         replay.steps[-1][1]["loss_scale"]
     ]
     growths = [i for i in range(1, len(scales)) if scales[i] > scales[i - 1]]  # 0-based
     after = {g + 1 for g in growths} | {g + 2 for g in growths}  # steps from 1
-    flushed_steps, flushed_values = steps_with_flushes(flushes.steps)
+    flushed_steps, flushed_values = steps_with_flushes(any_layer(list(by_layer.values())))
     return Figures(
         saturated=len(saturated),
         outputs_grad=sum(1 for _, _, t in saturated if t == "outputs_grad"),
@@ -187,9 +202,20 @@ def saturation_run(kind: str, steps: int, growth: int, overflow: Sequence[int]) 
         backoffs=sum(1 for i in range(1, len(scales)) if scales[i] < scales[i - 1]),
         flushed_steps=flushed_steps,
         flushed_values=flushed_values,
-        amax_mismatches=amax_mismatches(flushes.steps),
+        flushed_by_layer="/".join(str(steps_with_flushes(s)[0]) for s in by_layer.values()),
+        amax_mismatches=sum(amax_mismatches(s) for s in [flushes.steps, *by_layer.values()]),
+        replay_disagrees=[s.flushed for s in flushes.steps]
+        != [s.flushed for s in list(by_layer.values())[-1]],
         loss=final_loss(m, steps),
     )
+
+
+def any_layer(layers: list[list[FlushStep]]) -> list[FlushStep]:
+    """One :class:`FlushStep` per step: the values flushed in all layers together."""
+    return [
+        steps[0]._replace(flushed=sum(s.flushed for s in steps))
+        for steps in zip(*layers, strict=True)
+    ]
 
 
 def timed(with_monitor: bool, steps: int, growth: int, update_freq: int) -> float:
@@ -225,17 +251,21 @@ def main() -> None:
     print(
         "| run | saturated tensor-steps | of them output gradients "
         "| output-grad saturations after growths | growths "
-        "| backoffs | steps with outputs flushed | values flushed | final loss |"
+        "| backoffs | steps with outputs flushed | values flushed "
+        "| of the steps, per layer | final loss |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for kind in ("stock", "kmix off", "kmix on"):
         r = saturation_run(kind, args.steps, args.growth, overflow)
         print(
             f"| {kind} | {r.saturated} | {r.outputs_grad} | {r.after_growths} | {r.growths} | "
-            f"{r.backoffs} | {r.flushed_steps} | {r.flushed_values} | {r.loss:.5f} |"
+            f"{r.backoffs} | {r.flushed_steps} | {r.flushed_values} | {r.flushed_by_layer} "
+            f"| {r.loss:.5f} |"
         )
         if r.amax_mismatches:
-            print(f"  ! the flush replay's max |g| != Keras's amax at {r.amax_mismatches} steps")
+            print(f"  ! a flush count's max |g| != Keras's amax at {r.amax_mismatches} steps")
+        if r.replay_disagrees:
+            print("  ! the last layer's in-step flush count != its NumPy replay")
     if args.rounds <= 0:
         return
     times: dict[bool, list[float]] = {False: [], True: []}

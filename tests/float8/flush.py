@@ -177,3 +177,88 @@ class OutputGradFlushes(keras.callbacks.Callback):
                 recorded_amax=float(recorded),
             )
         )
+
+
+class InStepFlushes(keras.callbacks.Callback):
+    """Counts, in the compiled step, every float8 layer's output-gradient values that
+    Keras's own E5M2 quantize-dequantize turns to zero (TensorFlow; a helper).
+
+    The last layer's count is replayed independently by :class:`OutputGradFlushes`; a hidden
+    layer's output gradient comes through the float8 layers after it, so this counts what
+    Keras computed instead. While the fit runs, ``keras.quantizers.quantize_and_dequantize``
+    is wrapped: an E5M2 call (only output gradients are E5M2) adds to its layer's counters
+    how many non-zero values came out 0, and the largest ``|value|``. The layer is the
+    ``self`` of Keras's gradient function that called it. Each step's largest ``|value|`` is
+    checked against the layer's recorded amax, as :class:`OutputGradFlushes` does.
+
+    Args:
+        rescaled: as for :class:`OutputGradFlushes`.
+
+    Attributes:
+        steps: layer path -> one :class:`FlushStep` per batch.
+    """
+
+    def __init__(self, rescaled: bool):
+        super().__init__()
+        self.rescaled = rescaled
+        self.steps: dict[str, list[FlushStep]] = {}
+
+    def on_train_begin(self, logs=None):
+        import sys
+
+        from keras.src import quantizers
+
+        self._module, self._original = quantizers, quantizers.quantize_and_dequantize
+        self._layers = dict(float8_layers(self.model))
+        self._counts = {
+            path: (keras.Variable(0, dtype="int32", trainable=False), keras.Variable(0.0))
+            for path in self._layers
+        }
+        self.steps = {path: [] for path in self._layers}
+        paths = {id(layer): path for path, layer in self._layers.items()}
+
+        def counting(inputs, scale, quantized_dtype, compute_dtype):
+            out = self._original(inputs, scale, quantized_dtype, compute_dtype)
+            if quantized_dtype == "float8_e5m2":
+                layer = sys._getframe(1).f_locals.get("self")
+                flushed_var, amax_var = self._counts[paths[id(layer)]]
+                flushed = (inputs != 0) & (out == 0)
+                flushed_var.assign_add(keras.ops.sum(keras.ops.cast(flushed, "int32")))
+                amax = keras.ops.max(keras.ops.abs(keras.ops.cast(inputs, "float32")))
+                amax_var.assign(keras.ops.maximum(amax_var, amax))
+            return out
+
+        quantizers.quantize_and_dequantize = counting
+        self.model.make_train_function(force=True)  # traced with the wrapper
+
+    def on_train_end(self, logs=None):
+        self._module.quantize_and_dequantize = self._original
+        self.model.make_train_function(force=True)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        for flushed_var, amax_var in self._counts.values():
+            flushed_var.assign(0)
+            amax_var.assign(0.0)
+        opt = self.model.optimizer
+        self._before = (int(keras.ops.convert_to_numpy(opt.iterations)), _loss_scale(opt))
+
+    def on_train_batch_end(self, batch, logs=None):
+        opt = self.model.optimizer
+        iterations, loss_scale = self._before
+        applied = int(keras.ops.convert_to_numpy(opt.iterations)) != iterations
+        for path, layer in self._layers.items():
+            flushed_var, amax_var = self._counts[path]
+            recorded = np.float32(keras.ops.convert_to_numpy(layer.outputs_grad_amax_history)[0])
+            if self.rescaled:
+                recorded = recorded / np.float32(_loss_scale(opt) / loss_scale)
+            steps = self.steps[path]
+            steps.append(
+                FlushStep(
+                    step=len(steps) + 1,
+                    applied=applied,
+                    loss_scale=loss_scale,
+                    flushed=int(keras.ops.convert_to_numpy(flushed_var)),
+                    amax=float(keras.ops.convert_to_numpy(amax_var)),
+                    recorded_amax=float(recorded),
+                )
+            )
