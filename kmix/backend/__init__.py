@@ -58,6 +58,7 @@ rare_cond = _active.rare_cond
 retrace_all = _active.retrace_all
 host_value = _active.host_value
 initialized = _active.initialized
+read_in_step = _active.read_in_step
 int64_dtype = _active.int64_dtype
 exact_exponent = _active.exact_exponent
 summed_rows = _active.summed_rows
@@ -99,6 +100,7 @@ __all__ = [
     "processes_and_devices",
     "rare_cond",
     "reachable",
+    "read_in_step",
     "reduce_rows",
     "reset_peak_memory",
     "retrace_all",

@@ -45,6 +45,11 @@ def numpy_value(variable: Any) -> np.ndarray:
     return np.asarray(ops.convert_to_numpy(variable))
 
 
+def new_read(variable: Any) -> Any:
+    """``variable``'s value as a tensor (a read where the backend has reads)."""
+    return ops.convert_to_tensor(variable)
+
+
 def always_initialized(variable: Any) -> bool:
     """True: eager backends give a variable its value when they create it."""
     return True

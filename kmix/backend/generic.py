@@ -17,6 +17,7 @@ from kmix.backend.common import (
     always_reachable,
     divide_each,
     keras_cond,
+    new_read,
     no_step_scope,
     not_counted,
     not_screened,
@@ -60,7 +61,7 @@ def _unsupported(*args: Any, **kwargs: Any) -> Any:
 
 exact_exponent = summed_rows = _unsupported
 retrace_all, reduce_rows, host_value, as_arrived = retrace, reduce_each, numpy_value, unchanged
-initialized = always_initialized
+initialized, read_in_step = always_initialized, new_read
 
 
 def trace_root(outputs: Any) -> Any:

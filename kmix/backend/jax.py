@@ -21,6 +21,7 @@ from kmix.backend.common import (
     always_initialized,
     divide_each,
     keras_cond,
+    new_read,
     no_step_scope,
     not_screened,
     numpy_value,
@@ -38,6 +39,9 @@ host_value = numpy_value
 
 initialized = always_initialized
 """True: variables get their value when they are created."""
+
+read_in_step = new_read
+"""A new read: values here are not a graph to find an earlier read in."""
 
 as_arrived = unchanged
 """``tensor``: on JAX the tap notes casts as they are made (:data:`NOTES_CASTS`)."""

@@ -17,6 +17,7 @@ import numpy as np
 from kmix.backend.common import (
     alone_agrees,
     divide_each,
+    new_read,
     no_step_scope,
     not_screened,
     numpy_value,
@@ -148,6 +149,38 @@ def host_value(variable: Any) -> np.ndarray:
     if isinstance(value, BaseResourceVariable):
         return tf.raw_ops.ReadVariableOp(resource=value.handle, dtype=value.dtype).numpy()
     return numpy_value(variable)
+
+
+def read_in_step(variable: Any) -> Any:
+    """``variable``'s value in the step being traced, from the read the step already made
+    (e.g. the forward pass's read of a float8 scale: the very value Keras quantized with),
+    else from a new read.
+
+    A variable read inside a ``tf.function`` is a stateful ``ReadVariableOp`` that
+    TensorFlow's optimizations never merge; a healthy step pays for each. The first read of
+    ``variable`` that the current graph already holds (by its captured handle) runs before
+    any assignment the step makes after it. A distributed variable (under a strategy) is
+    read anew.
+
+    Args:
+        variable: a Keras variable (or a TensorFlow variable).
+
+    Returns:
+        A tensor with its value.
+    """
+    import tensorflow as tf
+    from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
+
+    value = getattr(variable, "value", variable)  # not a distributed one: they have no handle
+    if isinstance(value, BaseResourceVariable) and not tf.executing_eagerly():
+        graph = tf.compat.v1.get_default_graph()
+        for external, internal in getattr(graph, "captures", ()):
+            if external is value.handle:
+                for op in internal.consumers():
+                    if op.type == "ReadVariableOp":
+                        return op.outputs[0]
+                break
+    return new_read(variable)
 
 
 def initialized(variable: Any) -> bool:

@@ -22,6 +22,7 @@ from kmix.backend.common import (
     always_initialized,
     always_reachable,
     keras_cond,
+    new_read,
     not_counted,
     numpy_value,
     one_process,
@@ -54,6 +55,9 @@ host_value = numpy_value
 
 initialized = always_initialized
 """True: variables get their value when they are created."""
+
+read_in_step = new_read
+"""A new read: values here are not a graph to find an earlier read in."""
 
 as_arrived = unchanged
 """``tensor``: on torch the tap notes casts as they are made (:data:`NOTES_CASTS`)."""

@@ -33,7 +33,7 @@ from keras import ops
 
 from kmix._checks import KmixWarning, WarnOnce
 from kmix._layers import walk_layers
-from kmix.backend import host_value, initialized, rare_cond
+from kmix.backend import host_value, initialized, rare_cond, read_in_step
 from kmix.float8.reads import Float8Health, decode_saturations, tensor_health
 from kmix.float8.saturation import (
     EPISODE_FLOAT_FIELDS,
@@ -203,10 +203,8 @@ class Float8State:
     # -------------------------------------------- what each backend's step calls
     def before_apply(self, aligned: Sequence[Any], applies: Any) -> StepCheck:
         """TensorFlow and torch, before the inner optimizer assigns: the check over the scales
-        used."""
-        values = {
-            t.scale_index: ops.convert_to_tensor(self._tracked[t.scale_index]) for t in self.tensors
-        }
+        used (on TensorFlow the forward pass's own reads of them: :func:`read_in_step`)."""
+        values = {t.scale_index: read_in_step(self._tracked[t.scale_index]) for t in self.tensors}
         return self.check(aligned, values, applies)
 
     def write_after(self, check: StepCheck, packed: Any, old_scale: Any, new_scale: Any) -> None:

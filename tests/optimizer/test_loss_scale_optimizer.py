@@ -444,6 +444,36 @@ def test_host_reads_equal_keras_reads():
     assert dataclasses.replace(counters_only, loss_scale=4.0, health=state.health) == state
 
 
+def test_read_in_step_takes_the_read_the_traced_step_made_before_it_assigns():
+    """TensorFlow's read_in_step gives back the step's own earlier read of a variable (the
+    value before the step's assignment after it, and no new ReadVariableOp); a variable the
+    step never read, a distributed one and an eager call read anew."""
+    from kmix.backend.tensorflow import read_in_step
+
+    scale, other = keras.Variable(2.0), keras.Variable(5.0)
+    seen = {}
+
+    @tf.function
+    def step():
+        used = tf.convert_to_tensor(scale.value) * 1.0  # the forward pass's read
+        found, fresh = read_in_step(scale), read_in_step(other) * 1.0
+        scale.assign(used * 4.0)  # the step assigns after it
+        seen["reads"] = [op for op in found.graph.get_operations() if op.type == "ReadVariableOp"]
+        return found, fresh
+
+    found, fresh = step()
+    assert (float(found), float(fresh), float(scale.numpy())) == (2.0, 5.0, 8.0)
+    assert len(seen["reads"]) == 2  # the forward's of ``scale``, the new one of ``other``
+    assert float(read_in_step(scale)) == 8.0  # eager: the value now
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        mirrored = keras.Variable(3.0)
+    got = strategy.run(
+        tf.function(lambda: read_in_step(mirrored) + tf.convert_to_tensor(mirrored.value))
+    )
+    assert float(got) == 6.0
+
+
 @pytest.mark.jax
 @pytest.mark.torch
 def test_counters_saturate_instead_of_overflowing():
