@@ -34,7 +34,7 @@ saturated step, not of a healthy one).
 
 Usage:
     python bench/bench_float8_cost.py [--rounds 100] [--update-freq 100] [--skip 10]
-        [--width 128] [--training]
+        [--width 128] [--training] [--jit-compile]
 """
 
 from __future__ import annotations
@@ -94,11 +94,13 @@ def steady_model(width: int, powers_of_two: bool = True) -> keras.Model:
     return m
 
 
-def watched(update_freq: int, width: int, learning_rate: float, powers: bool):
+def watched(
+    update_freq: int, width: int, learning_rate: float, powers: bool, jit_compile: bool = False
+):
     """The float8 model compiled with kmix's optimizer, and the monitor that watches it."""
     m = steady_model(width, powers)
     opt = kmix.LossScaleOptimizer(keras.optimizers.Adam(learning_rate), dynamic_growth_steps=2000)
-    m.compile(optimizer=opt, loss="mse")
+    m.compile(optimizer=opt, loss="mse", jit_compile=jit_compile)
     monitor = kmix.callbacks.MixedPrecisionMonitor(
         tempfile.mkdtemp(), update_freq=update_freq, verbose=0
     )
@@ -219,7 +221,7 @@ def verdict(low: float, high: float, rounds: int, goal: float = GOAL) -> str:
 
 def run(args: argparse.Namespace, x, y, learning_rate: float, powers: bool) -> None:
     """The rounds, then the verdict and the parts."""
-    m, monitor = watched(args.update_freq, args.width, learning_rate, powers)
+    m, monitor = watched(args.update_freq, args.width, learning_rate, powers, args.jit_compile)
     contenders = Contenders(m, monitor, x, y)
     clocks = {kind: Clock(args.skip) for kind in CONTENDERS}
     first_step = m.optimizer.read_state().attempted_steps
@@ -235,7 +237,8 @@ def run(args: argparse.Namespace, x, y, learning_rate: float, powers: bool) -> N
     state = m.optimizer.read_state()
     print(
         f"backend {keras.backend.backend()}, width {args.width}, "
-        f"{'training' if args.training else 'healthy steps'}, {args.rounds} rounds of "
+        f"{'training' if args.training else 'healthy steps'}, "
+        f"jit_compile {args.jit_compile}, {args.rounds} rounds of "
         f"{args.skip} + {args.update_freq} steps a fit, update_freq {args.update_freq}"
     )
     print(
@@ -279,6 +282,11 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128, help="the hidden layers' width")
     parser.add_argument(
         "--training", action="store_true", help="learn (saturating steps), not healthy steps"
+    )
+    parser.add_argument(
+        "--jit-compile",
+        action="store_true",
+        help="compile the step with XLA (Keras's 'auto' on a GPU; on a CPU it picks no XLA)",
     )
     args = parser.parse_args()
     keras.mixed_precision.set_global_policy("mixed_float16")
