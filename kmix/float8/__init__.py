@@ -23,6 +23,7 @@ from kmix.float8.saturation import (
     inputs_underflow,
     kept_where_zero,
     rescaled,
+    worst_of_replicas,
 )
 from kmix.float8.state import Float8Reads, Float8State, attempted_step, read_health
 from kmix.float8.tensors import (
@@ -64,4 +65,5 @@ __all__ = [
     "read_health",
     "rescaled",
     "tensor_health",
+    "worst_of_replicas",
 ]

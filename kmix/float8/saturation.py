@@ -41,6 +41,7 @@ __all__ = [
     "advance_float8",
     "check_step",
     "inputs_underflow",
+    "worst_of_replicas",
     "kept_where_zero",
     "rescaled",
 ]
@@ -99,6 +100,34 @@ def check_step(
     scale = ops.stack([ops.cast(values[t.scale_index], "float32") for t in tensors])
     limit = ops.multiply(scale, np.asarray([t.format_max for t in tensors], "float32"))
     return StepCheck(amax, limit, ops.logical_and(applies, amax > limit))
+
+
+def worst_of_replicas(amaxes: Any, limits: Any, applies: Any) -> StepCheck:
+    """The step's check over several replicas, each checked against its own scales.
+
+    Under ``tf.distribute.MirroredStrategy`` Keras assigns each replica's float8 scales
+    from that replica's own share of the batch, so each replica has its own amax and its
+    own limit. A tensor saturated where any replica clipped it; its amax and limit are
+    those of the replica that clipped it the most (the largest amax / limit), or of the
+    first replica where none did.
+
+    Args:
+        amaxes: float32 ``(replicas, n)``: each replica's :attr:`StepCheck.amax`.
+        limits: float32 ``(replicas, n)``: each replica's :attr:`StepCheck.limit`.
+        applies: boolean scalar: the step is applied (agreed by every replica).
+
+    Returns:
+        The :class:`StepCheck` every replica records.
+    """
+    clipped = amaxes > limits
+    worst = ops.expand_dims(
+        ops.argmax(ops.where(clipped, ops.divide(amaxes, limits), -1.0), axis=0), 0
+    )
+    return StepCheck(
+        ops.take_along_axis(amaxes, worst, axis=0)[0],
+        ops.take_along_axis(limits, worst, axis=0)[0],
+        ops.logical_and(applies, ops.any(clipped, axis=0)),
+    )
 
 
 def _history_or_none(grad: Any) -> Any:

@@ -25,8 +25,9 @@ import tensorflow as tf
 from keras import ops
 
 from kmix import record
-from kmix._checks import KmixWarning
+from kmix._checks import KmixWarning, WarnOnce
 from kmix.backend import worker_count
+from kmix.float8 import StepCheck, worst_of_replicas
 from kmix.optimizer import assigned_step
 from kmix.optimizer.recorder import Before
 
@@ -57,16 +58,25 @@ def apply(optimizer: Any, grads: list, trainable_variables: list | None) -> None
     context = tf.distribute.get_replica_context()
     flags, source = agreed(context, flags, len(aligned))
     before, forward, forward_state = assigned_step.measured_step(optimizer, aligned, flags)
+    check = float8_check(optimizer, context, aligned, flags)
     if tf.__internal__.distribute.strategy_supports_no_merge_call():
         apply_inner = functools.partial(assigned_step.apply_inner, optimizer, grads, variables)
         assigned_step.step(
-            optimizer, aligned, flags, before, forward_state, apply_inner, forward, source=source
+            optimizer,
+            aligned,
+            flags,
+            before,
+            forward_state,
+            apply_inner,
+            forward,
+            source=source,
+            check=check,
         )
     else:  # the cross-replica step reads the first replica's forward statistics
         context.merge_call(
             _merged_step,
             args=(optimizer, aligned, flags, before, forward_state, forward, grads, variables),
-            kwargs={"source": source},
+            kwargs={"source": source, "check": check},
         )
 
 
@@ -94,6 +104,51 @@ def agreed(context: Any, flags: Any, n: int) -> tuple[Any, record.NonfiniteSourc
     return summed[:-replicas], record.NonfiniteSource(
         tf.constant(-1), record.first_flagged(summed[-replicas:])
     )
+
+
+_SAID = WarnOnce()
+PER_REPLICA_FLOAT8 = (
+    "kmix: under {strategy} with {replicas} replicas, Keras assigns each replica's float8 "
+    "scales and amax histories from that replica's own share of the batch (they are mirrored "
+    "variables created with aggregation 'none'), so the replicas' float8 scales drift apart and "
+    "a saved model keeps the first replica's. kmix checks every replica against its own scales "
+    "and reports a saturation on any of them; the kmix/fp8_* health it writes is the first "
+    "replica's."
+)
+
+
+def float8_check(optimizer: Any, context: Any, aligned: list, flags: Any) -> StepCheck | None:
+    """The step's float8 check, the same on every replica; None without float8 layers.
+
+    Made before the inner optimizer assigns (the scales this step used). With several
+    replicas each checks against its own scales (Keras keeps one set per replica: said
+    once, :data:`PER_REPLICA_FLOAT8`), and one all-reduce of every replica's amax and
+    limit gives all of them :func:`kmix.float8.worst_of_replicas`, so a saturation on any
+    replica is recorded and every replica takes the same branch of the record.
+
+    Args:
+        optimizer: a built ``kmix.LossScaleOptimizer``.
+        context: the replica context.
+        aligned: the scaled gradients, one per tracked variable.
+        flags: the agreed flags (per gradient non-finite, then the loss's two).
+
+    Returns:
+        The agreed :class:`kmix.float8.StepCheck`, or None.
+    """
+    float8 = optimizer.float8
+    if not float8.active:
+        return None
+    applies = assigned_step.applies_of(flags, len(aligned))
+    check = float8.before_apply(aligned, applies)
+    replicas = context.num_replicas_in_sync
+    if replicas == 1:
+        return check
+    strategy = type(tf.distribute.get_strategy()).__name__
+    _SAID(PER_REPLICA_FLOAT8.format(strategy=strategy, replicas=replicas), KmixWarning)
+    mine = tf.one_hot(context.replica_id_in_sync_group, replicas, on_value=True, off_value=False)
+    rows = tf.where(mine[:, None, None], tf.stack([check.amax, check.limit])[None], 0.0)
+    every = context.all_reduce(tf.distribute.ReduceOp.SUM, rows)  # (replicas, 2, n)
+    return worst_of_replicas(every[:, 0], every[:, 1], applies)
 
 
 def stateless_apply(
@@ -149,8 +204,10 @@ def _merged_step(
     grads: list,
     variables: list,
     source: record.NonfiniteSource = record.NO_SOURCE,
+    check: StepCheck | None = None,
 ) -> None:
-    """Cross-replica part: one decision for all (the flags are already all-reduced)."""
+    """Cross-replica part: one decision for all (the flags and the float8 check are
+    already agreed)."""
 
     def first(value: Any) -> Any:
         return None if value is None else distribution.experimental_local_results(value)[0]
@@ -166,4 +223,5 @@ def _merged_step(
         ),
         None if forward is None else tuple(first(t) for t in forward),
         source=record.NonfiniteSource(*(v if isinstance(v, int) else first(v) for v in source)),
+        check=None if check is None else StepCheck(*(first(v) for v in check)),
     )

@@ -20,6 +20,7 @@ from kmix.float8 import (
     kept_where_zero,
     rescaled,
     tensor_health,
+    worst_of_replicas,
 )
 from kmix.tags import ROUNDING_BITS, Float8Saturation, format_saturation
 
@@ -122,6 +123,28 @@ def test_check_step_clips_above_scale_times_format_max_only_when_applied():
     assert np.asarray(check.saturated).tolist() == [True, False]  # 224.1 > 224; 114688 = limit
     np.testing.assert_array_equal(np.asarray(check.limit), np.float32([224.0, 114688.0]))
     assert not np.asarray(check_step(tensors, grads, values, np.bool_(False)).saturated).any()
+
+
+def test_replicas_agree_on_any_replicas_saturation_with_the_amax_that_clipped_most():
+    """Each replica checks against its own scales (Keras keeps one set per replica)."""
+    amaxes = np.float32([[1.0, 5.0, 9.0, 2.0], [3.0, 7.0, 4.0, np.nan]])
+    limits = np.float32([[2.0, 4.0, 3.0, 2.0], [2.0, 4.0, 1.0, 1.0]])
+    check = worst_of_replicas(amaxes, limits, np.bool_(True))
+    # plain Python: per column, the clipped replica with the largest amax / limit, else row 0
+    expected = []
+    for col in range(4):
+        ratios = [
+            (amaxes[r, col] / limits[r, col], r)
+            for r in range(2)
+            if amaxes[r, col] > limits[r, col]
+        ]
+        row = max(ratios)[1] if ratios else 0
+        expected.append((amaxes[row, col], limits[row, col], bool(ratios)))
+    assert expected == [(3.0, 2.0, True), (7.0, 4.0, True), (4.0, 1.0, True), (2.0, 2.0, False)]
+    got = zip(*(np.asarray(v).tolist() for v in check), strict=True)
+    assert [tuple(g) for g in got] == expected
+    skipped = worst_of_replicas(amaxes, limits, np.bool_(False))
+    assert not np.asarray(skipped.saturated).any()
 
 
 @pytest.mark.parametrize("fmt_max", [448.0, 57344.0])

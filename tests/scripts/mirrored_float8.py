@@ -1,0 +1,126 @@
+"""Trains a float8 MLP under MirroredStrategy on two logical CPUs, with a spike in replica
+1's share of one batch, and replays every replica's float8 variables in NumPy.
+
+Run as ``python mirrored_float8.py``; prints one JSON line. A separate process is needed
+because logical devices must be configured before TensorFlow starts.
+"""
+
+import json
+import os
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import keras  # noqa: E402
+
+import kmix  # noqa: E402
+
+GLOBAL_BATCH = 64
+STEPS = 8
+SPIKE_STEP = 6  # 1-based; the spike is in the batch's second half: replica 1's
+MAX = {"inputs": 448.0, "kernel": 448.0, "outputs_grad": 57344.0}
+
+
+def float8_layers(model):
+    return [layer for layer in model.layers if hasattr(layer, "inputs_amax_history")]
+
+
+def per_replica(variable):
+    """Each replica's copy of a Keras variable, as NumPy."""
+    return [np.asarray(v.numpy(), "float32") for v in variable.value.values]
+
+
+class ReplicaReplay(keras.callbacks.Callback):
+    """Each replica's float8 scales before a batch and amax histories after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.scales, self.amaxes = [], []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.scales.append(
+            {
+                (layer.path, t): per_replica(getattr(layer, f"{t}_scale"))
+                for layer in float8_layers(self.model)
+                for t in MAX
+            }
+        )
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.amaxes.append(
+            {
+                (layer.path, t): [h[0] for h in per_replica(getattr(layer, f"{t}_amax_history"))]
+                for layer in float8_layers(self.model)
+                for t in MAX
+            }
+        )
+
+    def saturated(self):
+        """``(step, layer, tensor)`` -> ``(amax, limit)`` of the replica that clipped most."""
+        found = {}
+        for step, (scales, amaxes) in enumerate(
+            zip(self.scales, self.amaxes, strict=True), start=1
+        ):
+            for (path, t), scale in scales.items():
+                pairs = [
+                    (float(a), float(s * np.float32(MAX[t])))
+                    for a, s in zip(amaxes[(path, t)], scale, strict=True)
+                ]
+                clipped = [(a / lim, a, lim) for a, lim in pairs if a > lim]
+                if clipped:
+                    found[(step, path, t)] = max(clipped)[1:]
+        return found
+
+
+def main() -> None:
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(GLOBAL_BATCH * STEPS, 16)).astype("float32")
+    y = rng.normal(size=(GLOBAL_BATCH * STEPS, 4)).astype("float32")
+    x[(SPIKE_STEP - 1) * GLOBAL_BATCH + GLOBAL_BATCH * 3 // 4] *= 50.0
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((16,)),
+                keras.layers.Dense(32, activation="relu", name="hidden"),
+                keras.layers.Dense(4, name="out"),
+            ]
+        )
+        model.quantize("float8")
+        opt = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.01))
+        model.compile(optimizer=opt, loss="mse")
+    replay = ReplicaReplay()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0, callbacks=[replay])
+    hidden = model.get_layer("hidden")
+    copies = per_replica(hidden.inputs_scale)
+    episodes = {(e.step, e.layer, e.tensor): (e.amax, e.limit) for e in opt.float8_episodes()}
+    print(
+        json.dumps(
+            {
+                "kmix": sorted([s.step, s.layer, s.tensor] for s in opt.float8_saturations()),
+                "replay": sorted([list(k) for k in replay.saturated()]),
+                "spike_kmix": episodes.get((SPIKE_STEP, "sequential/hidden", "inputs")),
+                "spike_replay": replay.saturated().get((SPIKE_STEP, "sequential/hidden", "inputs")),
+                "replicas_differ": bool(copies[0] != copies[1]),
+                "read_is_first_replica": bool(
+                    float(keras.ops.convert_to_numpy(hidden.inputs_scale)) == float(copies[0])
+                ),
+                "said": [str(w.message) for w in caught if "replica" in str(w.message)],
+                "skipped": opt.skipped_steps,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
