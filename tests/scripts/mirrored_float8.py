@@ -1,12 +1,14 @@
 """Trains a float8 MLP under MirroredStrategy on two logical CPUs, with a spike in replica
 1's share of one batch, and replays every replica's float8 variables in NumPy.
 
-Run as ``python mirrored_float8.py``; prints one JSON line. A separate process is needed
+Run as ``python mirrored_float8.py [GROWTH_STEPS]`` (the loss scale's growth interval,
+default 2000: no growth); prints one JSON line. A separate process is needed
 because logical devices must be configured before TensorFlow starts.
 """
 
 import json
 import os
+import sys
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -37,13 +39,20 @@ def per_replica(variable):
 
 
 class ReplicaReplay(keras.callbacks.Callback):
-    """Each replica's float8 scales before a batch and amax histories after it."""
+    """Each replica's float8 scales before a batch and amax histories after it, with the
+    loss scale and the applied steps around it (a skipped step saturates nothing; where
+    the loss scale changed, kmix multiplied the output gradients' history by the change)."""
 
     def __init__(self):
         super().__init__()
-        self.scales, self.amaxes = [], []
+        self.scales, self.amaxes, self.loss_scales = [], [], []
+
+    def _state(self):
+        opt = self.model.optimizer
+        return float(opt.loss_scale), int(keras.ops.convert_to_numpy(opt.iterations))
 
     def on_train_batch_begin(self, batch, logs=None):
+        self.loss_scales.append(self._state())
         self.scales.append(
             {
                 (layer.path, t): per_replica(getattr(layer, f"{t}_scale"))
@@ -53,6 +62,7 @@ class ReplicaReplay(keras.callbacks.Callback):
         )
 
     def on_train_batch_end(self, batch, logs=None):
+        self.loss_scales[-1] += self._state()
         self.amaxes.append(
             {
                 (layer.path, t): [h[0] for h in per_replica(getattr(layer, f"{t}_amax_history"))]
@@ -64,12 +74,14 @@ class ReplicaReplay(keras.callbacks.Callback):
     def saturated(self):
         """``(step, layer, tensor)`` -> ``(amax, limit)`` of the replica that clipped most."""
         found = {}
-        for step, (scales, amaxes) in enumerate(
-            zip(self.scales, self.amaxes, strict=True), start=1
-        ):
+        steps = zip(self.scales, self.amaxes, self.loss_scales, strict=True)
+        for step, (scales, amaxes, (old, before, new, after)) in enumerate(steps, start=1):
+            if after == before:  # skipped
+                continue
             for (path, t), scale in scales.items():
+                factor = np.float32(new / old) if t == "outputs_grad" else np.float32(1)
                 pairs = [
-                    (float(a), float(s * np.float32(MAX[t])))
+                    (float(a / factor), float(s * np.float32(MAX[t])))
                     for a, s in zip(amaxes[(path, t)], scale, strict=True)
                 ]
                 clipped = [(a / lim, a, lim) for a, lim in pairs if a > lim]
@@ -95,7 +107,8 @@ def main() -> None:
             ]
         )
         model.quantize("float8")
-        opt = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.01))
+        growth = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+        opt = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.01), dynamic_growth_steps=growth)
         model.compile(optimizer=opt, loss="mse")
     replay = ReplicaReplay()
     with warnings.catch_warnings(record=True) as caught:
@@ -117,6 +130,7 @@ def main() -> None:
                 ),
                 "said": [str(w.message) for w in caught if "replica" in str(w.message)],
                 "skipped": opt.skipped_steps,
+                "changes": len(opt.scale_events()),
             }
         )
     )
