@@ -11,7 +11,9 @@ One float8 MLP (``model.quantize("float8")`` over ``mixed_float16``, the model o
   check, no record, no rescale; the variables stay) and the monitor's float8 write a no-op.
 
 Each round fits once per contender, in a rotating order: on, off, and off again (the off
-step once more: what two identical contenders differ by on this machine). A fit runs
+step traced a second time: what two identical contenders differ by on this machine; two
+traces of one step can differ by several per cent in direct calls, so the same traced
+step twice would understate the noise). A fit runs
 ``--skip`` untimed steps, then ``N`` timed ones, so each timed window holds exactly one
 monitor read. Each round's ratio to off is paired (neighbours in time share the machine's
 slow drifts); the verdict is their median with a 95 % bootstrap interval: met where the
@@ -140,7 +142,8 @@ def steady_batch(x, y, width: int, tries: int = 20) -> tuple[int, bool]:
 
 
 class Contenders:
-    """Float8 monitoring on and off on one model: two traced train steps, switched by fit.
+    """Float8 monitoring on and off on one model: three traced train steps (on, off, off
+    again), switched by fit.
 
     Off hides the optimizer's float8 record (``active`` is False while its step is traced
     and while it runs) and makes the monitor's float8 write a no-op; on gives both back.
@@ -162,19 +165,20 @@ class Contenders:
 
         self._write = timed_write
         self.steps = {}
-        for on in (True, False):  # each traced by a short fit of its own
-            self.switch(on)
+        for kind in CONTENDERS:  # each traced by a short fit of its own
+            self.switch(kind)
             m.make_train_function(force=True)
             m.fit(x[: 4 * BATCH], y[: 4 * BATCH], batch_size=BATCH, verbose=0, callbacks=[monitor])
-            self.steps[on] = m.train_function
-        self.switch(True)
+            self.steps[kind] = m.train_function
+        self.switch("float8 on")
 
-    def switch(self, on: bool) -> None:
-        """Float8 monitoring on or off (the train step too, once both are traced)."""
+    def switch(self, kind: str) -> None:
+        """To contender ``kind`` (its own traced train step, once all are traced)."""
+        on = CONTENDERS[kind]
         self.model.optimizer.float8.record = self.record if on else None
         self.monitor._float8.write = self._write if on else (lambda *args, **kwargs: None)
-        if on in getattr(self, "steps", {}):
-            self.model.train_function = self.steps[on]
+        if kind in getattr(self, "steps", {}):
+            self.model.train_function = self.steps[kind]
 
     def op_counts(self, x, y) -> dict[bool, tuple[int, int, int]] | None:
         """TensorFlow: :func:`count_step_ops.count` of the train step, on and off."""
@@ -185,16 +189,16 @@ class Contenders:
 
         spec = tuple(tf.TensorSpec((BATCH, *a.shape[1:]), a.dtype) for a in (x, y))
         counts = {}
-        for on in (True, False):
-            self.switch(on)
+        for kind in ("float8 on", "float8 off"):
+            self.switch(kind)
             traced = tf.function(self.model.train_step).get_concrete_function(spec)
-            counts[on] = count(traced.graph.as_graph_def())
-        self.switch(True)
+            counts[CONTENDERS[kind]] = count(traced.graph.as_graph_def())
+        self.switch("float8 on")
         return counts
 
 
 CONTENDERS = {"float8 on": True, "float8 off": False, "off again": False}
-"""Contender -> float8 monitoring on; "off again" is the off step once more (the noise floor)."""
+"""Contender -> float8 monitoring on; "off again" is the off step traced again (the noise floor)."""
 
 
 def interval(ratios: list[float], draws: int = 2000) -> tuple[float, float, float]:
@@ -228,11 +232,11 @@ def run(args: argparse.Namespace, x, y, learning_rate: float, powers: bool) -> N
     kinds = list(CONTENDERS)
     for r in range(args.rounds):
         for kind in kinds[r % 3 :] + kinds[: r % 3]:
-            contenders.switch(CONTENDERS[kind])
+            contenders.switch(kind)
             m.fit(
                 x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[monitor, clocks[kind]]
             )
-    contenders.switch(True)
+    contenders.switch("float8 on")
     saturated = {s.step for s in m.optimizer.float8_saturations(since_step=first_step)}
     state = m.optimizer.read_state()
     print(

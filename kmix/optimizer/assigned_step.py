@@ -173,7 +173,7 @@ def step(
     forward: tuple[Any, Any] | None,
     decided: Decisions | None = None,
     source: record.NonfiniteSource = record.NO_SOURCE,
-    check: StepCheck | None = None,
+    float8_check: Callable[[Any], StepCheck | None] | None = None,
 ) -> None:
     """Applies when every gradient and the loss are finite; records the step either way.
 
@@ -187,15 +187,20 @@ def step(
         forward: the forward measurement, or None.
         decided: the decisions read on the host already, or None (made in the step).
         source: which replica held the first non-finite values, where known.
-        check: the float8 check made in the step already (TensorFlow: agreed by every
-            replica), or None: made here (traced) or taken from ``decided`` (eager).
+        float8_check: traced, makes the float8 check from ``applies`` (TensorFlow: agreed
+            by every replica); None: :meth:`kmix.float8.Float8State.before_apply`. Eager,
+            the check is ``decided``'s.
     """
     applies = applies_of(flags, len(aligned)) if decided is None else decided.applies
     float8, recorder = optimizer.float8, optimizer.recorder
     quiet, also = (None if decided is None else decided.quiet), None
     if float8.active:  # the scales this step used, read before the inner optimizer assigns
         if decided is None:
-            check = float8.before_apply(aligned, applies) if check is None else check
+            check = (
+                float8.before_apply(aligned, applies)
+                if float8_check is None
+                else float8_check(applies)
+            )
             quiet = ops.logical_and(  # a saturation makes the step not quiet
                 record.is_quiet(before.packed, flags, before.due, optimizer.config.rule),
                 ops.logical_not(ops.any(check.saturated)),

@@ -58,7 +58,6 @@ def apply(optimizer: Any, grads: list, trainable_variables: list | None) -> None
     context = tf.distribute.get_replica_context()
     flags, source = agreed(context, flags, len(aligned))
     before, forward, forward_state = assigned_step.measured_step(optimizer, aligned, flags)
-    check = float8_check(optimizer, context, aligned, flags)
     if tf.__internal__.distribute.strategy_supports_no_merge_call():
         apply_inner = functools.partial(assigned_step.apply_inner, optimizer, grads, variables)
         assigned_step.step(
@@ -70,13 +69,14 @@ def apply(optimizer: Any, grads: list, trainable_variables: list | None) -> None
             apply_inner,
             forward,
             source=source,
-            check=check,
+            float8_check=functools.partial(float8_check, optimizer, context, aligned),
         )
     else:  # the cross-replica step reads the first replica's forward statistics
+        applies = assigned_step.applies_of(flags, len(aligned))
         context.merge_call(
             _merged_step,
             args=(optimizer, aligned, flags, before, forward_state, forward, grads, variables),
-            kwargs={"source": source, "check": check},
+            kwargs={"source": source, "check": float8_check(optimizer, context, aligned, applies)},
         )
 
 
@@ -117,7 +117,7 @@ PER_REPLICA_FLOAT8 = (
 )
 
 
-def float8_check(optimizer: Any, context: Any, aligned: list, flags: Any) -> StepCheck | None:
+def float8_check(optimizer: Any, context: Any, aligned: list, applies: Any) -> StepCheck | None:
     """The step's float8 check, the same on every replica; None without float8 layers.
 
     Made before the inner optimizer assigns (the scales this step used). With several
@@ -130,7 +130,7 @@ def float8_check(optimizer: Any, context: Any, aligned: list, flags: Any) -> Ste
         optimizer: a built ``kmix.LossScaleOptimizer``.
         context: the replica context.
         aligned: the scaled gradients, one per tracked variable.
-        flags: the agreed flags (per gradient non-finite, then the loss's two).
+        applies: boolean scalar: the step applies (agreed by every replica).
 
     Returns:
         The agreed :class:`kmix.float8.StepCheck`, or None.
@@ -138,7 +138,6 @@ def float8_check(optimizer: Any, context: Any, aligned: list, flags: Any) -> Ste
     float8 = optimizer.float8
     if not float8.active:
         return None
-    applies = assigned_step.applies_of(flags, len(aligned))
     check = float8.before_apply(aligned, applies)
     replicas = context.num_replicas_in_sync
     if replicas == 1:
@@ -223,5 +222,5 @@ def _merged_step(
         ),
         None if forward is None else tuple(first(t) for t in forward),
         source=record.NonfiniteSource(*(v if isinstance(v, int) else first(v) for v in source)),
-        check=None if check is None else StepCheck(*(first(v) for v in check)),
+        float8_check=None if check is None else lambda applies: StepCheck(*map(first, check)),
     )
