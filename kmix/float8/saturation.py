@@ -41,9 +41,9 @@ __all__ = [
     "advance_float8",
     "check_step",
     "inputs_underflow",
-    "worst_of_replicas",
     "kept_where_zero",
     "rescaled",
+    "worst_of_replicas",
 ]
 
 TENSOR_FIELDS = ("saturated_steps", "last_saturated_step", "episode")
