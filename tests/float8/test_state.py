@@ -542,11 +542,13 @@ def test_mirrored_strategy_saturations_on_any_replica_are_reported_at_their_step
     script = os.path.join(
         os.path.dirname(os.path.dirname(__file__)), "scripts", "mirrored_float8.py"
     )
-    result = subprocess.run([sys.executable, script],
+    result = subprocess.run(
+        [sys.executable, script],
         capture_output=True,
         text=True,
         timeout=240,
-        env={**os.environ, "KERAS_BACKEND": "tensorflow"},  # a tf.distribute test)
+        env={**os.environ, "KERAS_BACKEND": "tensorflow"},  # a tf.distribute test
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     got = json.loads(result.stdout.strip().splitlines()[-1])
     assert got["kmix"] == got["replay"] and len(got["replay"]) >= 5
