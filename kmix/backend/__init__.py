@@ -59,6 +59,7 @@ retrace_all = _active.retrace_all
 host_value = _active.host_value
 initialized = _active.initialized
 read_in_step = _active.read_in_step
+replica_copies = _active.replica_copies
 int64_dtype = _active.int64_dtype
 exact_exponent = _active.exact_exponent
 summed_rows = _active.summed_rows
@@ -102,6 +103,7 @@ __all__ = [
     "reachable",
     "read_in_step",
     "reduce_rows",
+    "replica_copies",
     "reset_peak_memory",
     "retrace_all",
     "screened_nonfinite_flags",

@@ -50,6 +50,11 @@ def new_read(variable: Any) -> Any:
     return ops.convert_to_tensor(variable)
 
 
+def as_one_copy(variables: Sequence[Any]) -> list[list[Any]]:
+    """``[variables]``: each variable is one copy (nothing here keeps one per replica)."""
+    return [list(variables)]
+
+
 def always_initialized(variable: Any) -> bool:
     """True: eager backends give a variable its value when they create it."""
     return True

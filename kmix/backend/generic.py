@@ -15,6 +15,7 @@ from kmix.backend.common import (
     alone_agrees,
     always_initialized,
     always_reachable,
+    as_one_copy,
     divide_each,
     keras_cond,
     new_read,
@@ -61,7 +62,7 @@ def _unsupported(*args: Any, **kwargs: Any) -> Any:
 
 exact_exponent = summed_rows = _unsupported
 retrace_all, reduce_rows, host_value, as_arrived = retrace, reduce_each, numpy_value, unchanged
-initialized, read_in_step = always_initialized, new_read
+initialized, read_in_step, replica_copies = always_initialized, new_read, as_one_copy
 
 
 def trace_root(outputs: Any) -> Any:

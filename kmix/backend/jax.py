@@ -19,6 +19,7 @@ from keras import ops
 from kmix.backend.common import (
     STACK_LIMIT,
     always_initialized,
+    as_one_copy,
     divide_each,
     keras_cond,
     new_read,
@@ -39,6 +40,9 @@ host_value = numpy_value
 
 initialized = always_initialized
 """True: variables get their value when they are created."""
+
+replica_copies = as_one_copy
+"""One copy of each variable (a sharded one is one array)."""
 
 read_in_step = new_read
 """A new read: values here are not a graph to find an earlier read in."""

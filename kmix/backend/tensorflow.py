@@ -8,7 +8,7 @@ memory). TensorFlow is imported inside each function, when it is called.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -181,6 +181,32 @@ def read_in_step(variable: Any) -> Any:
                         return op.outputs[0]
                 break
     return new_read(variable)
+
+
+def replica_copies(variables: Sequence[Any]) -> list[list[Any]]:
+    """The copies of ``variables`` that a write of values computed from them must assign
+    one by one: one list per replica in a cross-replica context (a strategy's merge call),
+    where a read gives the first replica's copy and an assignment writes every copy, though
+    Keras keeps its float8 state per replica (aggregation ``"none"``); ``[variables]``
+    elsewhere (in a replica context a read and a write take the replica's own copy).
+
+    Args:
+        variables: Keras variables (or TensorFlow variables).
+
+    Returns:
+        Lists parallel to ``variables``; a variable that is not mirrored appears as itself
+        in each.
+    """
+    import tensorflow as tf
+
+    values = [getattr(v, "value", v) for v in variables]
+    mirrored = [v for v in values if isinstance(v, tf.distribute.DistributedValues)]
+    if not mirrored or not tf.distribute.in_cross_replica_context():
+        return [list(variables)]
+    return [
+        [v.values[i] if isinstance(v, tf.distribute.DistributedValues) else v for v in values]
+        for i in range(len(mirrored[0].values))
+    ]
 
 
 def initialized(variable: Any) -> bool:

@@ -21,6 +21,7 @@ from kmix.backend.common import (
     alone_agrees,
     always_initialized,
     always_reachable,
+    as_one_copy,
     keras_cond,
     new_read,
     not_counted,
@@ -55,6 +56,9 @@ host_value = numpy_value
 
 initialized = always_initialized
 """True: variables get their value when they are created."""
+
+replica_copies = as_one_copy
+"""One copy of each variable: kmix on torch runs on one device."""
 
 read_in_step = new_read
 """A new read: values here are not a graph to find an earlier read in."""

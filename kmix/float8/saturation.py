@@ -23,7 +23,7 @@ gradients' scale and amax history by it, so their float8 range follows the loss 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -214,12 +214,15 @@ def advance_float8(old: Float8Record, check: StepCheck, step: Any) -> Float8Reco
     )
 
 
-def rescaled(tensors: Sequence[Float8Tensor], values: Sequence[Any], factor: Any) -> dict[int, Any]:
+def rescaled(
+    tensors: Sequence[Float8Tensor], values: Sequence[Any] | Mapping[int, Any], factor: Any
+) -> dict[int, Any]:
     """The output gradients' scales and amax histories multiplied by ``factor``.
 
     Args:
         tensors: the float8 tensors.
-        values: the tracked variables' values after the step.
+        values: the tracked variables' values after the step, by tracked index (at least
+            the output gradients' scales and histories).
         factor: the loss scale's change at this step (new / old; 1 when unchanged).
 
     Returns:

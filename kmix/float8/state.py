@@ -33,7 +33,7 @@ from keras import ops
 
 from kmix._checks import KmixWarning, WarnOnce
 from kmix._layers import walk_layers
-from kmix.backend import host_value, initialized, rare_cond, read_in_step
+from kmix.backend import host_value, initialized, rare_cond, read_in_step, replica_copies
 from kmix.float8.reads import Float8Health, decode_saturations, tensor_health
 from kmix.float8.saturation import (
     EPISODE_FLOAT_FIELDS,
@@ -175,13 +175,20 @@ class Float8State:
             variable.assign(ops.cast(value, variable.dtype))
 
     def _write_rescale(self, factor: Any) -> None:
-        """Multiplies the output gradients' float8 state by ``factor`` (when followed)."""
+        """Multiplies the output gradients' float8 state by ``factor`` (when followed):
+        each replica's copy by itself (:func:`kmix.backend.replica_copies`)."""
         if not self.follows_loss_scale:
             return
-        tracked = self._tracked
-        values = [ops.convert_to_tensor(v) for v in tracked]
-        for index, value in rescaled(self.tensors, values, factor).items():
-            tracked[index].assign(value)
+        followed = [
+            i
+            for t in self.tensors
+            if t.tensor == "outputs_grad"
+            for i in (t.scale_index, t.history_index)
+        ]
+        for copies in replica_copies(self._tracked):
+            values = {i: ops.convert_to_tensor(copies[i]) for i in followed}
+            for index, value in rescaled(self.tensors, values, factor).items():
+                copies[index].assign(value)
 
     def advanced(self, old: Float8Record, check: StepCheck, step: Any) -> Float8Record:
         """JAX: the record's values after the step (as given when nothing saturated)."""

@@ -116,6 +116,7 @@ def main() -> None:
         model.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0, callbacks=[replay])
     hidden = model.get_layer("hidden")
     copies = per_replica(hidden.inputs_scale)
+    grads_copies = per_replica(hidden.outputs_grad_amax_history)
     episodes = {(e.step, e.layer, e.tensor): (e.amax, e.limit) for e in opt.float8_episodes()}
     print(
         json.dumps(
@@ -125,6 +126,7 @@ def main() -> None:
                 "spike_kmix": episodes.get((SPIKE_STEP, "sequential/hidden", "inputs")),
                 "spike_replay": replay.saturated().get((SPIKE_STEP, "sequential/hidden", "inputs")),
                 "replicas_differ": bool(copies[0] != copies[1]),
+                "outputs_grad_differ": bool((grads_copies[0] != grads_copies[1]).any()),
                 "read_is_first_replica": bool(
                     float(keras.ops.convert_to_numpy(hidden.inputs_scale)) == float(copies[0])
                 ),
