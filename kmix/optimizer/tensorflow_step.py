@@ -192,6 +192,18 @@ def check_at_creation(optimizer: Any) -> None:
         )
 
 
+def _each_copy(distribution: Any, variable: Any, value: Any) -> list[tuple[Any, Any]]:
+    """``(copy, value)`` pairs that give each replica's copy of ``variable`` its own
+    ``value`` back in a cross-replica context (Keras keeps per-replica state, e.g. a batch
+    normalization's moving statistics, with aggregation ``"none"``: one assignment there
+    would copy the first replica's value to all)."""
+    values = distribution.experimental_local_results(value)
+    copies = getattr(variable, "value", variable)
+    if isinstance(copies, tf.distribute.DistributedValues):
+        return list(zip(copies.values, values, strict=True))
+    return [(variable, values[0])]
+
+
 def _merged_step(
     distribution: Any,
     optimizer: Any,
@@ -216,7 +228,7 @@ def _merged_step(
         [first(g) for g in aligned],
         first(flags),
         keras.tree.map_structure(first, before),
-        [(v, first(old)) for v, old in forward_state],
+        [pair for v, old in forward_state for pair in _each_copy(distribution, v, old)],
         lambda: distribution.extended.call_for_each_replica(
             assigned_step.apply_inner, args=(optimizer, grads, variables)
         ),

@@ -19,7 +19,8 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts", "mi
 
 def test_saturations_on_any_replica_are_reported_at_their_step_through_growths_and_a_skip():
     """A spike on replica 1 alone is seen; loss-scale growths every 2 steps rescale each
-    replica's own output-gradient state (not the first replica's copied to all)."""
+    replica's own output-gradient state, and a skip gives each replica's own batch
+    normalization statistics back (not the first replica's copied to all)."""
     result = subprocess.run(
         [sys.executable, SCRIPT, "2"],  # the loss scale grows every 2 applied steps
         capture_output=True,
@@ -39,3 +40,5 @@ def test_saturations_on_any_replica_are_reported_at_their_step_through_growths_a
     assert got["outputs_grad_differ"]  # rescaled per replica, not made equal
     assert len(got["said"]) == 1 and "2 replicas" in got["said"][0]
     assert got["skipped"] == 1 and got["changes"] == 4  # 3 growths, 1 backoff
+    # the skip gives each replica's batch-normalization statistics its own value back
+    assert got["skips_give_back"] == [True] and got["norms_differ"]

@@ -1,5 +1,7 @@
 """Trains a float8 MLP under MirroredStrategy on two logical CPUs, with a spike in replica
-1's share of one batch, and replays every replica's float8 variables in NumPy.
+1's share of one batch, and replays every replica's float8 variables in NumPy. A batch
+normalization between the layers keeps per-replica moving statistics too: a skipped step
+must give each replica's copy its own value back.
 
 Run as ``python mirrored_float8.py [GROWTH_STEPS]`` (the loss scale's growth interval,
 default 2000: no growth); prints one JSON line. A separate process is needed
@@ -45,7 +47,7 @@ class ReplicaReplay(keras.callbacks.Callback):
 
     def __init__(self):
         super().__init__()
-        self.scales, self.amaxes, self.loss_scales = [], [], []
+        self.scales, self.amaxes, self.loss_scales, self.norms = [], [], [], []
 
     def _state(self):
         opt = self.model.optimizer
@@ -63,6 +65,7 @@ class ReplicaReplay(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.loss_scales[-1] += self._state()
+        self.norms.append(per_replica(self.model.get_layer("norm").moving_mean))
         self.amaxes.append(
             {
                 (layer.path, t): [h[0] for h in per_replica(getattr(layer, f"{t}_amax_history"))]
@@ -103,6 +106,7 @@ def main() -> None:
             [
                 keras.Input((16,)),
                 keras.layers.Dense(32, activation="relu", name="hidden"),
+                keras.layers.BatchNormalization(name="norm"),
                 keras.layers.Dense(4, name="out"),
             ]
         )
@@ -118,6 +122,8 @@ def main() -> None:
     copies = per_replica(hidden.inputs_scale)
     grads_copies = per_replica(hidden.outputs_grad_amax_history)
     episodes = {(e.step, e.layer, e.tensor): (e.amax, e.limit) for e in opt.float8_episodes()}
+    skipped = [i for i, (_, before, _, after) in enumerate(replay.loss_scales) if after == before]
+    norms = replay.norms
     print(
         json.dumps(
             {
@@ -132,6 +138,12 @@ def main() -> None:
                 ),
                 "said": [str(w.message) for w in caught if "replica" in str(w.message)],
                 "skipped": opt.skipped_steps,
+                # each replica's moving mean after a skipped step is its own from before it
+                "skips_give_back": [
+                    all((a == b).all() for a, b in zip(norms[i], norms[i - 1], strict=True))
+                    for i in skipped
+                ],
+                "norms_differ": bool((norms[-1][0] != norms[-1][1]).any()),
                 "changes": len(opt.scale_events()),
             }
         )
