@@ -3,22 +3,26 @@ model, side by side in one process, with the method's own noise floor measured a
 
 One float8 MLP (``model.quantize("float8")`` over ``mixed_float16``, the model of
 ``bench_float8.py``), compiled with ``kmix.LossScaleOptimizer`` and watched by
-``MixedPrecisionMonitor(update_freq=N)``. Its train step is traced twice and both are kept:
+``MixedPrecisionMonitor(update_freq=N)``. Its train step is traced ``--traces`` times for
+each contender and every trace is kept:
 
 - float8 on: kmix as shipped: the fused saturation check in every step, the output
   gradients following the loss scale, and the monitor writing ``kmix/fp8_*`` at each read;
 - float8 off: the same optimizer with its float8 record hidden (``active`` is False: no
   check, no record, no rescale; the variables stay) and the monitor's float8 write a no-op.
 
-Each round fits once per contender, in a rotating order: on, off, and off again (the off
-step traced a second time: what two identical contenders differ by on this machine; two
-traces of one step can differ by several per cent in direct calls, so the same traced
-step twice would understate the noise). A fit runs
+Each round fits once per trace, in a rotating order: on, off, and off again (the off step's
+own traces: what two identical contenders differ by on this machine). Two traces of one
+step can differ by several per cent in direct calls, a difference that stays with the
+trace, so one trace per contender measures its traces' luck as much as the cost: each
+contender's step time in a round is the geometric mean over its traces. A fit runs
 ``--skip`` untimed steps, then ``N`` timed ones, so each timed window holds exactly one
 monitor read. Each round's ratio to off is paired (neighbours in time share the machine's
-slow drifts); the verdict is their median with a 95 % bootstrap interval: met where the
-interval's top is at most the goal, missed where its bottom is above it, else not decided
-at this run's noise (run more rounds). By parts, from the same run: the monitor's float8
+slow drifts); the verdict is their median with a 95 % bootstrap interval that draws both
+the traces (each contender's, with replacement) and the rounds, so the traces' spread is
+in it: met where the interval's top is at most the goal, missed where its bottom is above
+it, else not decided at this run's noise (run more rounds or traces). By parts, from the
+same run: the monitor's float8
 write (timed at each read) and the step's op count with and without
 (``count_step_ops.count``: the ops every step runs, and those only a branch runs).
 
@@ -35,15 +39,14 @@ is most steps, and each such step runs the step record's full branch (the cost o
 saturated step, not of a healthy one).
 
 Usage:
-    python bench/bench_float8_cost.py [--rounds 100] [--update-freq 100] [--skip 10]
-        [--width 128] [--training] [--jit-compile]
+    python bench/bench_float8_cost.py [--rounds 100] [--traces 3] [--update-freq 100]
+        [--skip 10] [--width 128] [--training] [--jit-compile]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -142,15 +145,15 @@ def steady_batch(x, y, width: int, tries: int = 20) -> tuple[int, bool]:
 
 
 class Contenders:
-    """Float8 monitoring on and off on one model: three traced train steps (on, off, off
-    again), switched by fit.
+    """Float8 monitoring on and off on one model: ``traces`` traced train steps for each
+    contender (on, off, off again), switched by fit.
 
     Off hides the optimizer's float8 record (``active`` is False while its step is traced
     and while it runs) and makes the monitor's float8 write a no-op; on gives both back.
     The monitor's float8 write is timed at each read.
     """
 
-    def __init__(self, m: keras.Model, monitor, x, y) -> None:
+    def __init__(self, m: keras.Model, monitor, x, y, traces: int) -> None:
         self.model, self.monitor = m, monitor
         m.fit(x[: 4 * BATCH], y[: 4 * BATCH], batch_size=BATCH, verbose=0)  # builds the optimizer
         self.record, write = m.optimizer.float8.record, monitor._float8.write
@@ -165,20 +168,21 @@ class Contenders:
 
         self._write = timed_write
         self.steps = {}
-        for kind in CONTENDERS:  # each traced by a short fit of its own
-            self.switch(kind)
+        self.keys = [(kind, k) for k in range(traces) for kind in CONTENDERS]
+        for key in self.keys:  # each traced by a short fit of its own, contenders interleaved
+            self.switch(key)
             m.make_train_function(force=True)
             m.fit(x[: 4 * BATCH], y[: 4 * BATCH], batch_size=BATCH, verbose=0, callbacks=[monitor])
-            self.steps[kind] = m.train_function
-        self.switch("float8 on")
+            self.steps[key] = m.train_function
+        self.switch(("float8 on", 0))
 
-    def switch(self, kind: str) -> None:
-        """To contender ``kind`` (its own traced train step, once all are traced)."""
-        on = CONTENDERS[kind]
+    def switch(self, key: tuple[str, int]) -> None:
+        """To ``(contender, trace)`` (its own traced train step, once all are traced)."""
+        on = CONTENDERS[key[0]]
         self.model.optimizer.float8.record = self.record if on else None
         self.monitor._float8.write = self._write if on else (lambda *args, **kwargs: None)
-        if kind in getattr(self, "steps", {}):
-            self.model.train_function = self.steps[kind]
+        if key in self.steps:
+            self.model.train_function = self.steps[key]
 
     def op_counts(self, x, y) -> dict[bool, tuple[int, int, int]] | None:
         """TensorFlow: :func:`count_step_ops.count` of the train step, on and off."""
@@ -190,10 +194,10 @@ class Contenders:
         spec = tuple(tf.TensorSpec((BATCH, *a.shape[1:]), a.dtype) for a in (x, y))
         counts = {}
         for kind in ("float8 on", "float8 off"):
-            self.switch(kind)
+            self.switch((kind, 0))
             traced = tf.function(self.model.train_step).get_concrete_function(spec)
             counts[CONTENDERS[kind]] = count(traced.graph.as_graph_def())
-        self.switch("float8 on")
+        self.switch(("float8 on", 0))
         return counts
 
 
@@ -201,11 +205,33 @@ CONTENDERS = {"float8 on": True, "float8 off": False, "off again": False}
 """Contender -> float8 monitoring on; "off again" is the off step traced again (the noise floor)."""
 
 
-def interval(ratios: list[float], draws: int = 2000) -> tuple[float, float, float]:
-    """``(median, low, high)``: the median of ``ratios`` and its 95 % bootstrap interval."""
-    rng = random.Random(0)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
-    return statistics.median(ratios), medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+def round_ratios(times: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """Each round's ratio of two contenders' step times, each the geometric mean over its
+    traces.
+
+    Args:
+        times: seconds a step, ``(traces, rounds)``, of the contender measured.
+        base: the same of the contender it is divided by.
+
+    Returns:
+        ``(rounds,)`` ratios.
+    """
+    return np.exp(np.log(times).mean(axis=0) - np.log(base).mean(axis=0))
+
+
+def interval(times: np.ndarray, base: np.ndarray, draws: int = 2000) -> tuple[float, float, float]:
+    """``(median, low, high)``: the median over rounds of :func:`round_ratios` and its 95 %
+    bootstrap interval, each draw taking each contender's traces and the rounds with
+    replacement (so the traces' own spread widens it)."""
+    rng = np.random.default_rng(0)
+    (traces, rounds), medians = times.shape, []
+    for _ in range(draws):
+        picked = rng.integers(rounds, size=rounds)
+        mine, theirs = (rng.integers(traces, size=traces) for _ in range(2))
+        medians.append(np.median(round_ratios(times[mine][:, picked], base[theirs][:, picked])))
+    medians.sort()
+    mid = float(np.median(round_ratios(times, base)))
+    return mid, float(medians[int(0.025 * draws)]), float(medians[int(0.975 * draws) - 1])
 
 
 MIN_ROUNDS = 20
@@ -220,49 +246,53 @@ def verdict(low: float, high: float, rounds: int, goal: float = GOAL) -> str:
         return f"met (the interval's top is at most {goal})"
     if low > goal:
         return f"missed (the interval's bottom is above {goal})"
-    return f"not decided at this noise (the interval holds {goal}): run more rounds"
+    return f"not decided at this noise (the interval holds {goal}): run more rounds or traces"
 
 
 def run(args: argparse.Namespace, x, y, learning_rate: float, powers: bool) -> None:
     """The rounds, then the verdict and the parts."""
     m, monitor = watched(args.update_freq, args.width, learning_rate, powers, args.jit_compile)
-    contenders = Contenders(m, monitor, x, y)
-    clocks = {kind: Clock(args.skip) for kind in CONTENDERS}
+    contenders = Contenders(m, monitor, x, y, args.traces)
+    keys = contenders.keys
+    clocks = {key: Clock(args.skip) for key in keys}
     first_step = m.optimizer.read_state().attempted_steps
-    kinds = list(CONTENDERS)
     for r in range(args.rounds):
-        for kind in kinds[r % 3 :] + kinds[: r % 3]:
-            contenders.switch(kind)
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+            contenders.switch(key)
             m.fit(
-                x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[monitor, clocks[kind]]
+                x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=[monitor, clocks[key]]
             )
-    contenders.switch("float8 on")
+    contenders.switch(("float8 on", 0))
     saturated = {s.step for s in m.optimizer.float8_saturations(since_step=first_step)}
     state = m.optimizer.read_state()
     print(
         f"backend {keras.backend.backend()}, width {args.width}, "
         f"{'training' if args.training else 'healthy steps'}, "
-        f"jit_compile {args.jit_compile}, {args.rounds} rounds of "
-        f"{args.skip} + {args.update_freq} steps a fit, update_freq {args.update_freq}"
+        f"jit_compile {args.jit_compile}, {args.rounds} rounds of {args.traces} traces per "
+        f"contender, {args.skip} + {args.update_freq} steps a fit, update_freq {args.update_freq}"
     )
     print(
         f"  {len(saturated)} of {state.attempted_steps - first_step} steps saturated a float8 "
         f"tensor{f' (steps {sorted(saturated)})' if 0 < len(saturated) <= 10 else ''}, "
         f"{state.skipped_steps} skipped in all"
     )
-    off = clocks["float8 off"].per_step
-    for kind, clock in clocks.items():
-        line = f"  {kind:<10}: median {statistics.median(clock.per_step) * 1e3:.3f} ms a step"
+    times = {
+        kind: np.array([clocks[(kind, k)].per_step for k in range(args.traces)])
+        for kind in CONTENDERS
+    }
+    off = times["float8 off"]
+    for kind, per_trace in times.items():
+        medians = ", ".join(f"{t * 1e3:.3f}" for t in np.median(per_trace, axis=1))
+        line = f"  {kind:<10}: median ms a step by trace {medians}"
         if kind != "float8 off":
-            ratios = [a / b for a, b in zip(clock.per_step, off, strict=True)]
-            mid, low, high = interval(ratios)
+            mid, low, high = interval(per_trace, off)
             line += f"; to off, by round: x{mid:.4f} (95 % interval {low:.4f}-{high:.4f})"
             if kind == "float8 on":
                 decided = verdict(low, high, args.rounds)
         print(line)
     print(f"float8 monitoring's cost, goal <= x{GOAL}: {decided}")
     write = statistics.median(contenders.writes)
-    step = statistics.median(clocks["float8 off"].per_step)
+    step = float(np.median(off))
     print(
         f"by parts: the monitor's float8 write {write * 1e3:.2f} ms a read (median of "
         f"{len(contenders.writes)}), {write / args.update_freq / step:.2%} of a step at "
@@ -281,6 +311,9 @@ def run(args: argparse.Namespace, x, y, learning_rate: float, powers: bool) -> N
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument(
+        "--traces", type=int, default=3, help="traced train steps per contender (>= 1)"
+    )
     parser.add_argument("--update-freq", type=int, default=100)
     parser.add_argument("--skip", type=int, default=10, help="untimed steps at each fit's start")
     parser.add_argument("--width", type=int, default=128, help="the hidden layers' width")
