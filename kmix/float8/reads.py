@@ -12,14 +12,13 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-import ml_dtypes
 import numpy as np
 
 from kmix.float8.saturation import EPISODE_FLOAT_FIELDS, EPISODE_INT_FIELDS
-from kmix.float8.tensors import FORMAT_TINY, Float8Tensor
+from kmix.float8.tensors import Float8Tensor
 from kmix.tags import Float8Saturation
 
-__all__ = ["Float8Health", "decode_saturations", "flushed_share", "lost_episodes", "tensor_health"]
+__all__ = ["Float8Health", "decode_saturations", "lost_episodes", "tensor_health"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +62,8 @@ def tensor_health(
     scale: float,
     history: np.ndarray,
     saturated_steps: int | None = None,
-    kernel: np.ndarray | None = None,
+    kernel_underflow: float | None = None,
     inputs_underflow: float | None = None,
-    compute_dtype: str | None = None,
 ) -> Float8Health:
     """One tensor's :class:`Float8Health` from its variables' values.
 
@@ -74,18 +72,15 @@ def tensor_health(
         scale: its ``<tensor>_scale`` value.
         history: its ``<tensor>_amax_history`` value.
         saturated_steps: the optimizer's count, or None.
-        kernel: the layer's kernel values (only for ``tensor == "kernel"``), or None.
+        kernel_underflow: the kernel's underflow at the read (only for
+            ``tensor == "kernel"``: :func:`kmix.float8.state.kernel_underflow`), or None.
         inputs_underflow: the inputs' underflow the step measured (only for
             ``tensor == "inputs"``), or None.
-        compute_dtype: the layer's compute dtype (Keras quantizes the kernel in it, cast
-            there by autocast); None: unknown, and the kernel's underflow is not given.
     """
     history = np.asarray(history, "float32")
     amax = float(history[0]) if history.size else 0.0
     peak = float(np.max(history)) if history.size else 0.0
-    underflow = inputs_underflow if tensor.tensor == "inputs" else None
-    if kernel is not None and compute_dtype is not None and tensor.tensor == "kernel":
-        underflow = flushed_share(kernel, scale, compute_dtype, FORMAT_TINY[tensor.format])
+    underflow = {"inputs": inputs_underflow, "kernel": kernel_underflow}.get(tensor.tensor)
     return Float8Health(
         layer=tensor.layer,
         tensor=tensor.tensor,
@@ -96,34 +91,6 @@ def tensor_health(
         saturated_steps=saturated_steps,
         underflow_fraction=underflow,
     )
-
-
-def flushed_share(
-    values: np.ndarray, scale: float, compute_dtype: str, tiny: float
-) -> float | None:
-    """The share of non-zero ``values`` that float8 quantization flushes to zero, as Keras
-    quantizes (``keras.quantizers.quantize_and_dequantize``): the values and the scale cast
-    to the compute dtype, divided there, then rounded to the nearest float8, ties to even (a
-    quotient of at most ``tiny / 2`` becomes 0). The NumPy twin of
-    :func:`kmix.float8.inputs_underflow`.
-
-    Args:
-        values: the tensor's values (float32 or wider).
-        scale: the scale in force.
-        compute_dtype: the layer's compute dtype (``"float16"``, ``"bfloat16"``...).
-        tiny: the format's smallest subnormal.
-
-    Returns:
-        The share, or None where no value is non-zero in the compute dtype.
-    """
-    dtype = ml_dtypes.bfloat16 if compute_dtype == "bfloat16" else np.dtype(compute_dtype)
-    x = np.asarray(values, "float32").astype(dtype)
-    quotient = np.abs(x / np.asarray(scale, "float32").astype(dtype))
-    nonzero = np.abs(x) > 0
-    if not nonzero.any():
-        return None
-    flushed = nonzero & (quotient <= tiny / 2)
-    return float(np.count_nonzero(flushed) / np.count_nonzero(nonzero))
 
 
 def decode_saturations(

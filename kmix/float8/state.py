@@ -44,6 +44,7 @@ from kmix.float8.saturation import (
     StepCheck,
     advance_float8,
     check_step,
+    inputs_underflow,
     kept_where_zero,
     rescaled,
 )
@@ -54,7 +55,7 @@ from kmix.tags import Float8Saturation
 ATTEMPTED = Counters._fields.index("attempted_steps")
 """The attempted steps' position in the step record's packed counters."""
 
-__all__ = ["Float8Reads", "Float8State", "attempted_step", "read_health"]
+__all__ = ["Float8Reads", "Float8State", "attempted_step", "kernel_underflow", "read_health"]
 
 _SAID = WarnOnce()
 _PASS_TRAINING = (
@@ -391,18 +392,39 @@ def read_health(
     found = []
     for i, t in enumerate(float8_tensors(variables)):
         kernel = by_path.get(f"{t.layer}/kernel") if t.tensor == "kernel" else None
+        dtype = dtypes.get(t.layer)
+        scale = variables[t.scale_index]
         found.append(
             tensor_health(
                 t,
-                float(host_value(variables[t.scale_index])),
+                float(host_value(scale)),
                 host_value(variables[t.history_index]),
                 None if saturated_steps is None else int(saturated_steps[i]),
-                None if kernel is None else np.asarray(host_value(kernel)),
+                None if kernel is None or dtype is None else kernel_underflow(kernel, scale, dtype),
                 (inputs_underflow or {}).get(t.layer),
-                dtypes.get(t.layer),
             )
         )
     return found
+
+
+def kernel_underflow(kernel: Any, scale: Any, compute_dtype: str) -> float | None:
+    """The share of a float8 layer's non-zero kernel values that its scale flushes to zero.
+
+    Computed where the kernel lives, with the ops that measure the inputs' share in the
+    step (:func:`kmix.float8.inputs_underflow`: the kernel's format is the inputs', E4M3,
+    and Keras quantizes both alike, in the layer's compute dtype), so a read moves one
+    number to the host, not the kernel.
+
+    Args:
+        kernel: the layer's kernel variable (or its value).
+        scale: its ``kernel_scale`` variable (or value): the scale the next step uses.
+        compute_dtype: the layer's compute dtype (Keras quantizes the autocast kernel).
+
+    Returns:
+        The share, or None where no kernel value is non-zero in the compute dtype.
+    """
+    share = float(ops.convert_to_numpy(inputs_underflow(kernel, scale, compute_dtype)))
+    return None if np.isnan(share) else share
 
 
 def compute_dtypes(model: Any) -> dict[str, str]:

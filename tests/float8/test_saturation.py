@@ -22,6 +22,7 @@ from kmix.float8 import (
     tensor_health,
     worst_of_replicas,
 )
+from kmix.float8.state import kernel_underflow
 from kmix.tags import ROUNDING_BITS, Float8Saturation, format_saturation
 
 pytestmark = pytest.mark.jax
@@ -209,12 +210,16 @@ def test_tensor_health_words_the_newest_amax_against_the_scale():
     t = Float8Tensor("d", "kernel", 0, 1, 448.0)
     history = np.float32([112.0, 0, 896.0])
     kernel = np.float32([1.0, 2.0**-11, 0.0, -3.0])  # scale 2**-1: 2**-11 / 0.5 = 2**-10 flushes
-    h = tensor_health(t, 0.5, history, 7, kernel, compute_dtype="float16")
+    share = kernel_underflow(kernel, np.float32(0.5), "float16")
+    assert share == pytest.approx(1 / 3, rel=2**-23)  # 1 of the 3 non-zero values
+    h = tensor_health(t, 0.5, history, 7, share)
     assert h.headroom_bits == pytest.approx(1.0) and h.staleness_bits == pytest.approx(3.0)
-    assert h.saturated_steps == 7 and h.underflow_fraction == pytest.approx(1 / 3)
+    assert h.saturated_steps == 7 and h.underflow_fraction == share
     assert tensor_health(t, 0.5, np.zeros(3, "float32")).headroom_bits is None
-    # The compute dtype unknown: the kernel's underflow is not given, not guessed.
-    assert tensor_health(t, 0.5, history, 7, kernel).underflow_fraction is None
+    # Not measured (the compute dtype unknown): the kernel's underflow is not given, not guessed.
+    assert tensor_health(t, 0.5, history, 7).underflow_fraction is None
+    # No value non-zero: no share to give.
+    assert kernel_underflow(np.zeros(3, "float32"), np.float32(0.5), "float16") is None
 
 
 @pytest.mark.parametrize(
@@ -225,12 +230,9 @@ def test_the_kernels_underflow_is_in_the_compute_dtype_as_keras_quantizes(comput
     1 + 2**-10 - 2**-13 is 1 + 2**-10 in float16 (1.0 in bfloat16), so the kernel value
     2**-10 * (1 + 2**-10) divides to exactly 2**-10 there (half of E4M3's smallest
     subnormal: a tie, to 0); in float32 the quotient stays just above it and is kept."""
-    t = Float8Tensor("d", "kernel", 0, 1, 448.0)
     kernel = np.float32([2.0**-10 * (1 + 2.0**-10)])
-    history = np.float32([1.0])
     scale = 1 + 2.0**-10 - 2.0**-13
-    h = tensor_health(t, scale, history, None, kernel, compute_dtype=compute_dtype)
-    assert h.underflow_fraction == flushed
+    assert kernel_underflow(kernel, np.float32(scale), compute_dtype) == flushed
     quantized = keras.quantizers.quantize_and_dequantize(  # Keras itself, as a float8 layer runs it
         keras.ops.cast(kernel, compute_dtype), np.float32(scale), "float8_e4m3fn", compute_dtype
     )
