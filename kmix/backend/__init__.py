@@ -58,6 +58,7 @@ rare_cond = _active.rare_cond
 retrace_all = _active.retrace_all
 host_value = _active.host_value
 initialized = _active.initialized
+compiled = _active.compiled
 read_in_step = _active.read_in_step
 replica_copies = _active.replica_copies
 int64_dtype = _active.int64_dtype
@@ -84,6 +85,7 @@ __all__ = [
     "check_single_process",
     "check_supported",
     "compile_function",
+    "compiled",
     "constant_initializer",
     "dataset_from_arrays",
     "default_strategy",

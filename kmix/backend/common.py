@@ -7,7 +7,7 @@ its own library, so the face's names mean one thing wherever they agree.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -53,6 +53,11 @@ def new_read(variable: Any) -> Any:
 def as_one_copy(variables: Sequence[Any]) -> list[list[Any]]:
     """``[variables]``: each variable is one copy (nothing here keeps one per replica)."""
     return [list(variables)]
+
+
+def as_written(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` itself: a backend whose eager ops are cheap runs it op by op (torch)."""
+    return fn
 
 
 def always_initialized(variable: Any) -> bool:

@@ -16,6 +16,7 @@ from kmix.backend.common import (
     always_initialized,
     always_reachable,
     as_one_copy,
+    as_written,
     divide_each,
     keras_cond,
     new_read,
@@ -32,6 +33,9 @@ from kmix.backend.common import constant_initializer as constant_initializer  # 
 
 divided, screened_nonfinite_flags = divide_each, not_screened
 """The unscale one op at a time; no finite screen (the step decides in the graph)."""
+
+compiled = as_written
+"""Run as written: kmix knows no compiler of this backend."""
 
 USES_TENSORFLOW = False
 """Keras utilities that import TensorFlow would load it only for them."""

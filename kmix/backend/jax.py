@@ -7,7 +7,7 @@ nothing here imports TensorFlow.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -233,6 +233,11 @@ def trace_root(outputs: Any) -> Any:
             trace = trace.parent_trace
         return trace
     return None
+
+
+def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``jax.jit(fn)``: one dispatch a call (a trace per argument shapes)."""
+    return jax.jit(fn)
 
 
 def is_traced(outputs: Any) -> bool:

@@ -311,6 +311,14 @@ def default_strategy() -> Any:
     return tf.distribute.get_strategy()
 
 
+def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` traced as a ``tf.function`` (once per number and kind of its arguments):
+    one dispatch a call, where TensorFlow's eager ops cost a dispatch each."""
+    import tensorflow as tf
+
+    return tf.function(fn, autograph=False, reduce_retracing=True)
+
+
 def compile_function(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
     """``tf.function(fn, **kwargs)``."""
     import tensorflow as tf

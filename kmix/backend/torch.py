@@ -22,6 +22,7 @@ from kmix.backend.common import (
     always_initialized,
     always_reachable,
     as_one_copy,
+    as_written,
     keras_cond,
     new_read,
     not_counted,
@@ -33,6 +34,9 @@ from kmix.backend.common import (
     unchanged,
 )
 from kmix.backend.common import constant_initializer as constant_initializer  # the name, bound here
+
+compiled = as_written
+"""Eager: ops here are cheap one by one."""
 
 USES_TENSORFLOW = False
 """Keras utilities that import TensorFlow (its TensorBoard callback, its seeding) would

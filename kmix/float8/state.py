@@ -24,6 +24,7 @@ the step's counters and flags); JAX's step keeps its values-in, values-out branc
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +34,14 @@ from keras import ops
 
 from kmix._checks import KmixWarning, WarnOnce
 from kmix._layers import walk_layers
-from kmix.backend import host_value, initialized, rare_cond, read_in_step, replica_copies
+from kmix.backend import (
+    compiled,
+    host_value,
+    initialized,
+    rare_cond,
+    read_in_step,
+    replica_copies,
+)
 from kmix.float8.reads import Float8Health, decode_saturations, tensor_health
 from kmix.float8.saturation import (
     EPISODE_FLOAT_FIELDS,
@@ -55,7 +63,7 @@ from kmix.tags import Float8Saturation
 ATTEMPTED = Counters._fields.index("attempted_steps")
 """The attempted steps' position in the step record's packed counters."""
 
-__all__ = ["Float8Reads", "Float8State", "attempted_step", "kernel_underflow", "read_health"]
+__all__ = ["Float8Reads", "Float8State", "attempted_step", "kernel_underflows", "read_health"]
 
 _SAID = WarnOnce()
 _PASS_TRAINING = (
@@ -389,42 +397,69 @@ def read_health(
     variables = list(variables)
     by_path = {str(v.path): v for v in variables}
     dtypes = {} if model is None else compute_dtypes(model)
-    found = []
-    for i, t in enumerate(float8_tensors(variables)):
-        kernel = by_path.get(f"{t.layer}/kernel") if t.tensor == "kernel" else None
-        dtype = dtypes.get(t.layer)
-        scale = variables[t.scale_index]
-        found.append(
-            tensor_health(
-                t,
-                float(host_value(scale)),
-                host_value(variables[t.history_index]),
-                None if saturated_steps is None else int(saturated_steps[i]),
-                None if kernel is None or dtype is None else kernel_underflow(kernel, scale, dtype),
-                (inputs_underflow or {}).get(t.layer),
-            )
+    tensors = float8_tensors(variables)
+    measured = [  # (tensor, its kernel): the kernels whose underflow is measured
+        (t, by_path[f"{t.layer}/kernel"])
+        for t in tensors
+        if t.tensor == "kernel" and f"{t.layer}/kernel" in by_path and t.layer in dtypes
+    ]
+    shares = kernel_underflows(
+        [kernel for _, kernel in measured],
+        [variables[t.scale_index] for t, _ in measured],
+        [dtypes[t.layer] for t, _ in measured],
+    )
+    underflow = {t: share for (t, _), share in zip(measured, shares, strict=True)}
+    return [
+        tensor_health(
+            t,
+            float(host_value(variables[t.scale_index])),
+            host_value(variables[t.history_index]),
+            None if saturated_steps is None else int(saturated_steps[i]),
+            underflow.get(t),
+            (inputs_underflow or {}).get(t.layer),
         )
-    return found
+        for i, t in enumerate(tensors)
+    ]
 
 
-def kernel_underflow(kernel: Any, scale: Any, compute_dtype: str) -> float | None:
-    """The share of a float8 layer's non-zero kernel values that its scale flushes to zero.
+def kernel_underflows(
+    kernels: Sequence[Any], scales: Sequence[Any], compute_dtypes: Sequence[str]
+) -> list[float | None]:
+    """The share of each float8 layer's non-zero kernel values that its scale flushes to zero.
 
-    Computed where the kernel lives, with the ops that measure the inputs' share in the
+    Computed where the kernels live, with the ops that measure the inputs' share in the
     step (:func:`kmix.float8.inputs_underflow`: the kernel's format is the inputs', E4M3,
-    and Keras quantizes both alike, in the layer's compute dtype), so a read moves one
-    number to the host, not the kernel.
+    and Keras quantizes both alike, in the layer's compute dtype), all layers in one
+    compiled call (:func:`kmix.backend.compiled`), so a read moves one number per layer to
+    the host, not the kernels, and pays one dispatch, not one per op.
 
     Args:
-        kernel: the layer's kernel variable (or its value).
-        scale: its ``kernel_scale`` variable (or value): the scale the next step uses.
-        compute_dtype: the layer's compute dtype (Keras quantizes the autocast kernel).
+        kernels: the layers' kernel variables (or their values).
+        scales: their ``kernel_scale`` variables (or values): the scales the next step uses.
+        compute_dtypes: the layers' compute dtypes (Keras quantizes the autocast kernel).
 
     Returns:
-        The share, or None where no kernel value is non-zero in the compute dtype.
+        One share per layer, None where no kernel value is non-zero in the compute dtype.
     """
-    share = float(ops.convert_to_numpy(inputs_underflow(kernel, scale, compute_dtype)))
-    return None if np.isnan(share) else share
+    if not kernels:
+        return []
+    values = [v.value if isinstance(v, keras.Variable) else v for v in (*kernels, *scales)]
+    shares = _underflows(tuple(compute_dtypes))(values[: len(kernels)], values[len(kernels) :])
+    return [None if np.isnan(share) else float(share) for share in ops.convert_to_numpy(shares)]
+
+
+@functools.cache
+def _underflows(compute_dtypes: tuple[str, ...]) -> Callable[[list, list], Any]:
+    """:func:`inputs_underflow` of each kernel by its scale in its compute dtype, stacked,
+    compiled once per tuple of dtypes."""
+    return compiled(
+        lambda kernels, scales: ops.stack(
+            [
+                inputs_underflow(k, s, d)
+                for k, s, d in zip(kernels, scales, compute_dtypes, strict=True)
+            ]
+        )
+    )
 
 
 def compute_dtypes(model: Any) -> dict[str, str]:

@@ -22,7 +22,7 @@ from kmix.float8 import (
     tensor_health,
     worst_of_replicas,
 )
-from kmix.float8.state import kernel_underflow
+from kmix.float8.state import kernel_underflows
 from kmix.tags import ROUNDING_BITS, Float8Saturation, format_saturation
 
 pytestmark = pytest.mark.jax
@@ -210,7 +210,7 @@ def test_tensor_health_words_the_newest_amax_against_the_scale():
     t = Float8Tensor("d", "kernel", 0, 1, 448.0)
     history = np.float32([112.0, 0, 896.0])
     kernel = np.float32([1.0, 2.0**-11, 0.0, -3.0])  # scale 2**-1: 2**-11 / 0.5 = 2**-10 flushes
-    share = kernel_underflow(kernel, np.float32(0.5), "float16")
+    share = kernel_underflows([kernel], [np.float32(0.5)], ["float16"])[0]
     assert share == pytest.approx(1 / 3, rel=2**-23)  # 1 of the 3 non-zero values
     h = tensor_health(t, 0.5, history, 7, share)
     assert h.headroom_bits == pytest.approx(1.0) and h.staleness_bits == pytest.approx(3.0)
@@ -218,8 +218,12 @@ def test_tensor_health_words_the_newest_amax_against_the_scale():
     assert tensor_health(t, 0.5, np.zeros(3, "float32")).headroom_bits is None
     # Not measured (the compute dtype unknown): the kernel's underflow is not given, not guessed.
     assert tensor_health(t, 0.5, history, 7).underflow_fraction is None
-    # No value non-zero: no share to give.
-    assert kernel_underflow(np.zeros(3, "float32"), np.float32(0.5), "float16") is None
+    # No value non-zero: no share to give; each layer's share is its own in one call.
+    shares = kernel_underflows(
+        [np.zeros(3, "float32"), kernel, kernel], [np.float32(0.5), 0.5, 2.0**-12], ["float16"] * 3
+    )
+    assert shares[0] is None and shares[1] == share and shares[2] == 0.0
+    assert kernel_underflows([], [], []) == []
 
 
 @pytest.mark.parametrize(
@@ -232,7 +236,7 @@ def test_the_kernels_underflow_is_in_the_compute_dtype_as_keras_quantizes(comput
     subnormal: a tie, to 0); in float32 the quotient stays just above it and is kept."""
     kernel = np.float32([2.0**-10 * (1 + 2.0**-10)])
     scale = 1 + 2.0**-10 - 2.0**-13
-    assert kernel_underflow(kernel, np.float32(scale), compute_dtype) == flushed
+    assert kernel_underflows([kernel], [np.float32(scale)], [compute_dtype]) == [flushed]
     quantized = keras.quantizers.quantize_and_dequantize(  # Keras itself, as a float8 layer runs it
         keras.ops.cast(kernel, compute_dtype), np.float32(scale), "float8_e4m3fn", compute_dtype
     )
