@@ -46,6 +46,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -60,7 +61,9 @@ import numpy as np  # noqa: E402
 from bench_float8 import BATCH, data, model  # noqa: E402
 
 import kmix  # noqa: E402
+import kmix.float8.state  # noqa: E402
 from kmix.float8 import float8_tensors  # noqa: E402
+from kmix.float8.saturation import check_step  # noqa: E402
 
 GOAL = 1.03
 """Float8 monitoring's cost on healthy steps, at most (issue 35)."""
@@ -153,8 +156,8 @@ class Contenders:
     The monitor's float8 write is timed at each read.
     """
 
-    def __init__(self, m: keras.Model, monitor, x, y, traces: int) -> None:
-        self.model, self.monitor = m, monitor
+    def __init__(self, m: keras.Model, monitor, x, y, traces: int, kinds: dict[str, int]) -> None:
+        self.model, self.monitor, self.kinds = m, monitor, kinds
         m.fit(x[: 4 * BATCH], y[: 4 * BATCH], batch_size=BATCH, verbose=0)  # builds the optimizer
         self.record, write = m.optimizer.float8.record, monitor._float8.write
         if self.record is None:
@@ -168,7 +171,7 @@ class Contenders:
 
         self._write = timed_write
         self.steps = {}
-        self.keys = [(kind, k) for k in range(traces) for kind in CONTENDERS]
+        self.keys = [(kind, k) for k in range(traces) for kind in kinds]
         for key in self.keys:  # each traced by a short fit of its own, contenders interleaved
             self.switch(key)
             m.make_train_function(force=True)
@@ -178,14 +181,16 @@ class Contenders:
 
     def switch(self, key: tuple[str, int]) -> None:
         """To ``(contender, trace)`` (its own traced train step, once all are traced)."""
-        on = CONTENDERS[key[0]]
+        copies = self.kinds[key[0]]
+        on = copies > 0
+        kmix.float8.state.check_step = dosed(copies) if copies > 1 else check_step
         self.model.optimizer.float8.record = self.record if on else None
         self.monitor._float8.write = self._write if on else (lambda *args, **kwargs: None)
         if key in self.steps:
             self.model.train_function = self.steps[key]
 
-    def op_counts(self, x, y) -> dict[bool, tuple[int, int, int]] | None:
-        """TensorFlow: :func:`count_step_ops.count` of the train step, on and off."""
+    def op_counts(self, x, y) -> dict[str, tuple[int, int, int]] | None:
+        """TensorFlow: :func:`count_step_ops.count` of the train step of each contender."""
         if keras.backend.backend() != "tensorflow":
             return None
         import tensorflow as tf
@@ -193,16 +198,35 @@ class Contenders:
 
         spec = tuple(tf.TensorSpec((BATCH, *a.shape[1:]), a.dtype) for a in (x, y))
         counts = {}
-        for kind in ("float8 on", "float8 off"):
+        for kind in self.kinds:
             self.switch((kind, 0))
             traced = tf.function(self.model.train_step).get_concrete_function(spec)
-            counts[CONTENDERS[kind]] = count(traced.graph.as_graph_def())
+            counts[kind] = count(traced.graph.as_graph_def())
         self.switch(("float8 on", 0))
         return counts
 
 
-CONTENDERS = {"float8 on": True, "float8 off": False, "off again": False}
-"""Contender -> float8 monitoring on; "off again" is the off step traced again (the noise floor)."""
+CONTENDERS = {"float8 on": 1, "float8 off": 0, "off again": 0}
+"""Contender -> copies of the float8 check in its step (0: float8 monitoring off); "off
+again" is the off step traced again (the noise floor)."""
+
+
+def dosed(copies: int):
+    """A :func:`check_step` whose step makes the check ``copies`` times (a dose-response
+    contender): the first as shipped, each other over the float8 tensors in another order
+    (distinct stacks, so no graph optimizer merges them; the same ops and sizes as the
+    check), its ``any`` or-ed into the first's ``saturated``. Every copy gives the same
+    verdict, so the step records what the shipped step does."""
+
+    def check(tensors, grads, values, applies):
+        first = check_step(tensors, grads, values, applies)
+        saturated = first.saturated
+        for order in itertools.islice(itertools.permutations(range(len(tensors))), 1, copies):
+            again = check_step([tensors[i] for i in order], grads, values, applies)
+            saturated = keras.ops.logical_or(saturated, keras.ops.any(again.saturated))
+        return first._replace(saturated=saturated)
+
+    return check
 
 
 def round_ratios(times: np.ndarray, base: np.ndarray) -> np.ndarray:
@@ -219,19 +243,40 @@ def round_ratios(times: np.ndarray, base: np.ndarray) -> np.ndarray:
     return np.exp(np.log(times).mean(axis=0) - np.log(base).mean(axis=0))
 
 
-def interval(times: np.ndarray, base: np.ndarray, draws: int = 2000) -> tuple[float, float, float]:
-    """``(median, low, high)``: the median over rounds of :func:`round_ratios` and its 95 %
-    bootstrap interval, each draw taking each contender's traces and the rounds with
-    replacement (so the traces' own spread widens it)."""
+def bootstrap(statistic, times: list[np.ndarray], draws: int = 2000) -> tuple[float, float, float]:
+    """``(value, low, high)``: ``statistic(*times)`` and its 95 % bootstrap interval, each
+    draw taking the rounds (the same for all, so rounds stay paired) and each contender's
+    traces with replacement (so the traces' own spread widens it).
+
+    Args:
+        statistic: ``(traces, rounds)`` arrays, one per contender -> a number.
+        times: seconds a step, ``(traces, rounds)``, one array per contender.
+        draws: the bootstrap's draws.
+    """
     rng = np.random.default_rng(0)
-    (traces, rounds), medians = times.shape, []
+    (traces, rounds), values = times[0].shape, []
     for _ in range(draws):
         picked = rng.integers(rounds, size=rounds)
-        mine, theirs = (rng.integers(traces, size=traces) for _ in range(2))
-        medians.append(np.median(round_ratios(times[mine][:, picked], base[theirs][:, picked])))
-    medians.sort()
-    mid = float(np.median(round_ratios(times, base)))
-    return mid, float(medians[int(0.025 * draws)]), float(medians[int(0.975 * draws) - 1])
+        drawn = [t[rng.integers(traces, size=traces)][:, picked] for t in times]
+        values.append(statistic(*drawn))
+    values.sort()
+    mid = float(statistic(*times))
+    return mid, float(values[int(0.025 * draws)]), float(values[int(0.975 * draws) - 1])
+
+
+def interval(times: np.ndarray, base: np.ndarray) -> tuple[float, float, float]:
+    """The median over rounds of :func:`round_ratios` and its 95 % interval (:func:`bootstrap`)."""
+    return bootstrap(lambda t, b: np.median(round_ratios(t, b)), [times, base])
+
+
+def per_copy(dosed: np.ndarray, on: np.ndarray, off: np.ndarray, copies: int):
+    """One copy of the check's cost as a share of the off step, from the dose-response:
+    the median over rounds of ``(dosed - on) / off / (copies - 1)`` (each contender's
+    time in a round the geometric mean over its traces), and its 95 % interval."""
+    return bootstrap(
+        lambda d, o, b: np.median((round_ratios(d, b) - round_ratios(o, b)) / (copies - 1)),
+        [dosed, on, off],
+    )
 
 
 MIN_ROUNDS = 20
@@ -250,9 +295,10 @@ def verdict(low: float, high: float, rounds: int, goal: float = GOAL) -> str:
 
 
 def run(args: argparse.Namespace, x, y, learning_rate: float, powers: bool) -> None:
-    """The rounds, then the verdict and the parts."""
+    """The rounds, then the verdicts (side by side, and by parts with the dose-response)."""
     m, monitor = watched(args.update_freq, args.width, learning_rate, powers, args.jit_compile)
-    contenders = Contenders(m, monitor, x, y, args.traces)
+    kinds = dict(CONTENDERS, **({f"check x{args.dose}": args.dose} if args.dose > 1 else {}))
+    contenders = Contenders(m, monitor, x, y, args.traces, kinds)
     keys = contenders.keys
     clocks = {key: Clock(args.skip) for key in keys}
     first_step = m.optimizer.read_state().attempted_steps
@@ -277,8 +323,7 @@ def run(args: argparse.Namespace, x, y, learning_rate: float, powers: bool) -> N
         f"{state.skipped_steps} skipped in all"
     )
     times = {
-        kind: np.array([clocks[(kind, k)].per_step for k in range(args.traces)])
-        for kind in CONTENDERS
+        kind: np.array([clocks[(kind, k)].per_step for k in range(args.traces)]) for kind in kinds
     }
     off = times["float8 off"]
     for kind, per_trace in times.items():
@@ -290,22 +335,55 @@ def run(args: argparse.Namespace, x, y, learning_rate: float, powers: bool) -> N
             if kind == "float8 on":
                 decided = verdict(low, high, args.rounds)
         print(line)
-    print(f"float8 monitoring's cost, goal <= x{GOAL}: {decided}")
-    write = statistics.median(contenders.writes)
-    step = float(np.median(off))
+    print(f"float8 monitoring's cost side by side, goal <= x{GOAL}: {decided}")
+    write = statistics.median(contenders.writes) / args.update_freq / float(np.median(off))
     print(
-        f"by parts: the monitor's float8 write {write * 1e3:.2f} ms a read (median of "
-        f"{len(contenders.writes)}), {write / args.update_freq / step:.2%} of a step at "
+        f"by parts: the monitor's float8 write {statistics.median(contenders.writes) * 1e3:.2f}"
+        f" ms a read (median of {len(contenders.writes)}), {write:.2%} of a step at "
         f"update_freq {args.update_freq}"
     )
     counts = contenders.op_counts(x, y)
     if counts:
-        (on_out, on_ifs, on_in), (off_out, off_ifs, off_in) = counts[True], counts[False]
+        (on_out, on_ifs, on_in), (off_out, off_ifs, off_in) = (
+            counts["float8 on"],
+            counts["float8 off"],
+        )
         print(
             f"          the step's ops outside branches {on_out} on, {off_out} off "
             f"(+{on_out - off_out}); conditionals {on_ifs} / {off_ifs}; "
             f"ops inside branches {on_in} / {off_in}"
         )
+    if args.dose > 1:
+        by_parts(args, times, counts, write)
+
+
+def by_parts(args: argparse.Namespace, times: dict, counts: dict | None, write: float) -> None:
+    """The dose-response: one copy of the check's cost from the step with ``--dose``
+    copies against the shipped one (the traces' luck divided by ``dose - 1``), scaled up to
+    the ops the float8 part adds to the step (where counted: every op costing what a copy's
+    ops cost on average), plus the monitor's float8 write; its verdict."""
+    kind = f"check x{args.dose}"
+    share, low, high = per_copy(times[kind], times["float8 on"], times["float8 off"], args.dose)
+    scale = 1.0
+    if counts:
+        copy_ops = (counts[kind][0] - counts["float8 on"][0]) / (args.dose - 1)
+        added = counts["float8 on"][0] - counts["float8 off"][0]
+        scale = max(1.0, added / copy_ops)
+        print(
+            f"          the step's ops outside branches with the check x{args.dose}: "
+            f"{counts[kind][0]} ({copy_ops:.1f} a copy; the float8 part adds {added}: "
+            f"x{scale:.2f} a copy)"
+        )
+    print(
+        f"          one copy of the check: {share:+.3%} of a step (95 % interval "
+        f"{low:+.3%} to {high:+.3%}), from {args.dose} copies against 1"
+    )
+    total = (1 + share * scale + write, 1 + low * scale + write, 1 + high * scale + write)
+    print(
+        f"float8 monitoring's cost by parts (the check x{scale:.2f} + the write): "
+        f"x{total[0]:.4f} (95 % interval {total[1]:.4f}-{total[2]:.4f}), goal <= x{GOAL}: "
+        f"{verdict(total[1], total[2], args.rounds)}"
+    )
 
 
 def main() -> None:
@@ -315,6 +393,12 @@ def main() -> None:
         "--traces", type=int, default=3, help="traced train steps per contender (>= 1)"
     )
     parser.add_argument("--update-freq", type=int, default=100)
+    parser.add_argument(
+        "--dose",
+        type=int,
+        default=0,
+        help="add a contender making the float8 check this many times (> 1): the cost by parts",
+    )
     parser.add_argument("--skip", type=int, default=10, help="untimed steps at each fit's start")
     parser.add_argument("--width", type=int, default=128, help="the hidden layers' width")
     parser.add_argument(
