@@ -26,6 +26,16 @@ same run: the monitor's float8
 write (timed at each read) and the step's op count with and without
 (``count_step_ops.count``: the ops every step runs, and those only a branch runs).
 
+With ``--dose K`` a fourth contender makes the step's float8 part K times: the check in
+every step (:func:`dosed`) and the float8 write in the step record's full branch, which
+runs at the steps the monitor's statistics are due (:func:`written`). Its difference to
+float8 on is K - 1 copies, so one copy's cost comes with the traces' luck divided by K - 1
+(:func:`per_copy`). The cost by parts is that share scaled up to the ops the float8 part
+adds outside branches (each costing what a copy's ops cost on average), plus the monitor's
+float8 write, with its own 95 % interval and verdict. Not in it: whatever a compiler does
+with the branch as a whole under ``--jit-compile`` (XLA carries the variables a branch may
+assign through every step, once, however many copies write them).
+
 Healthy steps (the default): Adam's learning rate is 0 and every batch is one batch, so
 each step runs every op of a training step while no amax moves. The batch is the first
 whose steady state saturates nothing (:func:`steady_batch`; where no batch is, the same
@@ -39,8 +49,8 @@ is most steps, and each such step runs the step record's full branch (the cost o
 saturated step, not of a healthy one).
 
 Usage:
-    python bench/bench_float8_cost.py [--rounds 100] [--traces 3] [--update-freq 100]
-        [--skip 10] [--width 128] [--training] [--jit-compile]
+    python bench/bench_float8_cost.py [--rounds 100] [--traces 3] [--dose 33]
+        [--update-freq 100] [--skip 10] [--width 128] [--training] [--jit-compile]
 """
 
 from __future__ import annotations
@@ -62,7 +72,7 @@ from bench_float8 import BATCH, data, model  # noqa: E402
 
 import kmix  # noqa: E402
 import kmix.float8.state  # noqa: E402
-from kmix.float8 import float8_tensors  # noqa: E402
+from kmix.float8 import Float8State, float8_tensors  # noqa: E402
 from kmix.float8.saturation import check_step  # noqa: E402
 
 GOAL = 1.03
@@ -184,6 +194,7 @@ class Contenders:
         copies = self.kinds[key[0]]
         on = copies > 0
         kmix.float8.state.check_step = dosed(copies) if copies > 1 else check_step
+        Float8State.write_after = written(copies) if copies > 1 else WRITE_AFTER
         self.model.optimizer.float8.record = self.record if on else None
         self.monitor._float8.write = self._write if on else (lambda *args, **kwargs: None)
         if key in self.steps:
@@ -227,6 +238,23 @@ def dosed(copies: int):
         return first._replace(saturated=saturated)
 
     return check
+
+
+WRITE_AFTER = Float8State.write_after
+"""The float8 write in the step record's full branch, as shipped."""
+
+
+def written(copies: int):
+    """:meth:`Float8State.write_after` made ``copies`` times in the branch: on a healthy
+    step each copy leaves every value as it was (nothing saturated, a loss-scale factor of
+    1), so the dosed step stays a healthy one (a saturating step would count ``copies``
+    times: the dosed contender's counts are not read)."""
+
+    def write_after(self, check, packed, old_scale, new_scale):
+        for _ in range(copies):
+            WRITE_AFTER(self, check, packed, old_scale, new_scale)
+
+    return write_after
 
 
 def round_ratios(times: np.ndarray, base: np.ndarray) -> np.ndarray:
@@ -297,7 +325,7 @@ def verdict(low: float, high: float, rounds: int, goal: float = GOAL) -> str:
 def run(args: argparse.Namespace, x, y, learning_rate: float, powers: bool) -> None:
     """The rounds, then the verdicts (side by side, and by parts with the dose-response)."""
     m, monitor = watched(args.update_freq, args.width, learning_rate, powers, args.jit_compile)
-    kinds = dict(CONTENDERS, **({f"check x{args.dose}": args.dose} if args.dose > 1 else {}))
+    kinds = dict(CONTENDERS, **({f"float8 x{args.dose}": args.dose} if args.dose > 1 else {}))
     contenders = Contenders(m, monitor, x, y, args.traces, kinds)
     keys = contenders.keys
     clocks = {key: Clock(args.skip) for key in keys}
@@ -358,29 +386,31 @@ def run(args: argparse.Namespace, x, y, learning_rate: float, powers: bool) -> N
 
 
 def by_parts(args: argparse.Namespace, times: dict, counts: dict | None, write: float) -> None:
-    """The dose-response: one copy of the check's cost from the step with ``--dose``
+    """The dose-response: one copy of the float8 part's cost from the step with ``--dose``
     copies against the shipped one (the traces' luck divided by ``dose - 1``), scaled up to
     the ops the float8 part adds to the step (where counted: every op costing what a copy's
     ops cost on average), plus the monitor's float8 write; its verdict."""
-    kind = f"check x{args.dose}"
+    kind = f"float8 x{args.dose}"
     share, low, high = per_copy(times[kind], times["float8 on"], times["float8 off"], args.dose)
     scale = 1.0
     if counts:
         copy_ops = (counts[kind][0] - counts["float8 on"][0]) / (args.dose - 1)
         added = counts["float8 on"][0] - counts["float8 off"][0]
         scale = max(1.0, added / copy_ops)
+        inside = (counts[kind][2] - counts["float8 on"][2]) / (args.dose - 1)
         print(
-            f"          the step's ops outside branches with the check x{args.dose}: "
-            f"{counts[kind][0]} ({copy_ops:.1f} a copy; the float8 part adds {added}: "
-            f"x{scale:.2f} a copy)"
+            f"          the step's ops with the float8 part x{args.dose}: {counts[kind][0]} "
+            f"outside branches ({copy_ops:.1f} a copy; the float8 part adds {added}: "
+            f"x{scale:.2f} a copy), {counts[kind][2]} inside ({inside:.1f} a copy; "
+            f"float8 adds {counts['float8 on'][2] - counts['float8 off'][2]})"
         )
     print(
-        f"          one copy of the check: {share:+.3%} of a step (95 % interval "
+        f"          one copy of the float8 part: {share:+.3%} of a step (95 % interval "
         f"{low:+.3%} to {high:+.3%}), from {args.dose} copies against 1"
     )
     total = (1 + share * scale + write, 1 + low * scale + write, 1 + high * scale + write)
     print(
-        f"float8 monitoring's cost by parts (the check x{scale:.2f} + the write): "
+        f"float8 monitoring's cost by parts (a copy x{scale:.2f} + the monitor's write): "
         f"x{total[0]:.4f} (95 % interval {total[1]:.4f}-{total[2]:.4f}), goal <= x{GOAL}: "
         f"{verdict(total[1], total[2], args.rounds)}"
     )
@@ -397,7 +427,7 @@ def main() -> None:
         "--dose",
         type=int,
         default=0,
-        help="add a contender making the float8 check this many times (> 1): the cost by parts",
+        help="add a contender making the step's float8 part this many times (> 1): the cost by parts",
     )
     parser.add_argument("--skip", type=int, default=10, help="untimed steps at each fit's start")
     parser.add_argument("--width", type=int, default=128, help="the hidden layers' width")
