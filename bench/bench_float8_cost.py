@@ -427,7 +427,7 @@ def main() -> None:
         "--dose",
         type=int,
         default=0,
-        help="add a contender making the step's float8 part this many times (> 1): the cost by parts",
+        help="a contender making the step's float8 part this many times (> 1): the cost by parts",
     )
     parser.add_argument("--skip", type=int, default=10, help="untimed steps at each fit's start")
     parser.add_argument("--width", type=int, default=128, help="the hidden layers' width")
