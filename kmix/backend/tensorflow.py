@@ -312,11 +312,31 @@ def default_strategy() -> Any:
 
 
 def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` traced as a ``tf.function`` (once per number and kind of its arguments):
-    one dispatch a call, where TensorFlow's eager ops cost a dispatch each."""
+    """``fn`` as a ``tf.function`` (traced again only for arguments of a new number, dtype
+    or rank; shapes are relaxed): one dispatch a call, where TensorFlow's eager ops cost a
+    dispatch each.
+
+    Hand it tensors or TensorFlow variables (a variable is passed by its handle; a Keras
+    variable would be converted to NumPy for the signature: pass its ``value``). A
+    distributed variable (under a ``tf.distribute`` strategy) is read first, its first
+    replica's copy: ``tf.function`` would keep the one it was first traced with.
+    """
     import tensorflow as tf
 
-    return tf.function(fn, autograph=False, reduce_retracing=True)
+    traced = tf.function(fn, autograph=False, reduce_retracing=True)
+
+    def call(*args: Any) -> Any:
+        return traced(*tf.nest.map_structure(_handed, args))
+
+    return call
+
+
+def _handed(value: Any) -> Any:
+    """What :func:`compiled` hands its ``tf.function``: a distributed variable's value."""
+    import tensorflow as tf
+
+    distributed = isinstance(value, tf.distribute.DistributedValues)
+    return tf.convert_to_tensor(value) if distributed else value
 
 
 def compile_function(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:

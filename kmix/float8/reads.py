@@ -73,7 +73,7 @@ def tensor_health(
         history: its ``<tensor>_amax_history`` value.
         saturated_steps: the optimizer's count, or None.
         kernel_underflow: the kernel's underflow at the read (only for
-            ``tensor == "kernel"``: :func:`kmix.float8.state.kernel_underflow`), or None.
+            ``tensor == "kernel"``: :func:`kmix.float8.state.kernel_underflows`), or None.
         inputs_underflow: the inputs' underflow the step measured (only for
             ``tensor == "inputs"``), or None.
     """

@@ -430,8 +430,9 @@ def kernel_underflows(
     Computed where the kernels live, with the ops that measure the inputs' share in the
     step (:func:`kmix.float8.inputs_underflow`: the kernel's format is the inputs', E4M3,
     and Keras quantizes both alike, in the layer's compute dtype), all layers in one
-    compiled call (:func:`kmix.backend.compiled`), so a read moves one number per layer to
-    the host, not the kernels, and pays one dispatch, not one per op.
+    call, compiled where the backend has a compiler (:func:`kmix.backend.compiled`), so a
+    read moves one number per layer to the host, not the kernels, and (on TensorFlow and
+    JAX) pays one dispatch, not one per op.
 
     Args:
         kernels: the layers' kernel variables (or their values).

@@ -42,3 +42,11 @@ def test_saturations_on_any_replica_are_reported_at_their_step_through_growths_a
     assert got["skipped"] == 1 and got["changes"] == 4  # 3 growths, 1 backoff
     # the skip gives each replica's batch-normalization statistics its own value back
     assert got["skips_give_back"] == [True] and got["norms_differ"]
+    # the kernels' underflow: each model's own (not the first one read), as NumPy has it
+    (read, replay), (other_read, other_replay) = got["kernel_underflow"]
+    assert read.keys() == replay.keys() == {"sequential/hidden", "sequential/out"}
+    assert other_read.keys() == other_replay.keys() == {"other/hidden", "other/out"}
+    for got_read, want in [(read, replay), (other_read, other_replay)]:
+        for path, share in want.items():
+            assert got_read[path] == pytest.approx(share, rel=2**-23, abs=0)
+    assert other_replay["other/hidden"] >= 0.25 > replay["sequential/hidden"]

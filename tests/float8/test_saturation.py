@@ -226,6 +226,19 @@ def test_tensor_health_words_the_newest_amax_against_the_scale():
     assert kernel_underflows([], [], []) == []
 
 
+def test_each_call_reads_the_variables_it_is_given():
+    """The compiled call is kept per compute dtypes: a second model's kernels of the same
+    shapes are read as themselves, not as the first model's (one flushed value of 3, then
+    two)."""
+    scale = keras.Variable(np.float32(0.5))
+    first = keras.Variable(np.float32([1.0, 2.0**-11, 3.0]))
+    second = keras.Variable(np.float32([2.0**-11, 2.0**-11, 3.0]))
+    assert kernel_underflows([first], [scale], ["float16"])[0] == pytest.approx(1 / 3, rel=2**-23)
+    assert kernel_underflows([second], [scale], ["float16"])[0] == pytest.approx(2 / 3, rel=2**-23)
+    second.assign(np.float32([1.0, 2.0, 3.0]))  # read as it is now
+    assert kernel_underflows([second], [scale], ["float16"]) == [0.0]
+
+
 @pytest.mark.parametrize(
     ("compute_dtype", "flushed"), [("float16", 1.0), ("bfloat16", 1.0), ("float32", 0.0)]
 )

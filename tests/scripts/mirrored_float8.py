@@ -40,6 +40,38 @@ def per_replica(variable):
     return [np.asarray(v.numpy(), "float32") for v in variable.value.values]
 
 
+def kernel_underflow(model):
+    """Each float8 layer's kernel underflow as kmix reads it, and as NumPy computes it
+    from the kernel and the first replica's ``kernel_scale`` (the copy a read gives):
+    the share of non-zero float16 values whose quotient by the float16 scale is at most
+    half E4M3's smallest subnormal (2**-10)."""
+    read = {
+        h.layer: h.underflow_fraction
+        for h in kmix.float8.read_health(model.trainable_variables, model=model)
+        if h.tensor == "kernel"
+    }
+    replay = {}
+    for layer in float8_layers(model):
+        kernel = per_replica(layer.kernel)[0].astype("float16")
+        scale = np.float16(per_replica(layer.kernel_scale)[0])
+        nonzero = kernel != 0
+        flushed = nonzero & (np.abs(kernel / scale) <= np.float16(2.0**-10))
+        replay[layer.path] = float(flushed.sum() / nonzero.sum())
+    return read, replay
+
+
+def build(name=None):
+    return keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32, activation="relu", name="hidden"),
+            keras.layers.BatchNormalization(name="norm"),
+            keras.layers.Dense(4, name="out"),
+        ],
+        name=name,
+    )
+
+
 class ReplicaReplay(keras.callbacks.Callback):
     """Each replica's float8 scales before a batch and amax histories after it, with the
     loss scale and the applied steps around it (a skipped step saturates nothing; where
@@ -102,14 +134,7 @@ def main() -> None:
     x[(SPIKE_STEP - 1) * GLOBAL_BATCH + GLOBAL_BATCH * 3 // 4] *= 50.0
     with strategy.scope():
         keras.utils.set_random_seed(0)
-        model = keras.Sequential(
-            [
-                keras.Input((16,)),
-                keras.layers.Dense(32, activation="relu", name="hidden"),
-                keras.layers.BatchNormalization(name="norm"),
-                keras.layers.Dense(4, name="out"),
-            ]
-        )
+        model = build()
         model.quantize("float8")
         growth = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
         opt = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.01), dynamic_growth_steps=growth)
@@ -124,6 +149,12 @@ def main() -> None:
     episodes = {(e.step, e.layer, e.tensor): (e.amax, e.limit) for e in opt.float8_episodes()}
     skipped = [i for i, (_, before, _, after) in enumerate(replay.loss_scales) if after == before]
     norms = replay.norms
+    with strategy.scope():  # a second model of the same shapes, a quarter of one kernel tiny
+        other = build("other")
+        other.quantize("float8")
+    kernel = keras.ops.convert_to_numpy(other.get_layer("hidden").kernel)
+    kernel[::4] = 1e-6  # 1e-6 / 1.0 (the scale as built) flushes; float16 keeps it non-zero
+    other.get_layer("hidden").kernel.assign(kernel)
     print(
         json.dumps(
             {
@@ -145,6 +176,8 @@ def main() -> None:
                 ],
                 "norms_differ": bool((norms[-1][0] != norms[-1][1]).any()),
                 "changes": len(opt.scale_events()),
+                # read after the trained model's, each its own: [read, replay] per model
+                "kernel_underflow": [kernel_underflow(model), kernel_underflow(other)],
             }
         )
     )
