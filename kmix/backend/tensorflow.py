@@ -323,7 +323,7 @@ def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     """
     import tensorflow as tf
 
-    traced = tf.function(fn, autograph=False, reduce_retracing=True)
+    traced = compile_function(fn, autograph=False, reduce_retracing=True)
 
     def call(*args: Any) -> Any:
         return traced(*tf.nest.map_structure(_handed, args))
