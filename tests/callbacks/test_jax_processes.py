@@ -290,3 +290,23 @@ def test_autopilot_moves_the_same_layer_at_the_same_step_in_both(tmp_path):
     assert first["state"]["attempted_steps"] == STEPS
     assert first["scales"] == [1024.0] * STEPS
     only_process_zero_wrote(results, str(tmp_path / "logs"))
+
+
+def test_float8_health_is_read_by_process_0_and_the_same_in_both(tmp_path):
+    """Process 0's monitor reads each float8 kernel's underflow (a compiled call on the
+    replicated kernels) while process 1 does not: neither waits for the other. Both then
+    read the same health; the kernels (0.5 everywhere, scales near 0.5 / 448) flush nothing."""
+    results = run_scenario("float8", str(tmp_path))
+    same_in_both(*results)
+    first, other = results
+    assert first["wide_policy"] == "float8_from_mixed_float16"
+    assert first["float8"] == other["float8"]
+    kernels = {layer: share for layer, tensor, share in first["float8"] if tensor == "kernel"}
+    assert kernels == {"wide": 0.0, "top": 0.0}
+    written = {
+        (layer, step, share)
+        for layer, tensor, step, share in first["report"]["float8"]
+        if tensor == "kernel"
+    }
+    assert written == {("wide", STEPS, 0.0), ("top", STEPS, 0.0)}
+    only_process_zero_wrote(results, str(tmp_path / "logs"))

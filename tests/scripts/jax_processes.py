@@ -14,6 +14,8 @@ Scenarios:
   processes must fail at train begin (the error each raised is kept);
 * ``autopilot``: as ``forward``; PrecisionAutopilot must move ``wide`` in both at the
   same step;
+* ``float8``: the model quantized to float8; process 0's monitor reads the float8 layers'
+  health (their kernels' underflow computed where the replicated kernels live);
 * ``hang``: process 1 never joins; process 0 waits for it in ``initialize`` (the
   launcher's own test: both must be killed at its timeout).
 
@@ -84,6 +86,8 @@ def main(index: int, port: str, scenario: str, directory: str) -> None:
     hidden = keras.layers.Dense(8, kernel_initializer=ones, name="wide")(inputs)
     outputs = keras.layers.Dense(1, dtype="float32", kernel_initializer=ones, name="top")(hidden)
     model = keras.Model(inputs, outputs)
+    if scenario == "float8":
+        model.quantize("float8")
     optimizer = kmix.LossScaleOptimizer(
         keras.optimizers.SGD(1e-3), initial_scale=2.0**10, dynamic_growth_steps=1000
     )
@@ -164,6 +168,10 @@ def main(index: int, port: str, scenario: str, directory: str) -> None:
                 result["refused"][tool] = None
             except ValueError as error:
                 result["refused"][tool] = [type(error).__name__, str(error)]
+    if scenario == "float8":  # what process 0's monitor read, and the variables themselves
+        result["float8"] = [
+            [h.layer, h.tensor, h.underflow_fraction] for h in optimizer.float8_health()
+        ]
     if index == 0:  # what kmix report reads from what process 0 wrote
         from kmix import report
 
@@ -177,6 +185,10 @@ def main(index: int, port: str, scenario: str, directory: str) -> None:
             "steps_seen": summary.steps_seen,
             "run_end": None if summary.run_end is None else summary.run_end.reason,
         }
+        if summary.float8 is not None:
+            result["report"]["float8"] = [
+                [t.layer, t.tensor, t.step, t.underflow_fraction] for t in summary.float8.tensors
+            ]
     print(json.dumps(result), flush=True)
 
 
