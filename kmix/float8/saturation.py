@@ -37,12 +37,17 @@ __all__ = [
     "FIELDS",
     "TENSOR_FIELDS",
     "Float8Record",
+    "SPLIT_FIELDS",
     "StepCheck",
+    "StoredRecord",
     "advance_float8",
     "check_step",
     "inputs_underflow",
     "kept_where_zero",
     "rescaled",
+    "stored",
+    "stored_shapes",
+    "unstored",
     "worst_of_replicas",
 ]
 
@@ -53,8 +58,12 @@ EPISODE_INT_FIELDS = ("step", "steps", "tensor", "episode")
 EPISODE_FLOAT_FIELDS = ("amax", "limit", "last_amax", "last_limit")
 """Columns of the episode ring's floats: at the episode's first step and at its last."""
 
-FIELDS = ("fp8_tensors", "fp8_episode_count", "fp8_episode_ints", "fp8_episode_floats")
-"""The float8 record's optimizer variables, in :class:`Float8Record`'s order (their names)."""
+FIELDS = ("fp8_ints", "fp8_floats")
+"""The float8 record's optimizer variables, in :class:`StoredRecord`'s order (their names)."""
+
+SPLIT_FIELDS = 4
+"""The record's variables in ``.keras`` files saved before :data:`FIELDS` (kmix 0.1.0 before
+2026-12-03): :class:`Float8Record`'s four fields, one variable each."""
 
 
 class Float8Record(NamedTuple):
@@ -71,6 +80,44 @@ class Float8Record(NamedTuple):
     episode_count: Any
     episode_ints: Any
     episode_floats: Any
+
+
+class StoredRecord(NamedTuple):
+    """How :class:`Float8Record` is kept: two variables, since a step compiled with XLA
+    pays for each variable it may touch at every execution (about 10 us on a 2-core CPU).
+
+    Attributes:
+        ints: int ``(1 + n + capacity, 4)``: row 0 the episode count (then zeros), rows
+            1 to n the tensors' :data:`TENSOR_FIELDS` (then a zero), then the ring's
+            :data:`EPISODE_INT_FIELDS`.
+        floats: float32 ``(capacity, 4)``: the ring's :data:`EPISODE_FLOAT_FIELDS`.
+    """
+
+    ints: Any
+    floats: Any
+
+
+def stored_shapes(n: int, capacity: int) -> StoredRecord:
+    """The shapes of :class:`StoredRecord`'s two variables for ``n`` tensors and a ring
+    of ``capacity`` episodes."""
+    return StoredRecord((1 + n + capacity, 4), (capacity, 4))
+
+
+def unstored(stored: StoredRecord, n: int) -> Float8Record:
+    """The :class:`Float8Record` that ``stored`` keeps (slices: backend values or NumPy)."""
+    ints = stored.ints
+    return Float8Record(ints[1 : 1 + n, :3], ints[0, 0], ints[1 + n :], stored.floats)
+
+
+def stored(values: Float8Record) -> StoredRecord:
+    """``values`` as :class:`StoredRecord` keeps them (the inverse of :func:`unstored`)."""
+    dtype = values.tensors.dtype
+    head = ops.pad(ops.reshape(ops.cast(values.episode_count, dtype), (1, 1)), ((0, 0), (0, 3)))
+    tensors = ops.pad(values.tensors, ((0, 0), (0, 1)))
+    return StoredRecord(
+        ops.concatenate([head, tensors, ops.cast(values.episode_ints, dtype)], axis=0),
+        values.episode_floats,
+    )
 
 
 class StepCheck(NamedTuple):

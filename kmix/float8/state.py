@@ -44,17 +44,19 @@ from kmix.backend import (
 )
 from kmix.float8.reads import Float8Health, decode_saturations, tensor_health
 from kmix.float8.saturation import (
-    EPISODE_FLOAT_FIELDS,
-    EPISODE_INT_FIELDS,
     FIELDS,
-    TENSOR_FIELDS,
+    SPLIT_FIELDS,
     Float8Record,
     StepCheck,
+    StoredRecord,
     advance_float8,
     check_step,
     inputs_underflow,
     kept_where_zero,
     rescaled,
+    stored,
+    stored_shapes,
+    unstored,
 )
 from kmix.float8.tensors import Float8Tensor, float8_tensors, inputs_scale_of, layer_of
 from kmix.record import Counters
@@ -84,13 +86,13 @@ class Float8State:
 
     Attributes:
         tensors: the float8 tensors found at build (empty: nothing is kept or done).
-        record: the variables (:class:`Float8Record`), None without float8 tensors.
+        record: the variables (:class:`StoredRecord`), None without float8 tensors.
     """
 
     def __init__(self, follows_loss_scale: bool = True) -> None:
         self.follows_loss_scale = bool(follows_loss_scale)
         self.tensors: list[Float8Tensor] = []
-        self.record: Float8Record | None = None
+        self.record: StoredRecord | None = None
         self._tracked: list[Any] = []
         self._holds_values = False
 
@@ -104,7 +106,7 @@ class Float8State:
         TensorFlow) a first step whose trace failed after creating it (a ``fit`` ended by
         an exception there) did not leave it empty. True stays true."""
         if self.record is not None and not self._holds_values:
-            self._holds_values = initialized(self.record.episode_count)
+            self._holds_values = initialized(self.record.ints)
         return self._holds_values
 
     def build(
@@ -116,14 +118,8 @@ class Float8State:
         if not self.tensors:
             return
         n = len(self.tensors)
-        capacity = max(MIN_CAPACITY, n)
-        shapes = (
-            ((n, len(TENSOR_FIELDS)), int_dtype),
-            ((), int_dtype),
-            ((capacity, len(EPISODE_INT_FIELDS)), int_dtype),
-            ((capacity, len(EPISODE_FLOAT_FIELDS)), "float32"),
-        )
-        self.record = Float8Record(
+        shapes = stored_shapes(n, max(MIN_CAPACITY, n))
+        self.record = StoredRecord(
             *(
                 add_variable(
                     shape=shape,
@@ -132,27 +128,41 @@ class Float8State:
                     aggregation="only_first_replica",
                     name=name,
                 )
-                for name, (shape, dtype) in zip(FIELDS, shapes, strict=True)
+                for name, shape, dtype in zip(FIELDS, shapes, (int_dtype, "float32"), strict=True)
             )
         )
 
     def completed(self, store: Any, variables: Sequence[Any]) -> Any:
-        """``store`` with the record's values inserted where a ``.keras`` file saved before
-        the record existed lacks them (the record left at zero, so the rest loads);
+        """``store`` as this record keeps it, where a ``.keras`` file saved it otherwise:
+
+        - saved before the record existed (the store lacks it): the record left at zero,
+          so the rest loads;
+        - saved with the record as four variables (:data:`SPLIT_FIELDS`): those four
+          joined into the two of :class:`StoredRecord`, counts and episodes kept.
+
         ``store`` itself otherwise.
 
         Args:
             store: what Keras hands ``load_own_variables`` (keys ``"0"``, ``"1"``...).
             variables: the optimizer's variables, in the saved order.
         """
-        if self.record is None or len(store.keys()) != len(variables) - len(FIELDS):
+        if self.record is None:
             return store
-        mine = {id(v) for v in self.record}
-        saved = iter(store[str(i)] for i in range(len(store.keys())))
-        return {
-            str(i): np.zeros(v.shape, v.dtype) if id(v) in mine else next(saved)
-            for i, v in enumerate(variables)
-        }
+        saved = [store[str(i)] for i in range(len(store.keys()))]
+        first = next(i for i, v in enumerate(variables) if v is self.record.ints)
+        if len(saved) == len(variables) - len(FIELDS):
+            mine = [np.zeros(v.shape, v.dtype) for v in self.record]
+        elif len(saved) == len(variables) - len(FIELDS) + SPLIT_FIELDS:
+            split = Float8Record(*saved[first : first + SPLIT_FIELDS])
+            mine = [
+                np.asarray(ops.convert_to_numpy(value), variable.dtype)
+                for variable, value in zip(self.record, stored(split), strict=True)
+            ]
+            del saved[first : first + SPLIT_FIELDS]
+        else:
+            return store
+        saved[first:first] = mine
+        return {str(i): value for i, value in enumerate(saved)}
 
     # ------------------------------------------------------------- in the step
     def check(self, grads: Sequence[Any], values: Sequence[Any], applies: Any) -> StepCheck:
@@ -178,9 +188,9 @@ class Float8State:
 
     def _write_record(self, check: StepCheck, step: Any) -> None:
         """Assigns the record after the step (:func:`advance_float8`)."""
-        variables = self.record
-        old = Float8Record(*(ops.copy(v) for v in variables))
-        for variable, value in zip(variables, advance_float8(old, check, step), strict=True):
+        old = unstored(StoredRecord(*(ops.copy(v) for v in self.record)), len(self.tensors))
+        new = stored(advance_float8(old, check, step))
+        for variable, value in zip(self.record, new, strict=True):
             variable.assign(ops.cast(value, variable.dtype))
 
     def _write_rescale(self, factor: Any) -> None:
@@ -256,42 +266,47 @@ class Float8State:
             applies: boolean scalar; packed: the step record's counters before the step.
         """
         slots = [slot_of[id(v)] for v in self.record]
-        old = Float8Record(*(optimizer_values[i] for i in slots))
+        old = unstored(StoredRecord(*(optimizer_values[i] for i in slots)), len(self.tensors))
         new = self.advanced(old, self.check(grads, trainable, applies), attempted_step(packed))
-        return dict(zip(slots, new, strict=True))
+        return dict(zip(slots, stored(new), strict=True))
 
     # ------------------------------------------------------------- on the host
+    def _read(self) -> Float8Record:
+        """The record as it is now, on the host (NumPy; one read of each variable)."""
+        return unstored(StoredRecord(*(host_value(v) for v in self.record)), len(self.tensors))
+
     def saturated_steps(self) -> list[int]:
         """Steps at which each tensor was clipped, in :attr:`tensors` order."""
         if self.record is None:
             return []
-        return [int(c) for c in host_value(self.record.tensors)[:, 0]]
+        return [int(c) for c in host_value(self.record.ints)[1 : 1 + len(self.tensors), 0]]
 
     @property
     def capacity(self) -> int:
         """Episodes the ring keeps (0 without float8 tensors)."""
-        return 0 if self.record is None else int(self.record.episode_ints.shape[0])
+        return 0 if self.record is None else int(self.record.floats.shape[0])
 
     def episode_count(self) -> int:
         """Episodes started so far (the ring keeps the last :attr:`capacity`)."""
-        return 0 if self.record is None else int(host_value(self.record.episode_count))
+        return 0 if self.record is None else int(host_value(self.record.ints)[0, 0])
 
     def open_episodes(self, step: int) -> list[int]:
         """The numbers of the episodes still open at ``step`` (their tensor saturated then)."""
         if self.record is None:
             return []
-        rows = host_value(self.record.tensors)
+        rows = self._read().tensors
         return [int(e) for last, e in rows[:, 1:3] if int(last) >= step and int(e) > 0]
 
     def saturations(self, per_step: bool = True, since_step: int = 0) -> list[Float8Saturation]:
         """The saturations the ring holds (see :func:`kmix.float8.reads.decode_saturations`)."""
         if self.record is None:
             return []
+        now = self._read()
         return decode_saturations(
             self.tensors,
-            int(host_value(self.record.episode_count)),
-            host_value(self.record.episode_ints),
-            host_value(self.record.episode_floats),
+            int(now.episode_count),
+            now.episode_ints,
+            now.episode_floats,
             per_step=per_step,
             since_step=since_step,
         )

@@ -295,6 +295,32 @@ def test_advance_runs_on_ops_values():
     assert np.asarray(new.episode_ints)[0].tolist() == [5, 1, 0, 1]
 
 
+def test_the_record_is_stored_in_two_variables_and_read_back_unchanged():
+    """Row 0 the episode count, then each tensor's counters (a zero column), then the
+    ring's integers; the ring's floats apart: every value where :func:`unstored` reads it."""
+    from kmix.float8.saturation import StoredRecord, stored, stored_shapes, unstored
+
+    rng = np.random.default_rng(0)
+    n, capacity = 3, 5
+    rec = Float8Record(
+        rng.integers(0, 2**20, (n, 3)).astype("int32"),
+        np.int32(17),
+        rng.integers(0, 2**20, (capacity, 4)).astype("int32"),
+        rng.standard_normal((capacity, 4)).astype("float32"),
+    )
+    kept = StoredRecord(*(np.asarray(ops.convert_to_numpy(v)) for v in stored(rec)))
+    assert [v.shape for v in kept] == list(stored_shapes(n, capacity))
+    expected_ints = np.zeros((1 + n + capacity, 4), "int32")
+    expected_ints[0, 0] = 17
+    expected_ints[1 : 1 + n, :3] = rec.tensors
+    expected_ints[1 + n :] = rec.episode_ints
+    np.testing.assert_array_equal(kept.ints, expected_ints)
+    np.testing.assert_array_equal(kept.floats, rec.episode_floats)
+    back = unstored(kept, n)
+    for got, want in zip(back, rec, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_the_formats_are_the_contracts():
     from kmix import float8, tags
 

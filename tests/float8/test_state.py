@@ -501,31 +501,69 @@ def test_episodes_the_ring_overwrote_between_reads_are_counted_lost(tmp_path, mo
     assert section.lost_episodes == sum(r.episodes for r in lost)
 
 
-def test_state_saved_before_the_float8_record_existed_loads_with_the_record_at_zero():
-    """A ``.keras`` file of a float8 model saved before kmix kept float8 state lacks the
-    record's four variables: the rest loads (Keras would skip everything on the count)."""
+def _reloaded(opt: kmix.LossScaleOptimizer, store: dict) -> kmix.LossScaleOptimizer:
+    """A fresh optimizer on a fresh model, loaded from ``store`` (Keras must not skip it)."""
     import warnings
 
-    from kmix.float8 import FIELDS
-
-    keras.utils.set_random_seed(0)
-    model = mlp()
-    opt, _ = train(model)
-    old_store = {}
-    for v in opt.variables:
-        if v.name not in FIELDS:
-            old_store[str(len(old_store))] = as_numpy(v)
-    assert len(old_store) == len(opt.variables) - 4
     fresh = mlp()
     again = kmix.LossScaleOptimizer("sgd", dynamic_growth_steps=4, initial_scale=256.0)
     fresh.compile(optimizer=again, loss="mse")
     again.build(fresh.trainable_variables)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # Keras warns when it skips the optimizer's state
-        again.load_own_variables(old_store)
+        again.load_own_variables(store)
     assert again.loss_scale == opt.loss_scale and again.attempted_steps == opt.attempted_steps
     assert again.scale_events() == opt.scale_events()
+    return again
+
+
+def test_state_saved_before_the_float8_record_existed_loads_with_the_record_at_zero():
+    """A ``.keras`` file of a float8 model saved before kmix kept float8 state lacks the
+    record's variables: the rest loads (Keras would skip everything on the count)."""
+    from kmix.float8 import FIELDS
+
+    keras.utils.set_random_seed(0)
+    opt, _ = train(mlp())
+    old_store = {}
+    for v in opt.variables:
+        if v.name not in FIELDS:
+            old_store[str(len(old_store))] = as_numpy(v)
+    assert len(old_store) == len(opt.variables) - 2
+    again = _reloaded(opt, old_store)
     assert again.float8.episode_count() == 0 and again.float8_saturations() == []
     for old, new in zip(opt.variables, again.variables, strict=True):
         if old.name not in FIELDS:
             np.testing.assert_array_equal(as_numpy(old), as_numpy(new))
+
+
+def test_state_saved_with_the_record_as_four_variables_loads_with_its_counts_and_episodes():
+    """kmix 0.1.0 kept the float8 record in four variables (counts, episode count, the
+    ring's integers and floats, in that order where the record's variables are now): a
+    ``.keras`` file saved then loads into the two, every saturation kept."""
+    from kmix.float8.saturation import StoredRecord, unstored
+
+    keras.utils.set_random_seed(0)
+    opt, _ = train(mlp())
+    assert opt.float8_saturations()  # the spike and the growths saturate
+    now = StoredRecord(*(as_numpy(v) for v in opt.float8.record))
+    split = unstored(now, len(opt.float8.tensors))
+    old_store, first = {}, None
+    for v in opt.variables:
+        if v is opt.float8.record.floats:
+            continue
+        if v is opt.float8.record.ints:
+            first = len(old_store)
+            for value in split:
+                old_store[str(len(old_store))] = np.asarray(value)
+        else:
+            old_store[str(len(old_store))] = as_numpy(v)
+    assert len(old_store) == len(opt.variables) + 2 and np.ndim(old_store[str(first + 1)]) == 0
+    again = _reloaded(opt, old_store)
+    for old, new in zip(opt.variables, again.variables, strict=True):
+        np.testing.assert_array_equal(as_numpy(old), as_numpy(new), err_msg=old.name)
+    assert again.float8.episode_count() == opt.float8.episode_count() > 0
+    assert again.float8.saturated_steps() == opt.float8.saturated_steps()
+    unnamed = [(s.step, s.tensor, s.amax, s.limit, s.steps) for s in opt.float8_saturations()]
+    assert [  # the fresh model's layers have other names
+        (s.step, s.tensor, s.amax, s.limit, s.steps) for s in again.float8_saturations()
+    ] == unnamed
