@@ -109,14 +109,17 @@ def unstored(stored: StoredRecord, n: int) -> Float8Record:
     return Float8Record(ints[1 : 1 + n, :3], ints[0, 0], ints[1 + n :], stored.floats)
 
 
-def stored(values: Float8Record) -> StoredRecord:
-    """``values`` as :class:`StoredRecord` keeps them (the inverse of :func:`unstored`)."""
-    dtype = values.tensors.dtype
-    head = ops.pad(ops.reshape(ops.cast(values.episode_count, dtype), (1, 1)), ((0, 0), (0, 3)))
-    tensors = ops.pad(values.tensors, ((0, 0), (0, 1)))
+def stored(values: Float8Record, xp: Any = ops) -> StoredRecord:
+    """``values`` as :class:`StoredRecord` keeps them (the inverse of :func:`unstored`).
+
+    Args:
+        values: the record, its integers of one dtype.
+        xp: ``keras.ops`` in the step; ``numpy`` for values on the host.
+    """
+    head = xp.pad(xp.reshape(values.episode_count, (1, 1)), ((0, 0), (0, 3)))
+    tensors = xp.pad(values.tensors, ((0, 0), (0, 1)))
     return StoredRecord(
-        ops.concatenate([head, tensors, ops.cast(values.episode_ints, dtype)], axis=0),
-        values.episode_floats,
+        xp.concatenate([head, tensors, values.episode_ints], axis=0), values.episode_floats
     )
 
 

@@ -153,10 +153,10 @@ class Float8State:
         if len(saved) == len(variables) - len(FIELDS):
             mine = [np.zeros(v.shape, v.dtype) for v in self.record]
         elif len(saved) == len(variables) - len(FIELDS) + SPLIT_FIELDS:
-            split = Float8Record(*saved[first : first + SPLIT_FIELDS])
+            split = Float8Record(*(np.asarray(v) for v in saved[first : first + SPLIT_FIELDS]))
             mine = [
-                np.asarray(ops.convert_to_numpy(value), variable.dtype)
-                for variable, value in zip(self.record, stored(split), strict=True)
+                np.asarray(value, variable.dtype)
+                for variable, value in zip(self.record, stored(split, np), strict=True)
             ]
             del saved[first : first + SPLIT_FIELDS]
         else:

@@ -309,7 +309,10 @@ def test_the_record_is_stored_in_two_variables_and_read_back_unchanged():
         rng.standard_normal((capacity, 4)).astype("float32"),
     )
     kept = StoredRecord(*(np.asarray(ops.convert_to_numpy(v)) for v in stored(rec)))
+    on_host = stored(rec, np)
     assert [v.shape for v in kept] == list(stored_shapes(n, capacity))
+    for got, want in zip(on_host, kept, strict=True):
+        np.testing.assert_array_equal(got, want)
     expected_ints = np.zeros((1 + n + capacity, 4), "int32")
     expected_ints[0, 0] = 17
     expected_ints[1 : 1 + n, :3] = rec.tensors
