@@ -271,15 +271,18 @@ class Float8State:
         return dict(zip(slots, stored(new), strict=True))
 
     # ------------------------------------------------------------- on the host
-    def _read(self) -> Float8Record:
-        """The record as it is now, on the host (NumPy; one read of each variable)."""
-        return unstored(StoredRecord(*(host_value(v) for v in self.record)), len(self.tensors))
+    def _read(self, floats: bool = False) -> Float8Record:
+        """The record as it is now, on the host (NumPy): its integers, one read; the
+        episodes' floats too where ``floats`` (a second read), else None."""
+        ints = host_value(self.record.ints)
+        kept = StoredRecord(ints, host_value(self.record.floats) if floats else None)
+        return unstored(kept, len(self.tensors))
 
     def saturated_steps(self) -> list[int]:
         """Steps at which each tensor was clipped, in :attr:`tensors` order."""
         if self.record is None:
             return []
-        return [int(c) for c in host_value(self.record.ints)[1 : 1 + len(self.tensors), 0]]
+        return [int(c) for c in self._read().tensors[:, 0]]
 
     @property
     def capacity(self) -> int:
@@ -288,7 +291,7 @@ class Float8State:
 
     def episode_count(self) -> int:
         """Episodes started so far (the ring keeps the last :attr:`capacity`)."""
-        return 0 if self.record is None else int(host_value(self.record.ints)[0, 0])
+        return 0 if self.record is None else int(self._read().episode_count)
 
     def open_episodes(self, step: int) -> list[int]:
         """The numbers of the episodes still open at ``step`` (their tensor saturated then)."""
@@ -301,7 +304,7 @@ class Float8State:
         """The saturations the ring holds (see :func:`kmix.float8.reads.decode_saturations`)."""
         if self.record is None:
             return []
-        now = self._read()
+        now = self._read(floats=True)
         return decode_saturations(
             self.tensors,
             int(now.episode_count),

@@ -201,8 +201,9 @@ class LossScaleOptimizer(RecordReads, Float8Reads, keras.mixed_precision.LossSca
     # ------------------------------------------------------------ train step
     def load_own_variables(self, store: Any) -> None:
         """Loads the saved state; an event ring saved before its newest columns is widened
-        (:meth:`StepRecorder.widened`) and a float8 record saved before it existed is left
-        at zero (:meth:`kmix.float8.Float8State.completed`), so older ``.keras`` files load
+        (:meth:`StepRecorder.widened`), a float8 record saved before it existed is left
+        at zero and one saved as four variables is joined into two
+        (:meth:`kmix.float8.Float8State.completed`), so older ``.keras`` files load
         unchanged."""
         store = self.float8.completed(store, self.variables)
         super().load_own_variables(self.recorder.widened(store, self.variables))
