@@ -37,13 +37,13 @@ __all__ = [
     "FIELDS",
     "TENSOR_FIELDS",
     "Float8Record",
-    "SPLIT_FIELDS",
     "StepCheck",
     "StoredRecord",
     "advance_float8",
     "check_step",
     "inputs_underflow",
     "kept_where_zero",
+    "record_shapes",
     "rescaled",
     "stored",
     "stored_shapes",
@@ -61,13 +61,11 @@ EPISODE_FLOAT_FIELDS = ("amax", "limit", "last_amax", "last_limit")
 FIELDS = ("fp8_ints", "fp8_floats")
 """The float8 record's optimizer variables, in :class:`StoredRecord`'s order (their names)."""
 
-SPLIT_FIELDS = 4
-"""The record's variables in ``.keras`` files saved before :data:`FIELDS` (kmix 0.1.0 before
-2026-12-03): :class:`Float8Record`'s four fields, one variable each."""
-
 
 class Float8Record(NamedTuple):
-    """The float8 part of the step record (values, one per :data:`FIELDS` entry).
+    """The float8 part of the step record, as the step and the reads see it (kept as
+    :class:`StoredRecord`; ``.keras`` files saved before 2026-12-03 keep these four fields
+    as four variables, in this order).
 
     Attributes:
         tensors: int ``(n, 3)``: :data:`TENSOR_FIELDS` per float8 tensor.
@@ -95,6 +93,17 @@ class StoredRecord(NamedTuple):
 
     ints: Any
     floats: Any
+
+
+def record_shapes(n: int, capacity: int) -> Float8Record:
+    """The shapes of :class:`Float8Record`'s fields for ``n`` tensors and a ring of
+    ``capacity`` episodes."""
+    return Float8Record(
+        (n, len(TENSOR_FIELDS)),
+        (),
+        (capacity, len(EPISODE_INT_FIELDS)),
+        (capacity, len(EPISODE_FLOAT_FIELDS)),
+    )
 
 
 def stored_shapes(n: int, capacity: int) -> StoredRecord:

@@ -45,7 +45,6 @@ from kmix.backend import (
 from kmix.float8.reads import Float8Health, decode_saturations, tensor_health
 from kmix.float8.saturation import (
     FIELDS,
-    SPLIT_FIELDS,
     Float8Record,
     StepCheck,
     StoredRecord,
@@ -53,6 +52,7 @@ from kmix.float8.saturation import (
     check_step,
     inputs_underflow,
     kept_where_zero,
+    record_shapes,
     rescaled,
     stored,
     stored_shapes,
@@ -137,10 +137,11 @@ class Float8State:
 
         - saved before the record existed (the store lacks it): the record left at zero,
           so the rest loads;
-        - saved with the record as four variables (:data:`SPLIT_FIELDS`): those four
-          joined into the two of :class:`StoredRecord`, counts and episodes kept.
+        - saved with the record as four variables (:class:`Float8Record`'s fields, of
+          :func:`record_shapes`, where the two are now): joined into the two of
+          :class:`StoredRecord`, counts and episodes kept.
 
-        ``store`` itself otherwise.
+        ``store`` itself otherwise (Keras then says what it skips).
 
         Args:
             store: what Keras hands ``load_own_variables`` (keys ``"0"``, ``"1"``...).
@@ -150,15 +151,19 @@ class Float8State:
             return store
         saved = [store[str(i)] for i in range(len(store.keys()))]
         first = next(i for i, v in enumerate(variables) if v is self.record.ints)
+        split = record_shapes(len(self.tensors), self.capacity)
         if len(saved) == len(variables) - len(FIELDS):
             mine = [np.zeros(v.shape, v.dtype) for v in self.record]
-        elif len(saved) == len(variables) - len(FIELDS) + SPLIT_FIELDS:
-            split = Float8Record(*(np.asarray(v) for v in saved[first : first + SPLIT_FIELDS]))
+        elif len(saved) == len(variables) - len(FIELDS) + len(split) and all(
+            np.shape(value) == shape
+            for value, shape in zip(saved[first : first + len(split)], split, strict=False)
+        ):
+            old = Float8Record(*(np.asarray(v) for v in saved[first : first + len(split)]))
             mine = [
                 np.asarray(value, variable.dtype)
-                for variable, value in zip(self.record, stored(split, np), strict=True)
+                for variable, value in zip(self.record, stored(old, np), strict=True)
             ]
-            del saved[first : first + SPLIT_FIELDS]
+            del saved[first : first + len(split)]
         else:
             return store
         saved[first:first] = mine

@@ -536,11 +536,21 @@ def test_state_saved_before_the_float8_record_existed_loads_with_the_record_at_z
             np.testing.assert_array_equal(as_numpy(old), as_numpy(new))
 
 
+def test_a_store_of_another_layout_is_left_to_keras_not_joined():
+    """Two more entries than the optimizer has, but not the four-variable record where the
+    record is: handed on unchanged (Keras then warns that it skips the optimizer's state)."""
+    keras.utils.set_random_seed(0)
+    opt, _ = train(mlp())
+    store = {str(i): as_numpy(v) for i, v in enumerate(opt.variables)}
+    store |= {str(len(store)): np.zeros(3), str(len(store) + 1): np.zeros(3)}
+    assert opt.float8.completed(store, opt.variables) is store
+
+
 def test_state_saved_with_the_record_as_four_variables_loads_with_its_counts_and_episodes():
     """kmix 0.1.0 kept the float8 record in four variables (counts, episode count, the
     ring's integers and floats, in that order where the record's variables are now): a
     ``.keras`` file saved then loads into the two, every saturation kept."""
-    from kmix.float8.saturation import StoredRecord, unstored
+    from kmix.float8 import StoredRecord, unstored
 
     keras.utils.set_random_seed(0)
     opt, _ = train(mlp())
@@ -557,7 +567,14 @@ def test_state_saved_with_the_record_as_four_variables_loads_with_its_counts_and
                 old_store[str(len(old_store))] = np.asarray(value)
         else:
             old_store[str(len(old_store))] = as_numpy(v)
-    assert len(old_store) == len(opt.variables) + 2 and np.ndim(old_store[str(first + 1)]) == 0
+    n, capacity = len(opt.float8.tensors), opt.float8.capacity
+    assert len(old_store) == len(opt.variables) + 2
+    assert [np.shape(old_store[str(first + i)]) for i in range(4)] == [
+        (n, 3),  # per tensor: saturated steps, last saturated step, episode
+        (),  # episodes started
+        (capacity, 4),  # the ring: step, steps, tensor, episode
+        (capacity, 4),  # the ring: amax, limit, last amax, last limit
+    ]
     again = _reloaded(opt, old_store)
     for old, new in zip(opt.variables, again.variables, strict=True):
         np.testing.assert_array_equal(as_numpy(old), as_numpy(new), err_msg=old.name)
