@@ -214,11 +214,14 @@ class Float8State:
             for index, value in rescaled(self.tensors, values, factor).items():
                 copies[index].assign(value)
 
-    def advanced(self, old: Float8Record, check: StepCheck, step: Any) -> Float8Record:
-        """JAX: the record's values after the step (as given when nothing saturated)."""
-        return rare_cond(
-            ops.any(check.saturated), lambda: advance_float8(old, check, step), lambda: old
-        )
+    def advanced(self, old: StoredRecord, check: StepCheck, step: Any) -> StoredRecord:
+        """JAX: the record's variables' values after the step, unpacked and packed again
+        only in the branch a saturation takes (as given when nothing saturated)."""
+
+        def advance() -> StoredRecord:
+            return stored(advance_float8(unstored(old, len(self.tensors)), check, step))
+
+        return rare_cond(ops.any(check.saturated), advance, lambda: old)
 
     def kept(self, grads: Sequence[Any], values: Sequence[Any]) -> list[Any]:
         """JAX: ``grads`` keeping a scale Keras did not update (:func:`kept_where_zero`)."""
@@ -271,9 +274,9 @@ class Float8State:
             applies: boolean scalar; packed: the step record's counters before the step.
         """
         slots = [slot_of[id(v)] for v in self.record]
-        old = unstored(StoredRecord(*(optimizer_values[i] for i in slots)), len(self.tensors))
+        old = StoredRecord(*(optimizer_values[i] for i in slots))
         new = self.advanced(old, self.check(grads, trainable, applies), attempted_step(packed))
-        return dict(zip(slots, stored(new), strict=True))
+        return dict(zip(slots, new, strict=True))
 
     # ------------------------------------------------------------- on the host
     def _read(self, floats: bool = False) -> Float8Record:
