@@ -106,16 +106,21 @@ def record_shapes(n: int, capacity: int) -> Float8Record:
     )
 
 
+_ROW = len(EPISODE_INT_FIELDS)
+"""The width of :class:`StoredRecord`'s integer rows (its widest: the ring's)."""
+
+
 def stored_shapes(n: int, capacity: int) -> StoredRecord:
     """The shapes of :class:`StoredRecord`'s two variables for ``n`` tensors and a ring
     of ``capacity`` episodes."""
-    return StoredRecord((1 + n + capacity, 4), (capacity, 4))
+    return StoredRecord((1 + n + capacity, _ROW), (capacity, len(EPISODE_FLOAT_FIELDS)))
 
 
 def unstored(stored: StoredRecord, n: int) -> Float8Record:
     """The :class:`Float8Record` that ``stored`` keeps (slices: backend values or NumPy)."""
     ints = stored.ints
-    return Float8Record(ints[1 : 1 + n, :3], ints[0, 0], ints[1 + n :], stored.floats)
+    tensors = ints[1 : 1 + n, : len(TENSOR_FIELDS)]
+    return Float8Record(tensors, ints[0, 0], ints[1 + n :], stored.floats)
 
 
 def stored(values: Float8Record, xp: Any = ops) -> StoredRecord:
@@ -125,8 +130,8 @@ def stored(values: Float8Record, xp: Any = ops) -> StoredRecord:
         values: the record, its integers of one dtype.
         xp: ``keras.ops`` in the step; ``numpy`` for values on the host.
     """
-    head = xp.pad(xp.reshape(values.episode_count, (1, 1)), ((0, 0), (0, 3)))
-    tensors = xp.pad(values.tensors, ((0, 0), (0, 1)))
+    head = xp.pad(xp.reshape(values.episode_count, (1, 1)), ((0, 0), (0, _ROW - 1)))
+    tensors = xp.pad(values.tensors, ((0, 0), (0, _ROW - len(TENSOR_FIELDS))))
     return StoredRecord(
         xp.concatenate([head, tensors, values.episode_ints], axis=0), values.episode_floats
     )
