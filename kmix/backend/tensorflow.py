@@ -316,27 +316,67 @@ def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     or rank; shapes are relaxed): one dispatch a call, where TensorFlow's eager ops cost a
     dispatch each.
 
-    Hand it tensors or TensorFlow variables (a variable is passed by its handle; a Keras
-    variable would be converted to NumPy for the signature: pass its ``value``). A
-    distributed variable (under a ``tf.distribute`` strategy) is read first, its first
-    replica's copy: ``tf.function`` would keep the one it was first traced with.
+    Each call goes straight to the concrete function kept for its arguments' structure,
+    dtypes and shapes: ``tf.function``'s own dispatch canonicalizes every argument on
+    every call, which costs as much as running a small function. Arguments that are not
+    tensors or variables (NumPy arrays, Python numbers) are made tensors first, so a new
+    value is never a new trace.
+
+    Hand it tensors or TensorFlow variables, alone or in lists and tuples (a variable is
+    passed by its handle; a Keras variable is read before the call: pass its ``value``
+    to hand the variable itself). A distributed variable (under a ``tf.distribute``
+    strategy) is read first, its first replica's copy: ``tf.function`` would keep the
+    one it was first traced with.
     """
     import tensorflow as tf
 
     traced = compile_function(fn, autograph=False, reduce_retracing=True)
+    concrete: dict[Any, Any] = {}
 
     def call(*args: Any) -> Any:
-        return traced(*tf.nest.map_structure(_handed, args))
+        handed = tf.nest.map_structure(_handed, args)
+        key = _signature(handed)
+        if key not in concrete:
+            concrete[key] = traced.get_concrete_function(*handed)
+        return concrete[key](*handed)
 
     return call
 
 
 def _handed(value: Any) -> Any:
-    """What :func:`compiled` hands its ``tf.function``: a distributed variable's value."""
+    """What :func:`compiled` hands its ``tf.function``: a tensor or a variable as it is, a
+    distributed variable's value, anything else as a tensor."""
     import tensorflow as tf
 
-    distributed = isinstance(value, tf.distribute.DistributedValues)
-    return tf.convert_to_tensor(value) if distributed else value
+    if isinstance(value, tf.distribute.DistributedValues) or not isinstance(
+        value, (tf.Tensor, tf.Variable)
+    ):
+        return tf.convert_to_tensor(value)
+    return value
+
+
+def _signature(value: Any, seen: dict[int, int] | None = None) -> Any:
+    """A hashable key of what ``tf.function`` traces for ``value``: its structure (lists
+    and tuples), each leaf's kind (variable or tensor), dtype and shape, and which
+    variables are one (a variable handed twice is traced as one) and which are trainable.
+
+    Args:
+        value: what :func:`compiled` hands its ``tf.function`` (after :func:`_handed`).
+        seen: ``id`` of each variable met so far -> its number (filled here).
+    """
+    import tensorflow as tf
+
+    seen = {} if seen is None else seen
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_signature(v, seen) for v in value))
+    if isinstance(value, tf.Variable):
+        return (
+            seen.setdefault(id(value), len(seen)),
+            value.trainable,
+            value.dtype,
+            tuple(value.shape),
+        )
+    return (None, None, value.dtype, tuple(value.shape))
 
 
 def compile_function(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:

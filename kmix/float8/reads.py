@@ -60,34 +60,33 @@ def _bits(numerator: float, denominator: float) -> float | None:
 def tensor_health(
     tensor: Float8Tensor,
     scale: float,
-    history: np.ndarray,
+    amax: float,
+    peak: float,
     saturated_steps: int | None = None,
     kernel_underflow: float | None = None,
     inputs_underflow: float | None = None,
 ) -> Float8Health:
-    """One tensor's :class:`Float8Health` from its variables' values.
+    """One tensor's :class:`Float8Health` from what its variables hold.
 
     Args:
         tensor: which tensor.
         scale: its ``<tensor>_scale`` value.
-        history: its ``<tensor>_amax_history`` value.
+        amax: its ``<tensor>_amax_history``'s newest entry (entry 0).
+        peak: that history's maximum.
         saturated_steps: the optimizer's count, or None.
         kernel_underflow: the kernel's underflow at the read (only for
             ``tensor == "kernel"``: :func:`kmix.float8.state.kernel_underflows`), or None.
         inputs_underflow: the inputs' underflow the step measured (only for
             ``tensor == "inputs"``), or None.
     """
-    history = np.asarray(history, "float32")
-    amax = float(history[0]) if history.size else 0.0
-    peak = float(np.max(history)) if history.size else 0.0
     underflow = {"inputs": inputs_underflow, "kernel": kernel_underflow}.get(tensor.tensor)
     return Float8Health(
         layer=tensor.layer,
         tensor=tensor.tensor,
         scale=float(scale),
-        amax=amax,
-        headroom_bits=_bits(float(scale) * tensor.format_max, amax),
-        staleness_bits=_bits(peak, amax),
+        amax=float(amax),
+        headroom_bits=_bits(float(scale) * tensor.format_max, float(amax)),
+        staleness_bits=_bits(float(peak), float(amax)),
         saturated_steps=saturated_steps,
         underflow_fraction=underflow,
     )

@@ -424,22 +424,28 @@ def read_health(
     by_path = {str(v.path): v for v in variables}
     dtypes = {} if model is None else compute_dtypes(model)
     tensors = float8_tensors(variables)
+    if not tensors:
+        return []
     measured = [  # (tensor, its kernel): the kernels whose underflow is measured
         (t, by_path[f"{t.layer}/kernel"])
         for t in tensors
         if t.tensor == "kernel" and f"{t.layer}/kernel" in by_path and t.layer in dtypes
     ]
-    shares = kernel_underflows(
-        [kernel for _, kernel in measured],
-        [variables[t.scale_index] for t, _ in measured],
-        [dtypes[t.layer] for t, _ in measured],
+    read = _health_values(tuple(dtypes[t.layer] for t, _ in measured))
+    stats, shares = (
+        ops.convert_to_numpy(value)
+        for value in read(
+            [_handed(variables[t.scale_index]) for t in tensors],
+            [_handed(variables[t.history_index]) for t in tensors],
+            [_handed(kernel) for _, kernel in measured],
+            [_handed(variables[t.scale_index]) for t, _ in measured],
+        )
     )
-    underflow = {t: share for (t, _), share in zip(measured, shares, strict=True)}
+    underflow = {t: _share(share) for (t, _), share in zip(measured, shares, strict=True)}
     return [
         tensor_health(
             t,
-            float(host_value(variables[t.scale_index])),
-            host_value(variables[t.history_index]),
+            *(float(value) for value in stats[i]),
             None if saturated_steps is None else int(saturated_steps[i]),
             underflow.get(t),
             (inputs_underflow or {}).get(t.layer),
@@ -458,7 +464,8 @@ def kernel_underflows(
     and Keras quantizes both alike, in the layer's compute dtype), all layers in one
     call, compiled where the backend has a compiler (:func:`kmix.backend.compiled`), so a
     read moves one number per layer to the host, not the kernels, and (on TensorFlow and
-    JAX) pays one dispatch, not one per op.
+    JAX) pays one dispatch, not one per op. (:func:`read_health` measures them in the
+    call that reads the scales and histories.)
 
     Args:
         kernels: the layers' kernel variables (or their values).
@@ -470,23 +477,56 @@ def kernel_underflows(
     """
     if not kernels:
         return []
-    values = [v.value if isinstance(v, keras.Variable) else v for v in (*kernels, *scales)]
-    shares = _underflows(tuple(compute_dtypes))(values[: len(kernels)], values[len(kernels) :])
-    return [None if np.isnan(share) else float(share) for share in ops.convert_to_numpy(shares)]
+    shares = _underflows(tuple(compute_dtypes))(
+        [_handed(k) for k in kernels], [_handed(s) for s in scales]
+    )
+    return [_share(share) for share in ops.convert_to_numpy(shares)]
+
+
+def _handed(value: Any) -> Any:
+    """What a compiled read is handed: a Keras variable's backend variable, else ``value``."""
+    return value.value if isinstance(value, keras.Variable) else value
+
+
+def _share(share: float) -> float | None:
+    """A measured share as given (None for the NaN of no non-zero value)."""
+    return None if np.isnan(share) else float(share)
+
+
+def _stacked_underflows(kernels: list, scales: list, compute_dtypes: tuple[str, ...]) -> Any:
+    """:func:`inputs_underflow` of each kernel by its scale in its compute dtype, stacked
+    (an empty float32 vector for no kernel)."""
+    if not kernels:
+        return ops.zeros((0,), "float32")
+    return ops.stack(
+        [inputs_underflow(k, s, d) for k, s, d in zip(kernels, scales, compute_dtypes, strict=True)]
+    )
 
 
 @functools.cache
 def _underflows(compute_dtypes: tuple[str, ...]) -> Callable[[list, list], Any]:
-    """:func:`inputs_underflow` of each kernel by its scale in its compute dtype, stacked,
-    compiled once per tuple of dtypes."""
-    return compiled(
-        lambda kernels, scales: ops.stack(
+    """:func:`_stacked_underflows`, compiled once per tuple of dtypes."""
+    return compiled(lambda kernels, scales: _stacked_underflows(kernels, scales, compute_dtypes))
+
+
+@functools.cache
+def _health_values(compute_dtypes: tuple[str, ...]) -> Callable[[list, list, list, list], Any]:
+    """One compiled read of every float8 tensor (:func:`read_health`), compiled once per
+    tuple of the measured kernels' dtypes: ``(scales, histories, kernels, kernel_scales)``
+    -> ``(stats, shares)``, ``stats`` one row per tensor (its scale, its history's newest
+    entry and its history's maximum, float32), ``shares`` :func:`_stacked_underflows`. One
+    dispatch and two small transfers a read, where a variable's read costs one of each."""
+
+    def read(scales: list, histories: list, kernels: list, kernel_scales: list) -> Any:
+        stats = ops.stack(
             [
-                inputs_underflow(k, s, d)
-                for k, s, d in zip(kernels, scales, compute_dtypes, strict=True)
+                ops.stack([ops.cast(s, "float32"), ops.cast(h[0], "float32"), ops.max(h)])
+                for s, h in zip(scales, histories, strict=True)
             ]
         )
-    )
+        return stats, _stacked_underflows(kernels, kernel_scales, compute_dtypes)
+
+    return compiled(read)
 
 
 def compute_dtypes(model: Any) -> dict[str, str]:

@@ -208,22 +208,76 @@ def test_a_zero_new_scale_keeps_that_tensors_scale_and_history_and_nothing_else(
 
 def test_tensor_health_words_the_newest_amax_against_the_scale():
     t = Float8Tensor("d", "kernel", 0, 1, 448.0)
-    history = np.float32([112.0, 0, 896.0])
+    amax, peak = np.float32(112.0), np.float32(896.0)  # a history's newest entry, its maximum
     kernel = np.float32([1.0, 2.0**-11, 0.0, -3.0])  # scale 2**-1: 2**-11 / 0.5 = 2**-10 flushes
     share = kernel_underflows([kernel], [np.float32(0.5)], ["float16"])[0]
     assert share == pytest.approx(1 / 3, rel=2**-23)  # 1 of the 3 non-zero values
-    h = tensor_health(t, 0.5, history, 7, share)
+    h = tensor_health(t, 0.5, amax, peak, 7, share)
     assert h.headroom_bits == pytest.approx(1.0) and h.staleness_bits == pytest.approx(3.0)
     assert h.saturated_steps == 7 and h.underflow_fraction == share
-    assert tensor_health(t, 0.5, np.zeros(3, "float32")).headroom_bits is None
+    assert tensor_health(t, 0.5, 0.0, 0.0).headroom_bits is None
     # Not measured (the compute dtype unknown): the kernel's underflow is not given, not guessed.
-    assert tensor_health(t, 0.5, history, 7).underflow_fraction is None
+    assert tensor_health(t, 0.5, amax, peak, 7).underflow_fraction is None
     # No value non-zero: no share to give; each layer's share is its own in one call.
     shares = kernel_underflows(
         [np.zeros(3, "float32"), kernel, kernel], [np.float32(0.5), 0.5, 2.0**-12], ["float16"] * 3
     )
     assert shares[0] is None and shares[1] == share and shares[2] == 0.0
     assert kernel_underflows([], [], []) == []
+
+
+def test_read_health_gives_each_float8_tensor_as_numpy_reads_its_variables():
+    """read_health's one compiled read, against NumPy over the same variables: each
+    tensor's scale, its history's newest entry, headroom and staleness in bits, and the
+    kernel's share flushed in float16 (its compute dtype); read again after they change."""
+    from kmix.float8 import read_health
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+        model.quantize("float8")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    variables = model.trainable_variables
+    tensors = float8_tensors(variables)
+    rng = np.random.default_rng(0)
+
+    def expected(t):
+        scale = float(np.float32(ops.convert_to_numpy(variables[t.scale_index])))
+        history = ops.convert_to_numpy(variables[t.history_index]).astype("float32")
+        amax, peak = float(history[0]), float(np.max(history))
+        share = None
+        if t.tensor == "kernel":
+            kernel = next(v for v in variables if v.path == f"{t.layer}/kernel")
+            x = ops.convert_to_numpy(kernel).astype("float16")
+            nonzero = np.abs(x) > 0
+            flushed = nonzero & (np.abs(x / np.float16(scale)) <= 2.0**-10)
+            share = np.count_nonzero(flushed) / np.count_nonzero(nonzero)
+        return scale, amax, math.log2(scale * t.format_max / amax), math.log2(peak / amax), share
+
+    for _ in range(2):
+        for t in tensors:
+            history = rng.uniform(0.5, 4.0, variables[t.history_index].shape)
+            variables[t.history_index].assign(history.astype("float32"))
+            variables[t.scale_index].assign(np.float32(rng.uniform(2.0**-12, 2.0**-2)))
+        for t in tensors:
+            kernel = next(v for v in variables if v.path == f"{t.layer}/kernel")
+            kernel.assign(rng.standard_normal(kernel.shape).astype("float32") * 2.0**-12)
+        got = read_health(variables, [4, 5, 6, 7, 8, 9], model=model)
+        assert [(h.layer, h.tensor) for h in got] == [(t.layer, t.tensor) for t in tensors]
+        for h, t in zip(got, tensors, strict=True):
+            scale, amax, headroom, staleness, share = expected(t)
+            assert (h.scale, h.amax) == (scale, amax)
+            assert h.headroom_bits == pytest.approx(headroom, rel=1e-12)
+            assert h.staleness_bits == pytest.approx(staleness, rel=1e-12)
+            if share is None:  # measured for kernels only
+                assert h.underflow_fraction is None
+            else:  # a count over a count, divided once in float32
+                assert h.underflow_fraction == pytest.approx(share, rel=2**-24)
+        assert [h.saturated_steps for h in got] == [4, 5, 6, 7, 8, 9]
+        assert any(h.underflow_fraction for h in got)  # the shares are not all zero
+    assert read_health([keras.Variable(1.0)]) == []  # no float8 state: nothing read
 
 
 def test_each_call_reads_the_variables_it_is_given():

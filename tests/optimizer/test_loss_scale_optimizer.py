@@ -474,6 +474,38 @@ def test_read_in_step_takes_the_read_the_traced_step_made_before_it_assigns():
     assert float(got) == 6.0
 
 
+def test_compiled_calls_trace_once_per_signature_and_read_what_they_are_handed():
+    """TensorFlow's compiled: one trace for new values of the same dtypes and shapes
+    (Python numbers and NumPy arrays as tensors, not baked in), one per new signature;
+    each call reads the variables handed to it as they are now; a mirrored variable its
+    first replica's copy."""
+    from kmix.backend.tensorflow import compiled
+
+    traces = []
+
+    def body(values, scale):
+        traces.append(None)
+        return tf.reduce_sum(tf.stack([tf.reduce_sum(v) for v in values])) * scale
+
+    call = compiled(body)
+    first, second = tf.Variable([1.0, 2.0]), tf.Variable([3.0, 4.0])
+    assert float(call([first], 2.0)) == 6.0
+    assert float(call([second], np.float32(0.5))) == 3.5
+    second.assign([5.0, 6.0])
+    assert float(call([second], 1.0)) == 11.0 and len(traces) == 1
+    assert float(call([first, second], 1.0)) == 14.0 and len(traces) == 2  # a new structure
+    assert float(call([second, second], 1.0)) == 22.0  # one variable twice: traced anew
+    assert float(call([second, first], 1.0)) == 14.0  # two again: the second trace
+    frozen = tf.Variable([1.0, 1.0], trainable=False)
+    assert float(call([frozen, first], 1.0)) == 5.0
+    assert float(call([tf.constant([1.0, 2.0, 3.0])], 1.0)) == 6.0  # a new shape
+    assert float(call([np.float32([1.0, 2.0])], 1.0)) == 3.0
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        mirrored = tf.Variable([7.0, 8.0])
+    assert float(call([mirrored], 1.0)) == 15.0
+
+
 @pytest.mark.jax
 @pytest.mark.torch
 def test_counters_saturate_instead_of_overflowing():
