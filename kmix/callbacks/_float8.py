@@ -69,13 +69,16 @@ class Float8Monitor:
         if state is not None and state.active:
             if not state.readable():  # the fit ended before its first step ran
                 return
-            health: list[Float8Health] = optimizer.float8_health()
-            episodes = optimizer.float8_episodes()
-            count = state.episode_count()
+            optimizer.recorder.sync()
+            with state.held():  # one read of the record answers all four
+                health: list[Float8Health] = optimizer.float8_health()
+                episodes = optimizer.float8_episodes()
+                count = state.episode_count()
+                open_now = [] if final else state.open_episodes(step)
             held_from = count - state.capacity + 1
             lost = lost_episodes(count, state.capacity, self.seen)
             lost += sum(1 for e in self.pending if e < held_from)
-            self.seen, self.pending = count, [] if final else state.open_episodes(step)
+            self.seen, self.pending = count, open_now
             if lost:
                 item = tags.Float8Lost(step, lost)
                 writer.text(tags.FP8_EVENTS, tags.format_lost(item), step=step)

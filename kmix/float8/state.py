@@ -24,8 +24,9 @@ the step's counters and flags); JAX's step keeps its values-in, values-out branc
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -95,6 +96,7 @@ class Float8State:
         self.record: StoredRecord | None = None
         self._tracked: list[Any] = []
         self._holds_values = False
+        self._held: Float8Record | None = None
 
     @property
     def active(self) -> bool:
@@ -279,9 +281,24 @@ class Float8State:
         return dict(zip(slots, new, strict=True))
 
     # ------------------------------------------------------------- on the host
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Within it, every host read of the record gives what one read at its start
+        gave: a monitor's questions at a read (counts, episodes, their number, the open
+        ones) cost one read of each variable, and answer from one moment. Sync the step's
+        state to the variables first (``recorder.sync()``)."""
+        self._held = self._read(floats=True)
+        try:
+            yield
+        finally:
+            self._held = None
+
     def _read(self, floats: bool = False) -> Float8Record:
         """The record as it is now, on the host (NumPy): its integers, one read; the
-        episodes' floats too where ``floats`` (a second read), else None."""
+        episodes' floats too where ``floats`` (a second read), else None. Inside
+        :meth:`held`, what its read gave."""
+        if self._held is not None:
+            return self._held
         ints = host_value(self.record.ints)
         kept = StoredRecord(ints, host_value(self.record.floats) if floats else None)
         return unstored(kept, len(self.tensors))

@@ -478,6 +478,41 @@ def test_one_monitor_over_two_fits_writes_each_episode_at_its_full_length(tmp_pa
     assert longest == episodes
 
 
+def test_held_answers_every_question_from_one_read_of_the_record(monkeypatch):
+    """Inside ``held`` the record is read once (its two variables) and every answer
+    (counts, episodes, their number, the open ones) is what that read held, the same as
+    outside; a step run inside is seen only after it."""
+    from kmix import backend
+    from kmix.float8 import state as float8_state
+
+    model, opt, x, y = growing_inputs_run()
+    model.fit(x[:160], y[:160] * 0, batch_size=16, verbose=0, shuffle=False)
+    state = opt.float8
+    outside = (
+        state.saturated_steps(),
+        opt.float8_episodes(),
+        state.episode_count(),
+        state.open_episodes(10),
+    )
+    assert outside[2] > 0 and outside[3]  # episodes, some open at the last step
+    reads = []
+    monkeypatch.setattr(
+        float8_state, "host_value", lambda v: reads.append(v) or backend.host_value(v)
+    )
+    with state.held():
+        inside = (
+            state.saturated_steps(),
+            opt.float8_episodes(),
+            state.episode_count(),
+            state.open_episodes(10),
+        )
+        assert [id(v) for v in reads] == [id(v) for v in state.record]
+        model.fit(x[160:176], y[160:176] * 0, batch_size=16, verbose=0, shuffle=False)
+        assert state.episode_count() == outside[2]  # still what the read held
+    assert inside == outside
+    assert state.saturated_steps() != outside[0]  # read anew: the inputs saturated again
+
+
 def test_episodes_the_ring_overwrote_between_reads_are_counted_lost(tmp_path, monkeypatch):
     """A ring of 6 rows and a read every 8 steps: every episode is written or counted lost."""
     from test_monitor import read_back, texts
