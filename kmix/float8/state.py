@@ -481,8 +481,8 @@ def kernel_underflows(
     and Keras quantizes both alike, in the layer's compute dtype), all layers in one
     call, compiled where the backend has a compiler (:func:`kmix.backend.compiled`), so a
     read moves one number per layer to the host, not the kernels, and (on TensorFlow and
-    JAX) pays one dispatch, not one per op. (:func:`read_health` measures them in the
-    call that reads the scales and histories.)
+    JAX) pays one dispatch, not one per op: the call :func:`read_health` makes, without
+    the scales and histories.
 
     Args:
         kernels: the layers' kernel variables (or their values).
@@ -494,8 +494,8 @@ def kernel_underflows(
     """
     if not kernels:
         return []
-    shares = _underflows(tuple(compute_dtypes))(
-        [_handed(k) for k in kernels], [_handed(s) for s in scales]
+    _, shares = _health_values(tuple(compute_dtypes))(
+        [], [], [_handed(k) for k in kernels], [_handed(s) for s in scales]
     )
     return [_share(share) for share in ops.convert_to_numpy(shares)]
 
@@ -510,38 +510,30 @@ def _share(share: float) -> float | None:
     return None if np.isnan(share) else float(share)
 
 
-def _stacked_underflows(kernels: list, scales: list, compute_dtypes: tuple[str, ...]) -> Any:
-    """:func:`inputs_underflow` of each kernel by its scale in its compute dtype, stacked
-    (an empty float32 vector for no kernel)."""
-    if not kernels:
-        return ops.zeros((0,), "float32")
-    return ops.stack(
-        [inputs_underflow(k, s, d) for k, s, d in zip(kernels, scales, compute_dtypes, strict=True)]
-    )
-
-
-@functools.cache
-def _underflows(compute_dtypes: tuple[str, ...]) -> Callable[[list, list], Any]:
-    """:func:`_stacked_underflows`, compiled once per tuple of dtypes."""
-    return compiled(lambda kernels, scales: _stacked_underflows(kernels, scales, compute_dtypes))
+def _stacked(rows: list, empty: tuple[int, ...]) -> Any:
+    """``rows`` stacked; float32 zeros of shape ``empty`` where there are none."""
+    return ops.stack(rows) if rows else ops.zeros(empty, "float32")
 
 
 @functools.cache
 def _health_values(compute_dtypes: tuple[str, ...]) -> Callable[[list, list, list, list], Any]:
-    """One compiled read of every float8 tensor (:func:`read_health`), compiled once per
-    tuple of the measured kernels' dtypes: ``(scales, histories, kernels, kernel_scales)``
-    -> ``(stats, shares)``, ``stats`` one row per tensor (its scale, its history's newest
-    entry and its history's maximum, float32), ``shares`` :func:`_stacked_underflows`. One
-    dispatch and two small transfers a read, where a variable's read costs one of each."""
+    """One compiled read of float8 tensors (:func:`read_health`), compiled once per tuple
+    of the measured kernels' dtypes: ``(scales, histories, kernels, kernel_scales)`` ->
+    ``(stats, shares)``: ``stats`` one row per tensor (its scale, its history's newest
+    entry and its history's maximum, float32), ``shares`` each kernel's
+    :func:`inputs_underflow` by its scale in its compute dtype. One dispatch and two small
+    transfers a read, where each variable's read would cost one of each."""
 
     def read(scales: list, histories: list, kernels: list, kernel_scales: list) -> Any:
-        stats = ops.stack(
-            [
-                ops.stack([ops.cast(s, "float32"), ops.cast(h[0], "float32"), ops.max(h)])
-                for s, h in zip(scales, histories, strict=True)
-            ]
-        )
-        return stats, _stacked_underflows(kernels, kernel_scales, compute_dtypes)
+        stats = [
+            ops.stack([ops.cast(s, "float32"), ops.cast(h[0], "float32"), ops.max(h)])
+            for s, h in zip(scales, histories, strict=True)
+        ]
+        shares = [
+            inputs_underflow(k, s, d)
+            for k, s, d in zip(kernels, kernel_scales, compute_dtypes, strict=True)
+        ]
+        return _stacked(stats, (0, 3)), _stacked(shares, (0,))
 
     return compiled(read)
 
