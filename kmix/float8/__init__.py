@@ -10,6 +10,7 @@ read, from any model's variables.
 
 from __future__ import annotations
 
+from kmix.float8.health import read_health
 from kmix.float8.reads import Float8Health, decode_saturations, lost_episodes, tensor_health
 from kmix.float8.saturation import (
     EPISODE_FLOAT_FIELDS,
@@ -30,7 +31,7 @@ from kmix.float8.saturation import (
     unstored,
     worst_of_replicas,
 )
-from kmix.float8.state import Float8Reads, Float8State, attempted_step, read_health
+from kmix.float8.state import Float8Reads, Float8State, attempted_step
 from kmix.float8.tensors import (
     FORMAT_MAX,
     FORMAT_TINY,

@@ -75,7 +75,7 @@ def tensor_health(
         peak: that history's maximum.
         saturated_steps: the optimizer's count, or None.
         kernel_underflow: the kernel's underflow at the read (only for
-            ``tensor == "kernel"``: :func:`kmix.float8.state.kernel_underflows`), or None.
+            ``tensor == "kernel"``: :func:`kmix.float8.health.kernel_underflows`), or None.
         inputs_underflow: the inputs' underflow the step measured (only for
             ``tensor == "inputs"``), or None.
     """

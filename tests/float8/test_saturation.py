@@ -22,7 +22,7 @@ from kmix.float8 import (
     tensor_health,
     worst_of_replicas,
 )
-from kmix.float8.state import kernel_underflows
+from kmix.float8.health import kernel_underflows
 from kmix.tags import ROUNDING_BITS, Float8Saturation, format_saturation
 
 pytestmark = pytest.mark.jax
