@@ -322,11 +322,12 @@ def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     tensors or variables (NumPy arrays, Python numbers) are made tensors first, so a new
     value is never a new trace.
 
-    Hand it tensors or TensorFlow variables, alone or in lists and tuples (a variable is
-    passed by its handle; a Keras variable is read before the call: pass its ``value``
-    to hand the variable itself). A distributed variable (under a ``tf.distribute``
-    strategy) is read first, its first replica's copy: ``tf.function`` would keep the
-    one it was first traced with.
+    Hand it tensors or TensorFlow variables, alone or in lists, tuples and dicts (a
+    variable is passed by its handle; a Keras variable is read before the call: pass its
+    ``value`` to hand the variable itself); settings that fix what ``fn`` computes
+    (dtypes, strings, flags) belong in its closure, not its arguments. A distributed
+    variable (under a ``tf.distribute`` strategy) is read first, its first replica's
+    copy: ``tf.function`` would keep the one it was first traced with.
     """
     import tensorflow as tf
 
@@ -356,8 +357,8 @@ def _handed(value: Any) -> Any:
 
 
 def _signature(value: Any, seen: dict[int, int] | None = None) -> Any:
-    """A hashable key of what ``tf.function`` traces for ``value``: its structure (lists
-    and tuples), each leaf's kind (variable or tensor), dtype and shape, and which
+    """A hashable key of what ``tf.function`` traces for ``value``: its structure (lists,
+    tuples and dicts), each leaf's kind (variable or tensor), dtype and shape, and which
     variables are one (a variable handed twice is traced as one) and which are trainable.
 
     Args:
@@ -367,6 +368,8 @@ def _signature(value: Any, seen: dict[int, int] | None = None) -> Any:
     import tensorflow as tf
 
     seen = {} if seen is None else seen
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _signature(value[k], seen)) for k in sorted(value)))
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, tuple(_signature(v, seen) for v in value))
     if isinstance(value, tf.Variable):

@@ -48,11 +48,11 @@ def read_health(
         One :class:`Float8Health` per float8 tensor.
     """
     variables = list(variables)
-    by_path = {str(v.path): v for v in variables}
-    dtypes = {} if model is None else compute_dtypes(model)
     tensors = float8_tensors(variables)
     if not tensors:
         return []
+    by_path = {str(v.path): v for v in variables}
+    dtypes = {} if model is None else compute_dtypes(model)
     measured = [  # (tensor, its kernel): the kernels whose underflow is measured
         (t, by_path[f"{t.layer}/kernel"])
         for t in tensors
@@ -135,8 +135,11 @@ def _health_values(compute_dtypes: tuple[str, ...]) -> Callable[[list, list, lis
     transfers a read, where each variable's read would cost one of each."""
 
     def read(scales: list, histories: list, kernels: list, kernel_scales: list) -> Any:
+        # Keras's histories are never empty (its own update reads entry 0 too).
         stats = [
-            ops.stack([ops.cast(s, "float32"), ops.cast(h[0], "float32"), ops.max(h)])
+            ops.stack(
+                [ops.cast(s, "float32"), ops.cast(h[0], "float32"), ops.cast(ops.max(h), "float32")]
+            )
             for s, h in zip(scales, histories, strict=True)
         ]
         shares = [
@@ -149,7 +152,14 @@ def _health_values(compute_dtypes: tuple[str, ...]) -> Callable[[list, list, lis
 
 
 def compute_dtypes(model: Any) -> dict[str, str]:
-    """Float8 layer path (as :class:`Float8Tensor` names it) -> the layer's compute dtype."""
+    """The compute dtype of each float8 layer of ``model``, nested layers included.
+
+    Args:
+        model: a Keras model (or layer).
+
+    Returns:
+        Float8 layer path (as :class:`Float8Tensor` names it) -> the layer's compute dtype.
+    """
     return {
         layer_of(scale): layer.compute_dtype
         for _, layer in walk_layers(model)

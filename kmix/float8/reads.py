@@ -1,9 +1,9 @@
-"""What a host read of float8 state says: pure NumPy over values already read.
+"""What a host read of float8 state says: pure Python and NumPy over values already read.
 
-:func:`tensor_health` describes one float8 tensor from its variables as they are at the
-read (the scale the next step uses, the amax history whose entry 0 is the latest step's
-amax); :func:`decode_saturations` turns the ring of episodes into
-:class:`kmix.tags.Float8Saturation` entries.
+:func:`tensor_health` describes one float8 tensor from what its variables held at the read
+(the scale the next step uses, the amax history's entry 0, the latest step's amax, and its
+maximum; :func:`kmix.float8.health.read_health` reads them); :func:`decode_saturations`
+turns the ring of episodes into :class:`kmix.tags.Float8Saturation` entries.
 """
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ def tensor_health(
             ``tensor == "kernel"``: :func:`kmix.float8.health.kernel_underflows`), or None.
         inputs_underflow: the inputs' underflow the step measured (only for
             ``tensor == "inputs"``), or None.
+
+    Returns:
+        Its :class:`Float8Health` (headroom and staleness None where ``amax`` is 0).
     """
     underflow = {"inputs": inputs_underflow, "kernel": kernel_underflow}.get(tensor.tensor)
     return Float8Health(

@@ -283,12 +283,17 @@ class Float8State:
         """Within it, every host read of the record gives what one read at its start
         gave: a monitor's questions at a read (counts, episodes, their number, the open
         ones) cost one read of each variable, and answer from one moment. Sync the step's
-        state to the variables first (``recorder.sync()``)."""
+        state to the variables first (``recorder.sync()``). Nested, the outer read holds.
+
+        Yields:
+            Nothing: the reads inside are what changes.
+        """
+        outer = self._held
         self._held = self._read(floats=True)
         try:
             yield
         finally:
-            self._held = None
+            self._held = outer
 
     def _read(self, floats: bool = False) -> Float8Record:
         """The record as it is now, on the host (NumPy): its integers, one read; the

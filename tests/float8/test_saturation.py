@@ -226,6 +226,7 @@ def test_tensor_health_words_the_newest_amax_against_the_scale():
     assert kernel_underflows([], [], []) == []
 
 
+@pytest.mark.torch
 def test_read_health_gives_each_float8_tensor_as_numpy_reads_its_variables():
     """read_health's one compiled read, against NumPy over the same variables: each
     tensor's scale, its history's newest entry, headroom and staleness in bits, and the
@@ -277,6 +278,10 @@ def test_read_health_gives_each_float8_tensor_as_numpy_reads_its_variables():
                 assert h.underflow_fraction == pytest.approx(share, rel=2**-24)
         assert [h.saturated_steps for h in got] == [4, 5, 6, 7, 8, 9]
         assert any(h.underflow_fraction for h in got)  # the shares are not all zero
+    unmeasured = read_health(variables)  # no model, no compute dtypes: no kernel shares
+    assert [(h.scale, h.amax, h.underflow_fraction) for h in unmeasured] == [
+        (h.scale, h.amax, None) for h in got
+    ]
     assert read_health([keras.Variable(1.0)]) == []  # no float8 state: nothing read
 
 

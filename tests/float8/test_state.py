@@ -499,16 +499,23 @@ def test_held_answers_every_question_from_one_read_of_the_record(monkeypatch):
     monkeypatch.setattr(
         float8_state, "host_value", lambda v: reads.append(v) or backend.host_value(v)
     )
-    with state.held():
-        inside = (
+
+    def answers():
+        return (
             state.saturated_steps(),
             opt.float8_episodes(),
             state.episode_count(),
             state.open_episodes(10),
         )
+
+    with state.held():
+        inside = answers()
         assert [id(v) for v in reads] == [id(v) for v in state.record]
         model.fit(x[160:176], y[160:176] * 0, batch_size=16, verbose=0, shuffle=False)
-        assert state.episode_count() == outside[2]  # still what the read held
+        assert answers() == outside  # still what the read held
+        with state.held():  # nested: the outer read holds, inside and after
+            assert answers() == outside
+        assert answers() == outside and len(reads) == len(state.record)  # none read anew
     assert inside == outside
     assert state.saturated_steps() != outside[0]  # read anew: the inputs saturated again
 

@@ -476,30 +476,34 @@ def test_read_in_step_takes_the_read_the_traced_step_made_before_it_assigns():
 
 def test_compiled_calls_trace_once_per_signature_and_read_what_they_are_handed():
     """TensorFlow's compiled: one trace for new values of the same dtypes and shapes
-    (Python numbers and NumPy arrays as tensors, not baked in), one per new signature;
-    each call reads the variables handed to it as they are now; a mirrored variable its
-    first replica's copy."""
+    (Python numbers and NumPy arrays as tensors, not baked in), one per new signature (a
+    new structure or shape, one variable handed twice, a non-trainable one); each call
+    reads the variables handed to it, as they are now, in their places; a mirrored
+    variable is read (one replica here: tests/float8/test_mirrored.py has two)."""
     from kmix.backend.tensorflow import compiled
 
     traces = []
 
-    def body(values, scale):
+    def body(values, scale):  # each value weighed by its place: a swap shows
         traces.append(None)
-        return tf.reduce_sum(tf.stack([tf.reduce_sum(v) for v in values])) * scale
+        return tf.add_n([tf.reduce_sum(v) * (i + 1) for i, v in enumerate(values)]) * scale
 
     call = compiled(body)
     first, second = tf.Variable([1.0, 2.0]), tf.Variable([3.0, 4.0])
-    assert float(call([first], 2.0)) == 6.0
-    assert float(call([second], np.float32(0.5))) == 3.5
+    assert float(call([second, second], 1.0)) == 21.0 and len(traces) == 1  # one variable
+    assert float(call([first, second], 1.0)) == 17.0 and len(traces) == 2  # two: traced anew
+    assert float(call([second, first], 2.0)) == 26.0 and len(traces) == 2
+    assert float(call([first, first], np.float32(0.5))) == 4.5 and len(traces) == 2
     second.assign([5.0, 6.0])
-    assert float(call([second], 1.0)) == 11.0 and len(traces) == 1
-    assert float(call([first, second], 1.0)) == 14.0 and len(traces) == 2  # a new structure
-    assert float(call([second, second], 1.0)) == 22.0  # one variable twice: traced anew
-    assert float(call([second, first], 1.0)) == 14.0  # two again: the second trace
+    assert float(call([first, second], 1.0)) == 25.0 and len(traces) == 2  # read as it is now
+    assert float(call([first], 2.0)) == 6.0 and len(traces) == 3  # a new structure
     frozen = tf.Variable([1.0, 1.0], trainable=False)
-    assert float(call([frozen, first], 1.0)) == 5.0
-    assert float(call([tf.constant([1.0, 2.0, 3.0])], 1.0)) == 6.0  # a new shape
-    assert float(call([np.float32([1.0, 2.0])], 1.0)) == 3.0
+    assert float(call([frozen], 1.0)) == 2.0 and len(traces) == 4
+    assert float(call([tf.constant([1.0, 2.0, 3.0])], 1.0)) == 6.0 and len(traces) == 5
+    assert float(call([tf.constant([1.0, 2.0, 4.0])], 1.0)) == 7.0 and len(traces) == 5
+    assert float(call([np.float32([1.0, 2.0, 5.0])], 1.0)) == 8.0 and len(traces) == 5
+    keyed = compiled(lambda named: named["x"] * 2.0 + named["y"])  # dicts too
+    assert float(keyed({"y": tf.constant(1.0), "x": first[0]})) == 3.0
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
     with strategy.scope():
         mirrored = tf.Variable([7.0, 8.0])
