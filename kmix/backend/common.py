@@ -56,7 +56,7 @@ def as_one_copy(variables: Sequence[Any]) -> list[list[Any]]:
 
 
 def as_written(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` itself: a backend whose eager ops are cheap runs it op by op (torch)."""
+    """``fn`` itself, run op by op (the generic backend)."""
     return fn
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,7 +22,6 @@ from kmix.backend.common import (
     always_initialized,
     always_reachable,
     as_one_copy,
-    as_written,
     keras_cond,
     new_read,
     not_counted,
@@ -35,8 +34,18 @@ from kmix.backend.common import (
 )
 from kmix.backend.common import constant_initializer as constant_initializer  # the name, bound here
 
-compiled = as_written
-"""Eager: ops here are cheap one by one."""
+
+def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run op by op (eager ops are cheap one by one), without autograd: what kmix
+    compiles is a host read, never differentiated, so reading trainable parameters
+    through it records no graph to throw away."""
+
+    def call(*args: Any) -> Any:
+        with torch.no_grad():
+            return fn(*args)
+
+    return call
+
 
 USES_TENSORFLOW = False
 """Keras utilities that import TensorFlow (its TensorBoard callback, its seeding) would

@@ -474,6 +474,21 @@ def test_read_in_step_takes_the_read_the_traced_step_made_before_it_assigns():
     assert float(got) == 6.0
 
 
+@pytest.mark.jax
+@pytest.mark.torch
+def test_compiled_reads_a_trainable_variable_without_recording_gradients():
+    """kmix.backend.compiled (a host read) gives the values; on torch, where it runs op
+    by op, it records no autograd graph of the trainable parameter it reads."""
+    from kmix import backend
+
+    weight = keras.Variable(np.float32([1.0, -2.0]))
+    out = backend.compiled(lambda values: ops.abs(values[0]) * 2.0)([weight.value])
+    np.testing.assert_array_equal(ops.convert_to_numpy(out), np.float32([2.0, 4.0]))
+    assert not getattr(out, "requires_grad", False)
+    if keras.backend.backend() == "torch":
+        assert weight.value.requires_grad  # it is trainable: the read alone records nothing
+
+
 def test_compiled_calls_trace_once_per_signature_and_read_what_they_are_handed():
     """TensorFlow's compiled: one trace for new values of the same dtypes and shapes
     (Python numbers and NumPy arrays as tensors, not baked in), one per new signature (a
