@@ -82,14 +82,15 @@ def tensor_health(
     Returns:
         Its :class:`Float8Health` (headroom and staleness None where ``amax`` is 0).
     """
+    scale, amax = float(scale), float(amax)
     underflow = {"inputs": inputs_underflow, "kernel": kernel_underflow}.get(tensor.tensor)
     return Float8Health(
         layer=tensor.layer,
         tensor=tensor.tensor,
-        scale=float(scale),
-        amax=float(amax),
-        headroom_bits=_bits(float(scale) * tensor.format_max, float(amax)),
-        staleness_bits=_bits(float(peak), float(amax)),
+        scale=scale,
+        amax=amax,
+        headroom_bits=_bits(scale * tensor.format_max, amax),
+        staleness_bits=_bits(float(peak), amax),
         saturated_steps=saturated_steps,
         underflow_fraction=underflow,
     )

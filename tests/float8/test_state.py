@@ -488,17 +488,6 @@ def test_held_answers_every_question_from_one_read_of_the_record(monkeypatch):
     model, opt, x, y = growing_inputs_run()
     model.fit(x[:160], y[:160] * 0, batch_size=16, verbose=0, shuffle=False)
     state = opt.float8
-    outside = (
-        state.saturated_steps(),
-        opt.float8_episodes(),
-        state.episode_count(),
-        state.open_episodes(10),
-    )
-    assert outside[2] > 0 and outside[3]  # episodes, some open at the last step
-    reads = []
-    monkeypatch.setattr(
-        float8_state, "host_value", lambda v: reads.append(v) or backend.host_value(v)
-    )
 
     def answers():
         return (
@@ -508,6 +497,12 @@ def test_held_answers_every_question_from_one_read_of_the_record(monkeypatch):
             state.open_episodes(10),
         )
 
+    outside = answers()
+    assert outside[2] > 0 and outside[3]  # episodes, some open at the last step
+    reads = []
+    monkeypatch.setattr(
+        float8_state, "host_value", lambda v: reads.append(v) or backend.host_value(v)
+    )
     with state.held():
         inside = answers()
         assert [id(v) for v in reads] == [id(v) for v in state.record]
